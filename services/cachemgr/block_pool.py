@@ -1,0 +1,113 @@
+"""The chunk pool: free chunks, refcounts, and the prefix index with lazy LRU eviction.
+
+Invariants (checked by `check()`; the property tests call it after every step):
+- every allocatable chunk is in exactly one of: `free` (never used or unhashed), `evictable`
+  (refcount 0, content and hash kept), or in use (refcount > 0);
+- `hash_of` and `by_hash` are inverse maps; only chunks in use or evictable carry a hash;
+- the reserved chunks `[0, RESERVED_CHUNKS)` are never handed out.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+from services.common.kv_geometry import RESERVED_CHUNKS
+
+
+class ChunkPool:
+    def __init__(self, num_chunks: int) -> None:
+        if num_chunks <= RESERVED_CHUNKS:
+            raise ValueError(f"pool needs more than {RESERVED_CHUNKS} chunks, got {num_chunks}")
+        self.num_chunks = num_chunks
+        self.refcount = [0] * num_chunks
+        self.free: deque[int] = deque(range(RESERVED_CHUNKS, num_chunks))
+        # Oldest-released first: popitem(last=False) evicts the least recently used.
+        self.evictable: OrderedDict[int, bytes] = OrderedDict()
+        self.hash_of: dict[int, bytes] = {}
+        self.by_hash: dict[bytes, int] = {}
+
+    @property
+    def capacity(self) -> int:
+        return self.num_chunks - RESERVED_CHUNKS
+
+    @property
+    def num_free(self) -> int:
+        """Chunks an allocation can take now (never-used, unhashed, and evictable)."""
+        return len(self.free) + len(self.evictable)
+
+    @property
+    def num_used(self) -> int:
+        return self.capacity - self.num_free
+
+    def allocate(self, n: int) -> list[int]:
+        """Take `n` chunks with refcount 1. The caller checks `num_free` first: asking for more is a bug."""
+        if n > self.num_free:
+            raise RuntimeError(f"allocate({n}) with only {self.num_free} free chunks")
+        out = []
+        for _ in range(n):
+            if self.free:
+                chunk = self.free.popleft()
+            else:
+                chunk, digest = self.evictable.popitem(last=False)
+                del self.hash_of[chunk], self.by_hash[digest]
+            self.refcount[chunk] = 1
+            out.append(chunk)
+        return out
+
+    def share(self, chunk: int) -> None:
+        """Take one more reference to a cached chunk (a prefix hit)."""
+        if self.refcount[chunk] == 0:
+            del self.evictable[chunk]
+        self.refcount[chunk] += 1
+
+    def release(self, chunks: list[int]) -> None:
+        for chunk in chunks:
+            if chunk < 0:
+                continue  # a recycled sliding page
+            count = self.refcount[chunk]
+            if count <= 0:
+                raise RuntimeError(f"release of chunk {chunk} with refcount {count}")
+            self.refcount[chunk] = count - 1
+            if count == 1:
+                if chunk in self.hash_of:
+                    self.evictable[chunk] = self.hash_of[chunk]
+                else:
+                    self.free.append(chunk)
+
+    def lookup(self, digest: bytes) -> int | None:
+        return self.by_hash.get(digest)
+
+    def register(self, chunk: int, digest: bytes) -> None:
+        """Record that `chunk` (in use, full, computed) holds the content named by `digest`.
+
+        A digest already owned by another chunk keeps its owner: the duplicate stays unhashed and
+        returns to the free side when released.
+        """
+        if digest in self.by_hash or chunk in self.hash_of:
+            return
+        self.hash_of[chunk] = digest
+        self.by_hash[digest] = chunk
+
+    def num_evictable_in(self, chunks: list[int]) -> int:
+        return sum(1 for c in chunks if self.refcount[c] == 0)
+
+    def check(self) -> None:
+        free = set(self.free)
+        if len(free) != len(self.free):
+            raise AssertionError("duplicate chunk on the free list")
+        evictable = set(self.evictable)
+        in_use = {c for c in range(RESERVED_CHUNKS, self.num_chunks) if self.refcount[c] > 0}
+        if free & evictable or free & in_use or evictable & in_use:
+            raise AssertionError("a chunk is in two states at once")
+        if len(free) + len(evictable) + len(in_use) != self.capacity:
+            raise AssertionError("a chunk is in no state")
+        if any(self.refcount[c] for c in range(RESERVED_CHUNKS)) or any(c < RESERVED_CHUNKS for c in free):
+            raise AssertionError("a reserved chunk was handed out")
+        if any(c in free for c in self.hash_of):
+            raise AssertionError("a free chunk carries a hash")
+        if any(self.by_hash.get(d) != c for c, d in self.hash_of.items()) or len(self.by_hash) != len(
+            self.hash_of
+        ):
+            raise AssertionError("hash maps disagree")
+        if any(self.evictable[c] != self.hash_of.get(c) for c in evictable):
+            raise AssertionError("an evictable chunk lost its hash")

@@ -1,0 +1,77 @@
+"""How many KV chunks and swap slots to create.
+
+Rule (DESIGN.md): free memory x `max_memory_percent`, less what one step of the model needs besides the
+KV pool (activations for `max_batch_tokens`, attention workspace, logits for `max_requests_per_batch`
+rows), divided by the chunk size. On CUDA "free" is `cudaMemGetInfo`; on CPU it is MemAvailable.
+`num_blocks` overrides the rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from services.common.config import CBConfig
+from services.common.kv_geometry import RESERVED_CHUNKS, KVGeometry
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class CacheSizing:
+    num_chunks: int  # including the reserved ones
+    swap_slots: int
+    chunk_bytes: int
+    free_bytes: int
+    workspace_bytes: int
+    source: str  # "num_blocks" or "memory"
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_chunks * self.chunk_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"kv_bytes": self.kv_bytes}
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("MemAvailable missing from /proc/meminfo")
+
+
+def step_workspace_bytes(model_config: Any, cfg: CBConfig, dtype_bytes: int) -> int:
+    """A generous estimate of one forward's transient memory beyond weights and KV."""
+    c = getattr(model_config, "text_config", None) or model_config
+    heads = int(c.num_attention_heads)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    per_token = 6 * c.hidden_size + 3 * c.intermediate_size + 4 * heads * head_dim
+    activations = cfg.max_batch_tokens * per_token * dtype_bytes
+    context = min(int(getattr(c, "max_position_embeddings", 4096)), 8192)
+    attention = cfg.max_batch_tokens * heads * context * 4
+    logits = cfg.max_requests_per_batch * c.vocab_size * 4 * 3
+    return activations + attention + logits
+
+
+def size_cache(geometry: KVGeometry, model_config: Any, cfg: CBConfig, device: torch.device) -> CacheSizing:
+    chunk_bytes = geometry.chunk_bytes
+    workspace = step_workspace_bytes(model_config, cfg, geometry.dtype_bytes)
+    free = free_memory_bytes(device)
+    if cfg.num_blocks is not None:
+        num_chunks, source = cfg.num_blocks + RESERVED_CHUNKS, "num_blocks"
+    else:
+        budget = int(free * cfg.max_memory_percent) - workspace
+        num_chunks, source = budget // chunk_bytes, "memory"
+        if num_chunks <= RESERVED_CHUNKS:
+            raise RuntimeError(
+                f"no room for a KV cache: {free / GIB:.2f} GiB free x {cfg.max_memory_percent} "
+                f"- {workspace / GIB:.2f} GiB workspace < {RESERVED_CHUNKS + 1} chunks of {chunk_bytes} B"
+            )
+    swap_slots = int(cfg.cpu_offload_space * GIB) // chunk_bytes
+    return CacheSizing(num_chunks, swap_slots, chunk_bytes, free, workspace, source)

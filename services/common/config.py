@@ -1,0 +1,76 @@
+"""Continuous-batching settings shared by every process.
+
+One dataclass holds every setting DESIGN.md names; each process reads the fields it needs. The CLI
+exposes each field as a kebab-case flag and a `CBSERVE_<NAME>` environment variable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+SchedulerType = Literal["fifo", "prefill_first"]
+
+# The safety margin each policy gets unless one is given: fifo keeps headroom so that running decodes
+# are not starved by newly admitted prefills; prefill_first drains prefills and needs none.
+DEFAULT_SAFETY_MARGIN: dict[str, float] = {"fifo": 0.15, "prefill_first": 0.0}
+
+
+@dataclass(frozen=True)
+class CBConfig:
+    """Continuous-batching configuration.
+
+    Invariants checked in `__post_init__`: positive sizes, a known scheduler type, and a margin in
+    [0, 1). `safety_margin=None` means the policy's default.
+    """
+
+    page_size: int = 32
+    num_blocks: int | None = None
+    max_batch_tokens: int = 512
+    max_memory_percent: float = 0.9
+    max_requests_per_batch: int = 64
+    allow_block_sharing: bool = True
+    scheduler_type: SchedulerType = "fifo"
+    safety_margin: float | None = None
+    cpu_offload_space: float = 0.0  # GiB of swap pool; 0 means offloading falls back to soft reset
+    q_padding_interval_size: int = 0  # 0: no padding of the packed query length
+    kv_padding_interval_size: int = 0  # 0: no padding of per-request KV lengths
+    use_cuda_graph: bool | None = None  # None: automatic (on where supported)
+    use_async_batching: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "max_batch_tokens", "max_requests_per_batch"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {self.num_blocks!r}")
+        if self.scheduler_type not in DEFAULT_SAFETY_MARGIN:
+            raise ValueError(
+                f"scheduler_type must be one of {sorted(DEFAULT_SAFETY_MARGIN)}, got {self.scheduler_type!r}"
+            )
+        if not 0.0 < self.max_memory_percent <= 1.0:
+            raise ValueError(f"max_memory_percent must be in (0, 1], got {self.max_memory_percent!r}")
+        if self.safety_margin is not None and not 0.0 <= self.safety_margin < 1.0:
+            raise ValueError(f"safety_margin must be in [0, 1), got {self.safety_margin!r}")
+        if self.cpu_offload_space < 0:
+            raise ValueError(f"cpu_offload_space must be >= 0 GiB, got {self.cpu_offload_space!r}")
+        for name in ("q_padding_interval_size", "kv_padding_interval_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+
+    @property
+    def effective_safety_margin(self) -> float:
+        if self.safety_margin is not None:
+            return self.safety_margin
+        return DEFAULT_SAFETY_MARGIN[self.scheduler_type]
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> CBConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown continuous-batching settings: {unknown}")
+        return cls(**kwargs)

@@ -1,0 +1,68 @@
+"""The worker <-> cachemgr step protocol: one StepPlan in, one StepGrant out, per step.
+
+Typed msgspec structs so that the same objects cross a ZMQ socket as msgpack (never pickle) or are
+passed directly to `BlockManager.step` in-process. Every message carries `version`; a peer rejects a
+version it does not speak.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class PlanEntry(msgspec.Struct, array_like=True, frozen=True):
+    """One request the worker would like to run this step, in policy order.
+
+    `new_token_ids` are the request's tokens the cachemgr has not been sent yet (the whole prompt the
+    first time, the last sampled token afterwards); the cachemgr keeps the token list for hashing.
+    `num_tokens` is how many tokens the worker wants to compute this step.
+    """
+
+    request_id: str
+    num_tokens: int
+    new_token_ids: list[int]
+    arrival: int
+    cache_salt: str = ""
+    max_total_tokens: int = 0  # prompt + max new tokens, for the fits-at-all check on first sight
+
+
+class StepPlan(msgspec.Struct, frozen=True):
+    step: int
+    entries: list[PlanEntry]
+    frees: list[str] = []  # finished requests: release their blocks before anything else
+    aborts: list[str] = []  # cancelled/errored requests: release likewise
+    version: int = PROTOCOL_VERSION
+
+
+class Granted(msgspec.Struct, array_like=True, frozen=True):
+    """A placed request. It computes tokens `[start, start + num_tokens)` this step.
+
+    `start` differs from the worker's count only on admission with a prefix hit. `tables` holds, per
+    allocator group, chunk ids to append to the worker's mirror of the block table, or the whole table
+    when `replace` (admission from scratch, restore from swap). Recycled sliding pages show as -1.
+    """
+
+    request_id: str
+    start: int
+    num_tokens: int
+    tables: list[list[int]]
+    replace: bool
+
+
+class Rejected(msgspec.Struct, array_like=True, frozen=True):
+    request_id: str
+    reason: str
+
+
+class StepGrant(msgspec.Struct, frozen=True):
+    step: int
+    granted: list[Granted]
+    blocked: list[str]  # active requests that could not get blocks and were not offloaded
+    offloaded: list[str]  # moved to the swap pool; progress kept, restored later without recompute
+    soft_reset: list[str]  # blocks freed; re-queue with generated tokens appended to the prompt
+    rejected: list[Rejected]  # can never fit (bad request): fail it
+    swap_out: list[tuple[int, int]]  # (chunk, swap slot): copy before this step's forward
+    swap_in: list[tuple[int, int]]  # (swap slot, chunk): copy after swap_out, before the forward
+    version: int = PROTOCOL_VERSION

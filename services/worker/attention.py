@@ -1,0 +1,122 @@
+"""Paged attention over a ragged batch, registered with transformers' attention interface.
+
+Stock transformers decoders call `paged_attention(module, q, k, v, ...)` for every layer; the step's
+`AttentionBatch` arrives through the forward kwargs (`cb_batch=`). All scheduled tokens are packed in
+one sequence (batch axis 1). For each layer we:
+
+1. write the new K/V of every token into its KV slot in the paged pool;
+2. attend the decode rows (one query token each) as one batch over their gathered KV;
+3. attend the prefill chunks (several query tokens each) as one padded batch over their gathered KV.
+
+So Python work per layer is constant (two attention calls), and attention cost follows the tokens each
+request really reads; there is no mask over the whole packed batch.
+
+Grouped-query attention is folded into the query axis (`[B, kv_heads, group * q, D]`) so K/V are never
+repeated per query head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+ATTENTION_NAME = "cbserve_paged"
+
+
+@dataclass
+class RowGroup:
+    """Requests attended together: query rows (packed-token indices) and the KV slots they read.
+
+    `rows` is `[B * Q]` (padded query positions point at row 0 and are dropped via `valid`); `mask`
+    is `[B, 1, group * Q, L]` with True where a query may attend (already folded for GQA).
+    `slots[view]` is `[B, L]`: pool slots in that view, padding slot where masked.
+    """
+
+    rows: torch.Tensor
+    valid: torch.Tensor | None  # None: every row is real
+    num_queries: int  # Q
+    mask: torch.Tensor
+    slots: dict[tuple[int, int], torch.Tensor]
+
+
+@dataclass
+class AttentionBatch:
+    """Per-step attention metadata, shared by all layers of the forward.
+
+    `write_slots[view]` is `[T]`: where each packed token's K/V goes in that view. A view is an
+    (allocator group, chunk index within the block) pair; `views_of_layer[l]` names layer l's view and
+    `kv_of_layer[l]` its flat `(K, V)` slot arrays `[num_chunks * page_size, kv_heads, head_dim]`.
+    """
+
+    num_tokens: int
+    write_slots: dict[tuple[int, int], torch.Tensor]
+    groups: dict[int, list[RowGroup]]  # per allocator group: decode and prefill row groups
+    views_of_layer: list[tuple[int, int]]
+    kv_of_layer: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float | None
+) -> torch.Tensor:
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    # Logit soft-capping (Gemma2) has no fused kernel: do it by hand.
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    softcap: float | None = None,
+    cb_batch: AttentionBatch | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    if cb_batch is None:
+        raise RuntimeError(f"{ATTENTION_NAME} attention needs the step's AttentionBatch (cb_batch=)")
+    batch = cb_batch
+    layer = module.layer_idx
+    view = batch.views_of_layer[layer]
+    k_cache, v_cache = batch.kv_of_layer[layer]
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = key.shape[1]
+    group = num_heads // kv_heads
+    scale = scaling if scaling is not None else head_dim**-0.5
+    k_cache.index_copy_(0, batch.write_slots[view], key[0].transpose(0, 1))
+    v_cache.index_copy_(0, batch.write_slots[view], value[0].transpose(0, 1))
+
+    out = q.new_zeros(q.shape)
+    for rg in batch.groups[view[0]]:
+        b = rg.mask.shape[0]
+        nq = rg.num_queries
+        # [B*Q, H, D] -> [B, kv, group*Q, D]: query head h uses kv head h // group.
+        qg = q[rg.rows].view(b, nq, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+        qg = qg.reshape(b, kv_heads, group * nq, head_dim)
+        slots = rg.slots[view]
+        kg = k_cache[slots].permute(0, 2, 1, 3)  # [B, kv, L, D]
+        vg = v_cache[slots].permute(0, 2, 1, 3)
+        res = _attend(qg, kg, vg, rg.mask, scale, softcap)
+        res = (
+            res.view(b, kv_heads, group, nq, head_dim)
+            .permute(0, 3, 1, 2, 4)
+            .reshape(b * nq, num_heads, head_dim)
+        )
+        if rg.valid is None:
+            out.index_copy_(0, rg.rows, res)
+        else:
+            out.index_copy_(0, rg.rows[rg.valid], res[rg.valid])
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTENTION_NAME, paged_attention)

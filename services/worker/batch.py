@@ -1,0 +1,178 @@
+"""Batch builder: packs one step's scheduled tokens into a ragged batch plus attention metadata.
+
+All index tensors are built with a handful of vectorised torch ops per step (Python work grows with
+requests, not tokens or layers). With `q_padding_interval_size` the packed length is rounded up and the
+extra tokens write to the padding slot and belong to no row group; with `kv_padding_interval_size` each
+row group's KV length is rounded up and the extra reads come from the padding slot, masked out. Inputs
+are copied into static buffers sized once, the shapes a captured CUDA graph would replay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from services.common.kv_geometry import PADDING_SLOT, KVGeometry
+from services.worker.attention import AttentionBatch, RowGroup
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    """Compute `token_ids` (the request's tokens at positions `[start, start + len)`) with `tables`."""
+
+    start: int
+    token_ids: list[int]
+    tables: list[list[int]]
+    sample: bool
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [1, T_pad]
+    position_ids: torch.Tensor  # [1, T_pad]
+    logits_indices: torch.Tensor  # [R]: packed index of each sampling row's last token
+    attention: AttentionBatch
+
+
+def round_up(n: int, interval: int) -> int:
+    return -(-n // interval) * interval if interval > 0 else n
+
+
+class BatchBuilder:
+    def __init__(
+        self,
+        geometry: KVGeometry,
+        kv_of_layer: list[tuple[torch.Tensor, torch.Tensor]],
+        max_batch_tokens: int,
+        query_group: int,
+        q_padding: int = 0,
+        kv_padding: int = 0,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.geometry = geometry
+        self.page_size = geometry.page_size
+        self.kv_of_layer = kv_of_layer
+        self.query_group = query_group  # query heads per KV head
+        self.q_padding = q_padding
+        self.kv_padding = kv_padding
+        self.device = torch.device(device)
+        self.views_of_layer = [(p.group, p.sub) for p in geometry.placements]
+        self.views = sorted(set(self.views_of_layer))
+        self.windows = [geometry.sliding_window if kind == "sliding" else None for kind in geometry.groups]
+        self.chunks_per_block = [geometry.chunks_per_block(g) for g in range(len(geometry.groups))]
+        capacity = round_up(max_batch_tokens, q_padding)
+        self.input_buf = torch.zeros(capacity, dtype=torch.long, device=self.device)
+        self.position_buf = torch.zeros(capacity, dtype=torch.long, device=self.device)
+
+    def build(self, items: Sequence[BatchItem]) -> ForwardBatch:
+        dev = self.device
+        lens_list = [len(it.token_ids) for it in items]
+        num_tokens = sum(lens_list)
+        padded = round_up(num_tokens, self.q_padding)
+        if padded > self.input_buf.numel():
+            raise ValueError(
+                f"batch of {num_tokens} tokens exceeds the static buffer {self.input_buf.numel()}"
+            )
+        flat_ids = [t for it in items for t in it.token_ids]
+        starts = torch.tensor([it.start for it in items], dtype=torch.long)
+        lens = torch.tensor(lens_list, dtype=torch.long)
+        offsets = torch.cumsum(lens, 0) - lens  # packed index of each request's first token
+        req_of_token = torch.repeat_interleave(torch.arange(len(items)), lens)
+        positions = starts[req_of_token] + torch.arange(num_tokens) - offsets[req_of_token]
+        ends = starts + lens
+
+        self.input_buf[:padded].zero_()
+        self.input_buf[:num_tokens] = torch.tensor(flat_ids, dtype=torch.long)
+        self.position_buf[:padded].zero_()
+        self.position_buf[:num_tokens] = positions
+        sample_idx = [i for i, it in enumerate(items) if it.sample]
+        logits_indices = (offsets + lens - 1)[sample_idx]
+
+        page = self.page_size
+        tables = {view: self._table(items, view) for view in self.views}
+        page_of_token = positions // page
+        write_slots = {}
+        for view, table in tables.items():
+            slots = torch.full((padded,), PADDING_SLOT, dtype=torch.long)
+            slots[:num_tokens] = table[req_of_token, page_of_token] * page + positions % page
+            write_slots[view] = slots.to(dev)
+
+        decode = [i for i, n in enumerate(lens_list) if n == 1]
+        prefill = [i for i, n in enumerate(lens_list) if n > 1]
+        groups: dict[int, list[RowGroup]] = {}
+        for g, window in enumerate(self.windows):
+            views = [v for v in self.views if v[0] == g]
+            groups[g] = [
+                self._row_group(
+                    torch.tensor(sel, dtype=torch.long), starts, ends, offsets, window, views, tables
+                )
+                for sel in (decode, prefill)
+                if sel
+            ]
+        attention = AttentionBatch(
+            num_tokens=padded,
+            write_slots=write_slots,
+            groups=groups,
+            views_of_layer=self.views_of_layer,
+            kv_of_layer=self.kv_of_layer,
+        )
+        return ForwardBatch(
+            input_ids=self.input_buf[:padded].unsqueeze(0),
+            position_ids=self.position_buf[:padded].unsqueeze(0),
+            logits_indices=logits_indices.to(dev),
+            attention=attention,
+        )
+
+    def _table(self, items: Sequence[BatchItem], view: tuple[int, int]) -> torch.Tensor:
+        """`[R, pages]` chunk ids of one view (RECYCLED holes and padding read as the padding chunk)."""
+        group, sub = view
+        k = self.chunks_per_block[group]
+        rows = [it.tables[group][sub::k] for it in items]
+        width = max(len(r) for r in rows)
+        table = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
+        return table.clamp_(min=0)
+
+    def _row_group(
+        self,
+        sel: torch.Tensor,
+        starts: torch.Tensor,
+        ends: torch.Tensor,
+        offsets: torch.Tensor,
+        window: int | None,
+        views: list[tuple[int, int]],
+        tables: dict[tuple[int, int], torch.Tensor],
+    ) -> RowGroup:
+        page = self.page_size
+        start, end, offset = starts[sel], ends[sel], offsets[sel]
+        lo = (start - window + 1).clamp(min=0) if window is not None else torch.zeros_like(start)
+        num_q = int((end - start).max())
+        kv_len = round_up(int((end - lo).max()), self.kv_padding)
+        q_idx = torch.arange(num_q)
+        valid_q = q_idx[None, :] < (end - start)[:, None]  # [B, Q]
+        rows = torch.where(valid_q, offset[:, None] + q_idx[None, :], 0).reshape(-1)
+        key_pos = lo[:, None] + torch.arange(kv_len)[None, :]  # [B, L]
+        key_ok = key_pos < end[:, None]
+        query_pos = start[:, None] + q_idx[None, :]  # [B, Q]
+        mask = key_ok[:, None, :] & (key_pos[:, None, :] <= query_pos[:, :, None])
+        if window is not None:
+            mask &= key_pos[:, None, :] > query_pos[:, :, None] - window
+        # A padded query row must still see one key, or softmax over nothing gives NaN.
+        mask[:, :, 0] |= ~valid_q
+        # Fold the mask like the queries: row (g, q) of the [group * Q] axis uses query q's mask.
+        g = self.query_group
+        mask = mask[:, None, None].expand(-1, 1, g, -1, -1).reshape(len(sel), 1, g * num_q, kv_len)
+        page_idx = (key_pos // page).clamp(max=tables[views[0]].shape[1] - 1)
+        slots = {}
+        for view in views:
+            chunk = tables[view][sel[:, None], page_idx]
+            slots[view] = torch.where(key_ok, chunk * page + key_pos % page, PADDING_SLOT).to(self.device)
+        all_valid = bool(valid_q.all())
+        return RowGroup(
+            rows=rows.to(self.device),
+            valid=None if all_valid else valid_q.reshape(-1).to(self.device),
+            num_queries=num_q,
+            mask=mask.to(self.device),
+            slots=slots,
+        )

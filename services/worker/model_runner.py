@@ -1,0 +1,78 @@
+"""Model runner: moves KV bytes the grant asks for and runs one ragged forward per step."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+from services.common.config import CBConfig
+from services.common.kv_geometry import KVGeometry
+from services.worker.attention import ATTENTION_NAME
+from services.worker.batch import BatchBuilder, BatchItem
+
+
+class ModelRunner:
+    """Owns the model and views of the pools; never decides which blocks to use.
+
+    Swap copies run before the forward that may reuse the chunks they free (one batched gather per
+    direction per step), so a victim's bytes are saved before any new owner writes them.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        geometry: KVGeometry,
+        kv_pool: torch.Tensor,
+        swap_pool: torch.Tensor | None,
+        config: CBConfig,
+    ) -> None:
+        self.model = model
+        self.geometry = geometry
+        self.kv_pool = kv_pool
+        self.swap_pool = swap_pool
+        self.device = kv_pool.device
+        model.set_attn_implementation(ATTENTION_NAME)
+        text = getattr(model.config, "text_config", None) or model.config
+        num_chunks, page = kv_pool.shape[2], geometry.page_size
+        flat = (num_chunks * page, geometry.num_kv_heads, geometry.head_dim)
+        kv_of_layer = [
+            (kv_pool[p.slot, 0].view(flat), kv_pool[p.slot, 1].view(flat)) for p in geometry.placements
+        ]
+        self.builder = BatchBuilder(
+            geometry,
+            kv_of_layer,
+            max_batch_tokens=config.max_batch_tokens,
+            query_group=text.num_attention_heads // geometry.num_kv_heads,
+            q_padding=config.q_padding_interval_size,
+            kv_padding=config.kv_padding_interval_size,
+            device=self.device,
+        )
+
+    def copy_swap(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]]) -> None:
+        if not swap_out and not swap_in:
+            return
+        if self.swap_pool is None:
+            raise RuntimeError("the grant asks for swap copies but there is no swap pool")
+        if swap_out:
+            chunks = torch.tensor([c for c, _ in swap_out], device=self.device)
+            slots = torch.tensor([s for _, s in swap_out])
+            self.swap_pool.index_copy_(2, slots, self.kv_pool.index_select(2, chunks).to("cpu"))
+        if swap_in:
+            slots = torch.tensor([s for s, _ in swap_in])
+            chunks = torch.tensor([c for _, c in swap_in], device=self.device)
+            self.kv_pool.index_copy_(2, chunks, self.swap_pool.index_select(2, slots).to(self.device))
+
+    @torch.inference_mode()
+    def forward(self, items: Sequence[BatchItem]) -> torch.Tensor:
+        """Logits `[R, vocab]` (float32) for the sampling items, in order."""
+        batch = self.builder.build(items)
+        out = self.model(
+            input_ids=batch.input_ids,
+            position_ids=batch.position_ids,
+            logits_to_keep=batch.logits_indices,
+            use_cache=False,
+            cb_batch=batch.attention,
+        )
+        return out.logits[0].float()

@@ -1,0 +1,81 @@
+"""A generation request as the worker sees it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from services.worker.sampler import TokenLogprobs
+from services.worker.sampling_params import SamplingParams
+
+
+class RequestStatus(Enum):
+    PENDING = "pending"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    OFFLOADED = "offloaded"
+    FINISHED = "finished"
+
+
+class FinishReason(Enum):
+    EOS = "eos"
+    STOP_TOKEN = "stop_token"
+    LENGTH = "length"
+    ABORTED = "aborted"
+    ERROR = "error"
+
+
+@dataclass
+class Request:
+    """Tokens are `prompt_ids + output_ids`; KV exists for the first `num_computed` of them.
+
+    A step computes `tokens[num_computed : num_computed + n]`; when that reaches the last token, the
+    logits of that row sample the next token. This one rule covers prefill, chunked prefill, decode
+    and the re-prefill after a soft reset (which only sets `num_computed = 0`).
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: int
+    priority: int = 0
+    cache_salt: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.PENDING
+    num_computed: int = 0
+    num_sent: int = 0  # tokens the cache manager has been sent
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
+    tables: list[list[int]] = field(default_factory=list)  # mirror of the cachemgr's block tables
+    generator: torch.Generator | None = None
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: str = ""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token(self, i: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return (self.prompt_ids + self.output_ids)[start:end]
+
+    @property
+    def num_remaining(self) -> int:
+        """Tokens to compute before the next sample."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_active(self) -> bool:
+        return self.status in (RequestStatus.PREFILLING, RequestStatus.DECODING)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

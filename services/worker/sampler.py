@@ -1,0 +1,326 @@
+"""Batched token sampler: one row of logits per request in, one token (and optional logprobs) out.
+
+Pure and I/O-free: no model, no engine state; the only state that outlives a call is each seeded
+request's `torch.Generator`, which the engine owns and passes in every step.
+
+Processing order matches HF transformers' `generate` so that a request behaves the same here as
+under `model.generate`: repetition penalty, suppression, then temperature, top-k, top-p, min-p
+(HF warper semantics, `min_tokens_to_keep=1`), then the draw. Logprobs are taken from the raw
+logits, before any of that (vLLM's default), so they describe the model, not the sampler settings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from services.worker.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingRow:
+    """One request's inputs for one sampling step.
+
+    `generator` is set for seeded requests (the engine creates it once from `params.seed` with
+    `Sampler.make_generator` and keeps it for the request's lifetime); random draws for the row come
+    only from it, so a seed yields the same tokens whatever else shares the batch. `token_ids` is
+    prompt + generated so far, read only when `params.repetition_penalty != 1`. `suppress_ids` are
+    forbidden this step (EOS/stop ids before `min_new_tokens`); the caller must leave at least one
+    token allowed.
+    """
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    token_ids: Sequence[int]
+    suppress_ids: Sequence[int] = ()
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs under the raw (unprocessed) distribution: the sampled token, then the top-n.
+
+    `top` is sorted best first and has exactly `min(n, vocab_size)` entries (empty when n == 0).
+    """
+
+    token_logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class SampleOutput:
+    """`token_ids[i]` and `logprobs[i]` belong to row i; `logprobs[i]` is None if row i did not ask."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+@dataclass
+class _Plan:
+    """Everything `sample` needs from the rows, gathered in one Python pass.
+
+    Row indices are into the batch; `*_pos` indices are positions within `random_rows`, because the
+    warpers run on the random rows' sub-batch only (greedy rows never need them).
+    """
+
+    greedy_rows: list[int] = field(default_factory=list)
+    random_rows: list[int] = field(default_factory=list)
+    temperatures: list[float] = field(default_factory=list)
+    top_k_pos: list[int] = field(default_factory=list)
+    top_k: list[int] = field(default_factory=list)
+    top_p_pos: list[int] = field(default_factory=list)
+    top_p: list[float] = field(default_factory=list)
+    min_p_pos: list[int] = field(default_factory=list)
+    min_p: list[float] = field(default_factory=list)
+    seeded_pos: list[tuple[int, torch.Generator]] = field(default_factory=list)
+    unseeded_pos: list[int] = field(default_factory=list)
+    penalty_rows: list[int] = field(default_factory=list)
+    penalties: list[float] = field(default_factory=list)
+    penalty_ids: list[Sequence[int]] = field(default_factory=list)
+    suppress_rows: list[int] = field(default_factory=list)
+    suppress_ids: list[Sequence[int]] = field(default_factory=list)
+    logprob_rows: list[int] = field(default_factory=list)
+    logprob_n: list[int] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, rows: Sequence[SamplingRow], vocab_size: int) -> _Plan:
+        plan = cls()
+        for i, row in enumerate(rows):
+            p = row.params
+            if p.repetition_penalty != 1.0 and len(row.token_ids) > 0:
+                plan.penalty_rows.append(i)
+                plan.penalties.append(p.repetition_penalty)
+                plan.penalty_ids.append(row.token_ids)
+            if len(row.suppress_ids) > 0:
+                plan.suppress_rows.append(i)
+                plan.suppress_ids.append(row.suppress_ids)
+            if p.logprobs is not None:
+                plan.logprob_rows.append(i)
+                plan.logprob_n.append(min(p.logprobs, vocab_size))
+            if p.temperature == 0.0:
+                plan.greedy_rows.append(i)
+                continue
+            pos = len(plan.random_rows)
+            plan.random_rows.append(i)
+            plan.temperatures.append(p.temperature)
+            # k >= V keeps everything under HF's rule (nothing is below the V-th value), so skip it.
+            if 0 < p.top_k < vocab_size:
+                plan.top_k_pos.append(pos)
+                plan.top_k.append(p.top_k)
+            if p.top_p < 1.0:
+                plan.top_p_pos.append(pos)
+                plan.top_p.append(p.top_p)
+            if p.min_p > 0.0:
+                plan.min_p_pos.append(pos)
+                plan.min_p.append(p.min_p)
+            if row.generator is not None:
+                plan.seeded_pos.append((pos, row.generator))
+            else:
+                plan.unseeded_pos.append(pos)
+        return plan
+
+    @property
+    def all_plain_greedy(self) -> bool:
+        """True when every row's token is simply argmax of its raw logits."""
+        return not self.random_rows and not self.penalty_rows and not self.suppress_rows
+
+
+class Sampler:
+    """Stateless batched sampler; one instance can serve every step of every batch.
+
+    Invariants of `sample`: the caller's `logits` tensor is never modified; per-row Python work is
+    limited to reading parameters, converting penalty/suppression id lists, and drawing seeded rows'
+    noise (each from its own generator); everything else runs as batched tensor ops.
+    """
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleOutput:
+        """Pick one token per row of `logits` ([R, V], one row per entry of `rows`)."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be [len(rows)={len(rows)}, V], got {tuple(logits.shape)}")
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        plan = _Plan.build(rows, logits.shape[1])
+
+        if plan.all_plain_greedy:
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = _sample_general(logits, plan)
+
+        token_ids: list[int] = tokens.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+        if plan.logprob_rows:
+            for i, lp in zip(plan.logprob_rows, _logprobs(logits, tokens, plan), strict=True):
+                logprobs[i] = lp
+        return SampleOutput(token_ids=token_ids, logprobs=logprobs)
+
+    @staticmethod
+    def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+        """A generator for one seeded request; it must live on the device the logits are on."""
+        g = torch.Generator(device=device)
+        g.manual_seed(seed)
+        return g
+
+
+def _index(rows: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def _flat_ids(
+    row_idx: list[int], ids: list[Sequence[int]], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flatten per-row id lists into coordinates: (batch row, token id, position in `row_idx`).
+
+    Ids outside [0, V) are dropped (as HF does for ids beyond the lm_head): such a token can never be
+    produced, so there is nothing to penalize or suppress.
+    """
+    id_tensors = [torch.as_tensor(x, dtype=torch.long) for x in ids]
+    counts = torch.tensor([t.numel() for t in id_tensors], dtype=torch.long, device=device)
+    flat_ids = torch.cat(id_tensors).to(device)
+    flat_pos = torch.repeat_interleave(torch.arange(len(row_idx), device=device), counts)
+    flat_rows = _index(row_idx, device)[flat_pos]
+    valid = (flat_ids >= 0) & (flat_ids < vocab_size)
+    # One sync per call, and the filtering copy only happens for malformed input.
+    if not bool(valid.all()):
+        return flat_rows[valid], flat_ids[valid], flat_pos[valid]
+    return flat_rows, flat_ids, flat_pos
+
+
+def _apply_penalty_and_suppression(logits: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    """Return logits with the repetition penalty and suppression applied (a copy if anything applies)."""
+    if not plan.penalty_rows and not plan.suppress_rows:
+        return logits
+    x = logits.clone()
+    device, vocab = x.device, x.shape[1]
+    if plan.penalty_rows:
+        # Gather/scatter over the (row, id) pairs only: O(total ids), not O(rows x V). Duplicate ids
+        # write identical values (all computed from the unpenalized logit), so a token repeated in the
+        # history is penalized exactly once, as in HF.
+        rows, ids, pos = _flat_ids(plan.penalty_rows, plan.penalty_ids, vocab, device)
+        pen = torch.tensor(plan.penalties, dtype=x.dtype, device=device)[pos]
+        score = x[rows, ids]
+        x[rows, ids] = torch.where(score < 0, score * pen, score / pen)
+    if plan.suppress_rows:
+        rows, ids, _ = _flat_ids(plan.suppress_rows, plan.suppress_ids, vocab, device)
+        x[rows, ids] = _NEG_INF
+    return x
+
+
+def _on_subset(scores: torch.Tensor, pos: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rows at `pos` as a tensor to edit in place, and the index to write them back (None: all)."""
+    if len(pos) == scores.shape[0]:
+        return scores, None
+    idx = _index(pos, scores.device)
+    return scores[idx], idx
+
+
+def _top_k_(scores: torch.Tensor, pos: list[int], ks: list[int]) -> None:
+    """HF TopKLogitsWarper: drop tokens strictly below the row's k-th largest score (ties survive)."""
+    sub, idx = _on_subset(scores, pos)
+    # One topk at the largest k serves every row; each row reads its own k-th value from it.
+    values = torch.topk(sub, max(ks), dim=-1).values
+    kth = values.gather(1, torch.tensor(ks, dtype=torch.long, device=sub.device).sub_(1).unsqueeze(1))
+    sub.masked_fill_(sub < kth, _NEG_INF)
+    if idx is not None:
+        scores[idx] = sub
+
+
+def _top_p_(scores: torch.Tensor, pos: list[int], ps: list[float]) -> None:
+    """HF TopPLogitsWarper: drop the low tail whose cumulative probability is <= 1 - p; keep the top one."""
+    sub, idx = _on_subset(scores, pos)
+    # Ascending sort and `<= 1 - p` exactly as HF does, so boundary ties resolve the same way.
+    sorted_logits, sorted_idx = torch.sort(sub, descending=False)
+    cum = sorted_logits.softmax(dim=-1).cumsum_(dim=-1)
+    threshold = torch.tensor([1.0 - p for p in ps], dtype=sub.dtype, device=sub.device).unsqueeze(1)
+    remove_sorted = cum <= threshold
+    remove_sorted[:, -1] = False
+    remove = remove_sorted.scatter(1, sorted_idx, remove_sorted)
+    sub.masked_fill_(remove, _NEG_INF)
+    if idx is not None:
+        scores[idx] = sub
+
+
+def _min_p_(scores: torch.Tensor, pos: list[int], min_ps: list[float]) -> None:
+    """HF MinPLogitsWarper: drop tokens with prob < min_p * (top prob); the top token always stays."""
+    sub, idx = _on_subset(scores, pos)
+    probs = sub.softmax(dim=-1)
+    top = probs.amax(dim=-1, keepdim=True)
+    min_p = torch.tensor(min_ps, dtype=sub.dtype, device=sub.device).unsqueeze(1)
+    remove = probs < min_p * top
+    remove.scatter_(1, probs.argmax(dim=-1, keepdim=True), False)
+    sub.masked_fill_(remove, _NEG_INF)
+    if idx is not None:
+        scores[idx] = sub
+
+
+def _exponential_noise(shape: torch.Size, plan: _Plan, device: torch.device) -> torch.Tensor:
+    """Exp(1) noise per random row: seeded rows from their own generator, the rest in one batched draw.
+
+    A seeded row's noise depends only on its generator's state and V, never on its position or
+    neighbours: that is what makes a seed reproducible across batch compositions.
+    """
+    q = torch.empty(shape, dtype=torch.float32, device=device)
+    if len(plan.unseeded_pos) == shape[0]:
+        q.exponential_()
+    elif plan.unseeded_pos:
+        idx = _index(plan.unseeded_pos, device)
+        q[idx] = torch.empty((len(plan.unseeded_pos), shape[1]), device=device).exponential_()
+    for pos, gen in plan.seeded_pos:
+        q[pos].exponential_(generator=gen)
+    # exponential_ can return exactly 0 on some backends; 0/0 would be NaN, which argmax prefers, and a
+    # filtered (zero-probability) token could win.
+    return q.clamp_min_(torch.finfo(torch.float32).tiny)
+
+
+def _sample_general(logits: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    """Tokens for a batch that has random rows, penalties or suppression; returns a [R] long tensor."""
+    device = logits.device
+    x = _apply_penalty_and_suppression(logits, plan)
+    if not plan.random_rows:
+        return x.argmax(dim=-1)
+
+    tokens = torch.empty(logits.shape[0], dtype=torch.long, device=device)
+    if plan.greedy_rows:
+        g_idx = _index(plan.greedy_rows, device)
+        tokens[g_idx] = x[g_idx].argmax(dim=-1)
+
+    r_sub, r_idx = _on_subset(x, plan.random_rows)
+    temps = torch.tensor(plan.temperatures, dtype=torch.float32, device=device).unsqueeze(1)
+    # Division allocates, so the warpers below may edit `scores` in place without touching `logits`.
+    scores = r_sub / temps
+    if plan.top_k_pos:
+        _top_k_(scores, plan.top_k_pos, plan.top_k)
+    if plan.top_p_pos:
+        _top_p_(scores, plan.top_p_pos, plan.top_p)
+    if plan.min_p_pos:
+        _min_p_(scores, plan.min_p_pos, plan.min_p)
+
+    # Exponential race: argmax(p_i / q_i) with q_i ~ Exp(1) picks i with probability p_i, and needs
+    # no cumulative sums or per-row torch.multinomial calls.
+    probs = scores.softmax(dim=-1)
+    picked = probs.div_(_exponential_noise(probs.shape, plan, device)).argmax(dim=-1)
+    if r_idx is None:
+        return picked
+    tokens[r_idx] = picked
+    return tokens
+
+
+def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, plan: _Plan) -> list[TokenLogprobs]:
+    """Raw-logit logprobs for the rows in `plan.logprob_rows`, in that order."""
+    sub, idx = _on_subset(logits, plan.logprob_rows)
+    lp = torch.log_softmax(sub, dim=-1)
+    chosen = tokens if idx is None else tokens[idx]
+    token_lp: list[float] = lp.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+    n_max = max(plan.logprob_n)
+    top_vals: list[list[float]] = []
+    top_ids: list[list[int]] = []
+    if n_max > 0:
+        top = torch.topk(lp, n_max, dim=-1, sorted=True)
+        top_vals, top_ids = top.values.tolist(), top.indices.tolist()
+    out: list[TokenLogprobs] = []
+    for j, n in enumerate(plan.logprob_n):
+        pairs = list(zip(top_ids[j][:n], top_vals[j][:n], strict=True)) if n else []
+        out.append(TokenLogprobs(token_logprob=token_lp[j], top=pairs))
+    return out

@@ -1,0 +1,223 @@
+"""Scheduler: the worker's pure policy core (no I/O, no tensors).
+
+Per step: `plan()` orders candidates by policy and gives each the tokens it would compute under
+`max_batch_tokens` and `max_requests_per_batch`; the BlockManager answers which ones got blocks;
+`apply(grant)` turns the answer into the step's batch; `postprocess` appends sampled tokens and
+decides which requests finished. Finished and aborted requests are released in the next plan, before
+anything is allocated.
+
+Policies (higher `priority` first within each class, ties by arrival):
+- `fifo`: running decodes, running prefills, offloaded (restores), then pending;
+- `prefill_first`: running prefills, running decodes, offloaded, then pending.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from services.common.config import CBConfig
+from services.common.messages import PlanEntry, StepGrant, StepPlan
+from services.worker.request import FinishReason, Request, RequestStatus
+
+_CLASS_ORDER = {
+    "fifo": (
+        RequestStatus.DECODING,
+        RequestStatus.PREFILLING,
+        RequestStatus.OFFLOADED,
+        RequestStatus.PENDING,
+    ),
+    "prefill_first": (
+        RequestStatus.PREFILLING,
+        RequestStatus.DECODING,
+        RequestStatus.OFFLOADED,
+        RequestStatus.PENDING,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    """Request `request` computes tokens `[start, start + num_tokens)` this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def sample(self) -> bool:
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class StepBatch:
+    step: int
+    scheduled: list[Scheduled]
+    swap_out: list[tuple[int, int]]
+    swap_in: list[tuple[int, int]]
+    failed: list[Request] = field(default_factory=list)  # rejected by the cache manager
+
+    @property
+    def sampling(self) -> list[Scheduled]:
+        return [s for s in self.scheduled if s.sample]
+
+
+class Scheduler:
+    def __init__(self, config: CBConfig, eos_token_ids: Iterable[int] = ()) -> None:
+        self.config = config
+        self.order = {status: i for i, status in enumerate(_CLASS_ORDER[config.scheduler_type])}
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._steps = itertools.count()
+        self._frees: list[str] = []
+        self._aborts: list[str] = []
+
+    # ------------------------------------------------------------------------------- request intake
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request_id {request.request_id!r}")
+        request.arrival = next(self._arrivals)
+        self.requests[request.request_id] = request
+
+    def abort(
+        self, request_id: str, reason: FinishReason = FinishReason.ABORTED, error: str = ""
+    ) -> Request | None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.num_sent:
+            self._aborts.append(request_id)
+        self._finish(req, reason)
+        req.error = error
+        return req
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def has_releases(self) -> bool:
+        return bool(self._frees or self._aborts)
+
+    def counts(self) -> dict[str, int]:
+        running = sum(1 for r in self.requests.values() if r.is_active)
+        return {"running": running, "waiting": len(self.requests) - running}
+
+    # -------------------------------------------------------------------------------------- planning
+
+    def plan(self) -> StepPlan:
+        cfg = self.config
+        tokens_left = cfg.max_batch_tokens
+        rows_left = cfg.max_requests_per_batch
+        entries = []
+        for req in sorted(self.requests.values(), key=self._policy_key):
+            if tokens_left == 0:
+                break
+            n = min(req.num_remaining, tokens_left)
+            samples = n == req.num_remaining
+            if samples and rows_left == 0:
+                continue  # a chunk that stops short of sampling needs no logits row
+            tokens_left -= n
+            rows_left -= samples
+            entries.append(
+                PlanEntry(
+                    request_id=req.request_id,
+                    num_tokens=n,
+                    new_token_ids=req.tokens(req.num_sent, req.num_tokens),
+                    arrival=req.arrival,
+                    cache_salt=req.cache_salt,
+                    max_total_tokens=len(req.prompt_ids) + req.params.max_new_tokens,
+                )
+            )
+            req.num_sent = req.num_tokens
+        plan = StepPlan(step=next(self._steps), entries=entries, frees=self._frees, aborts=self._aborts)
+        self._frees, self._aborts = [], []
+        return plan
+
+    def _policy_key(self, req: Request) -> tuple[int, int, int]:
+        return (self.order[req.status], -req.priority, req.arrival)
+
+    def apply(self, grant: StepGrant) -> StepBatch:
+        batch = StepBatch(step=grant.step, scheduled=[], swap_out=grant.swap_out, swap_in=grant.swap_in)
+        for rejected in grant.rejected:
+            req = self.requests.pop(rejected.request_id, None)
+            if req is not None:
+                self._finish(req, FinishReason.ERROR)
+                req.error = rejected.reason
+                batch.failed.append(req)
+        for rid in grant.offloaded:
+            req = self.requests[rid]
+            req.status = RequestStatus.OFFLOADED
+            req.tables = []
+        for rid in grant.soft_reset:
+            req = self.requests[rid]
+            req.status = RequestStatus.PENDING
+            req.tables = []
+            req.num_computed = 0
+            req.num_sent = 0  # the cache manager forgot it: resend every token
+        for g in grant.granted:
+            req = self.requests[g.request_id]
+            if g.replace:
+                req.tables = [list(t) for t in g.tables]
+            else:
+                for table, new in zip(req.tables, g.tables, strict=True):
+                    table.extend(new)
+            if req.status is RequestStatus.PENDING:
+                if not req.output_ids:  # a re-prefill after a soft reset is not a prompt cache hit
+                    req.num_cached_tokens = g.start
+                req.num_computed = g.start
+            if g.start != req.num_computed:
+                raise RuntimeError(f"{g.request_id}: grant starts at {g.start}, worker at {req.num_computed}")
+            req.status = RequestStatus.PREFILLING
+            batch.scheduled.append(Scheduled(req, g.start, g.num_tokens))
+        return batch
+
+    # --------------------------------------------------------------------------------- postprocess
+
+    def postprocess(self, batch: StepBatch, sampled: list[int]) -> list[Request]:
+        """Advance computed counts, append sampled tokens (one per sampling row, in batch order) and
+        finish requests that hit a stop. Returns the requests that received a token."""
+        updated = []
+        tokens = iter(sampled)
+        for s in batch.scheduled:
+            req = s.request
+            req.num_computed = s.start + s.num_tokens
+            if not s.sample:
+                continue
+            token = next(tokens)
+            req.output_ids.append(token)
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                del self.requests[req.request_id]
+                self._frees.append(req.request_id)
+                self._finish(req, reason)
+            else:
+                req.status = RequestStatus.DECODING
+            updated.append(req)
+        return updated
+
+    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
+        params = req.params
+        if token in self.eos_token_ids and not params.ignore_eos:
+            return FinishReason.EOS
+        if token in params.stop_token_ids:
+            return FinishReason.STOP_TOKEN
+        if len(req.output_ids) >= params.max_new_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def suppressed_ids(self, req: Request) -> tuple[int, ...]:
+        """Stop ids a request may not sample yet (it has fewer than `min_new_tokens` outputs)."""
+        params = req.params
+        if len(req.output_ids) >= params.min_new_tokens:
+            return ()
+        eos = () if params.ignore_eos else tuple(self.eos_token_ids)
+        return eos + params.stop_token_ids
+
+    @staticmethod
+    def _finish(req: Request, reason: FinishReason) -> None:
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
