@@ -1,0 +1,188 @@
+"""Greedy outputs of the engine equal transformers `generate` (fp32) token for token.
+
+Every model family runs through every configuration that changes how tokens reach the model: a roomy
+cache, prompts chunked across steps, prefix-cache hits, offloading to the swap pool, soft resets,
+both policies, and query/KV padding. After each run nothing leaks.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from services.worker.engine import Engine
+from tests.tiny_models import FAMILIES
+
+NEW_TOKENS = 20
+
+# Cache sizes (in chunks) small enough that the six test prompts cannot all be resident at once, so
+# offloading must happen; each still fits one request. Hybrids need more chunks per page.
+TIGHT_BLOCKS = {"llama": 16, "qwen2": 16, "mistral": 10, "gemma2": 36, "gemma3": 44}
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "roomy": {"num_blocks": 256},
+    "chunked": {"num_blocks": 256, "max_batch_tokens": 16},
+    "prefill_first": {"num_blocks": 256, "max_batch_tokens": 24, "scheduler_type": "prefill_first"},
+    "padded": {"num_blocks": 256, "q_padding_interval_size": 16, "kv_padding_interval_size": 8},
+    "swap": {"page_size": 8, "cpu_offload_space": 0.01},
+    "soft_reset": {"page_size": 8, "max_batch_tokens": 32},
+}
+
+
+def reference_attn(family: str) -> str:
+    # transformers has no SDPA path for Gemma2 (logit soft-capping): its reference is eager.
+    return "eager" if family == "gemma2" else "sdpa"
+
+
+def make_prompts(seed: int, count: int = 6, prefix: list[int] | None = None) -> list[list[int]]:
+    rng = random.Random(seed)
+    head = prefix or []
+    return [head + [rng.randint(3, 255) for _ in range(rng.randint(5, 60))] for _ in range(count)]
+
+
+@cache
+def _reference(
+    model_dir: Path, attn: str, prompts: tuple[tuple[int, ...], ...], eos: bool
+) -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn)
+    model.eval()
+    if not eos:
+        model.generation_config.eos_token_id = None
+    outs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        outs.append(out[0, len(prompt) :].tolist())
+    return outs
+
+
+def reference(model_dir: Path, attn: str, prompts: list[list[int]], eos: bool = False) -> list[list[int]]:
+    return _reference(model_dir, attn, tuple(map(tuple, prompts)), eos)
+
+
+def assert_no_leak(engine: Engine) -> None:
+    stats = engine.stats()
+    assert stats["used_blocks"] == 0, stats
+    assert stats["free_blocks"] + stats["evictable_blocks"] == stats["total_blocks"], stats
+    assert stats["swap_slots_used"] == 0, stats
+    engine.block_manager.check()
+
+
+@pytest.mark.parametrize("config_name", list(CONFIGS))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tiny_family_matches_generate(
+    family: str, config_name: str, tiny_models: Callable[[str], Path]
+) -> None:
+    model_dir = tiny_models(family)
+    cb = dict(CONFIGS[config_name])
+    if config_name in ("swap", "soft_reset"):
+        cb["num_blocks"] = TIGHT_BLOCKS[family]
+    prompts = make_prompts(seed=7)
+    expected = reference(model_dir, reference_attn(family), prompts)
+    with Engine.from_pretrained(model_dir, **cb) as engine:
+        assert engine.generate(prompts, NEW_TOKENS, ignore_eos=True) == expected
+        stats = engine.stats()
+        if config_name == "swap":
+            assert stats["offloads"] > 0 and stats["swap_restores"] > 0, stats
+        if config_name == "soft_reset":
+            assert stats["soft_resets"] > 0, stats
+        assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_prefix_hits_keep_outputs_exact(family: str, tiny_models: Callable[[str], Path]) -> None:
+    model_dir = tiny_models(family)
+    shared = [random.Random(3).randint(3, 255) for _ in range(40)]
+    first, second = make_prompts(11, 3, shared), make_prompts(12, 4, shared)
+    attn = reference_attn(family)
+    with Engine.from_pretrained(model_dir, num_blocks=128, page_size=8) as engine:
+        assert engine.generate(first, NEW_TOKENS, ignore_eos=True) == reference(model_dir, attn, first)
+        before = engine.stats()["prefix_hit_tokens"]
+        assert engine.generate(second, NEW_TOKENS, ignore_eos=True) == reference(model_dir, attn, second)
+        assert engine.stats()["prefix_hit_tokens"] - before >= 4 * 40 // 8 * 8
+        assert_no_leak(engine)
+
+
+def test_entirely_cached_prompt_recomputes_its_last_token(tiny_models: Callable[[str], Path]) -> None:
+    model_dir = tiny_models("llama")
+    prompt = [random.Random(5).randint(3, 255) for _ in range(32)]  # exactly 4 pages of 8
+    expected = reference(model_dir, "sdpa", [prompt])
+    with Engine.from_pretrained(model_dir, num_blocks=64, page_size=8) as engine:
+        assert engine.generate([prompt], NEW_TOKENS, ignore_eos=True) == expected
+        assert engine.generate([prompt], NEW_TOKENS, ignore_eos=True) == expected
+        assert engine.stats()["prefix_hit_tokens"] == 24  # three full pages; the last page recomputes
+        assert_no_leak(engine)
+
+
+def test_eos_stops_like_generate(tiny_models: Callable[[str], Path]) -> None:
+    """With EOS active, requests stop on it exactly where transformers does."""
+    model_dir = tiny_models("qwen2")
+    prompts = make_prompts(seed=21, count=12)
+    expected = reference(model_dir, "sdpa", prompts, eos=True)
+    with Engine.from_pretrained(model_dir, num_blocks=128) as engine:
+        assert engine.generate(prompts, NEW_TOKENS) == expected
+        assert_no_leak(engine)
+
+
+# --------------------------------------------------------------------------------- embedded SmolLM2
+
+CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "How do plants make food?",
+]
+SMOL_CONFIGS: dict[str, dict[str, Any]] = {
+    "roomy": {"num_blocks": 64, "page_size": 16},
+    "chunked": {"num_blocks": 64, "page_size": 16, "max_batch_tokens": 24},
+    "prefill_first_padded": {
+        "num_blocks": 64,
+        "page_size": 16,
+        "max_batch_tokens": 40,
+        "scheduler_type": "prefill_first",
+        "q_padding_interval_size": 32,
+        "kv_padding_interval_size": 16,
+    },
+    "swap": {"num_blocks": 10, "page_size": 16, "cpu_offload_space": 0.05, "safety_margin": 0.0},
+    "soft_reset": {"num_blocks": 10, "page_size": 16, "safety_margin": 0.0},
+}
+
+
+@pytest.fixture(scope="module")
+def smol_chats(smollm2_dir: Path) -> tuple[list[list[int]], list[list[int]]]:
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    prompts = []
+    for text in CHATS:
+        messages = [
+            {"role": "system", "content": "You are a concise assistant."},
+            {"role": "user", "content": text},
+        ]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        prompts.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids))
+    return prompts, reference(smollm2_dir, "sdpa", prompts, eos=True)
+
+
+@pytest.mark.parametrize("config_name", list(SMOL_CONFIGS))
+def test_smollm2_chat_matches_generate(
+    config_name: str, smollm2_dir: Path, smol_chats: tuple[list[list[int]], list[list[int]]]
+) -> None:
+    prompts, expected = smol_chats
+    # The system prompt is shared: a second round hits the prefix cache.
+    with Engine.from_pretrained(smollm2_dir, **SMOL_CONFIGS[config_name]) as engine:
+        assert engine.generate(prompts, NEW_TOKENS) == expected
+        assert engine.generate(prompts, NEW_TOKENS) == expected
+        stats = engine.stats()
+        if config_name == "roomy":
+            assert stats["prefix_hit_tokens"] > 0, stats
+        if config_name == "swap":
+            assert stats["swap_restores"] > 0, stats
+        if config_name == "soft_reset":
+            assert stats["soft_resets"] > 0, stats
+        assert_no_leak(engine)
