@@ -1,0 +1,566 @@
+"""`cbserve bench offline`: one workload through several systems, side by side in one process.
+
+Machines here are shared and noisy (PERFORMANCE.md), so absolute figures from different runs do not
+compare; this command runs the cbserve engine and the transformers baselines on the same requests in the
+same process, one after the other, and prints ratios. Each system gets an untimed warm-up first so that
+one-off costs (allocator growth, lazy kernel selection, cache allocation) do not land on whoever runs
+first.
+
+Systems:
+- `engine`: cbserve's in-process `Engine` (services.worker.engine).
+- `hf-cb`: transformers' own continuous batching (`init_continuous_batching` + `add_request`), with
+  the settings PERFORMANCE.md quotes its baseline for (sdpa, page 32, 512 blocks, max_batch_tokens 512).
+- `hf-generate`: `model.generate`, one request at a time.
+- `hf-static`: `model.generate` in static left-padded batches of `--static-batch` requests.
+
+EOS is ignored everywhere, and in the same way: no system stops on EOS, and no system alters logits to
+avoid it, so greedy outputs are comparable token for token (`--check`). For `generate` that means an
+empty `eos_token_id` list rather than `min_new_tokens` (which masks the EOS logit and so changes the
+greedy token whenever EOS would have been the argmax).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from services.bench.workload import Workload, reference_workload
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+SYSTEMS = ("engine", "hf-cb", "hf-generate", "hf-static")
+DEFAULT_SYSTEMS = "engine,hf-cb,hf-generate"
+
+# The configuration PERFORMANCE.md measured transformers' continuous batching with (26.9 tok/s on W1);
+# it is the baseline, so it stays fixed whatever engine settings are benchmarked.
+HF_CB_SETTINGS: dict[str, int] = {"page_size": 32, "num_blocks": 512, "max_batch_tokens": 512}
+
+# Engine settings exposed as flags: (name, type, help). Only those given are passed, so that the
+# engine's own defaults (and its memory-based sizing) are what a bare run measures.
+_ENGINE_FLAGS: tuple[tuple[str, Any, str], ...] = (
+    ("page_size", int, "tokens per KV page"),
+    ("num_blocks", int, "KV blocks (overrides memory-based sizing)"),
+    ("max_batch_tokens", int, "tokens computed per step"),
+    ("max_memory_percent", float, "fraction of free memory for the KV cache"),
+    ("max_requests_per_batch", int, "rows of logits per step"),
+    ("scheduler_type", str, "fifo or prefill_first"),
+    ("safety_margin", float, "free-cache fraction below which no prefill is admitted"),
+    ("cpu_offload_space", float, "GiB of CPU swap pool (0: soft reset)"),
+    ("q_padding_interval_size", int, "query length padding (CUDA graphs)"),
+    ("kv_padding_interval_size", int, "KV length padding (CUDA graphs)"),
+)
+_ENGINE_SETTING_NAMES = (*(name for name, _, _ in _ENGINE_FLAGS), "allow_block_sharing")
+
+# Token ids for the warm-up requests: fewer than one page, so a prefix cache cannot keep anything from
+# them that W1 (random ids) would hit.
+_WARMUP_PROMPT = list(range(100, 116))
+_WARMUP_NEW_TOKENS = 4
+
+
+@dataclass
+class SystemResult:
+    """One system's timed run. `outputs` holds each request's generated ids, in workload order."""
+
+    name: str
+    wall_s: float
+    outputs: list[list[int]]
+    prompt_tokens: int
+    # Tokens a system computed beyond what was asked (static batches run to their longest request).
+    wasted_output_tokens: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(len(o) for o in self.outputs)
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--num-requests", type=int, default=48, help="requests in the W1 workload")
+    parser.add_argument("--seed", type=int, default=0, help="W1 seed")
+    parser.add_argument(
+        "--systems",
+        default=DEFAULT_SYSTEMS,
+        help=f"comma-separated, run in this order; from {','.join(SYSTEMS)} (default {DEFAULT_SYSTEMS})",
+    )
+    parser.add_argument(
+        "--static-batch", type=int, default=None, metavar="N", help="add hf-static with batches of N"
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: usable cores)")
+    parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the results here")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="compare greedy outputs with hf-generate token for token (exit 1 if the engine differs)",
+    )
+    group = parser.add_argument_group("engine settings (only those given are passed to the engine)")
+    for name, kind, help_text in _ENGINE_FLAGS:
+        flag = "--" + name.replace("_", "-")
+        if name == "scheduler_type":
+            group.add_argument(flag, choices=("fifo", "prefill_first"), default=None, help=help_text)
+        else:
+            group.add_argument(flag, type=kind, default=None, help=help_text)
+    group.add_argument(
+        "--allow-block-sharing",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="prefix caching",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    systems = _parse_systems(args.systems, args.static_batch)
+    if args.check and "hf-generate" not in systems:
+        raise SystemExit("--check needs hf-generate among --systems (it is the reference)")
+    engine_settings = {
+        name: getattr(args, name) for name in _ENGINE_SETTING_NAMES if getattr(args, name, None) is not None
+    }
+    if "engine" in systems:
+        # Validate before minutes of model loading and baseline runs, not after.
+        from services.common.config import CBConfig
+
+        CBConfig.from_kwargs(**engine_settings)
+
+    threads = args.threads or _usable_cores()
+    torch.set_num_threads(threads)
+
+    from services.common.model_source import load_model, resolve_model
+
+    model_path = resolve_model(args.model)
+    workload = reference_workload(num_requests=args.num_requests, seed=args.seed)
+    print(
+        f"workload: {workload.num_requests} requests, {workload.total_prompt_tokens} prompt tokens, "
+        f"{workload.total_output_tokens} output tokens (seed {args.seed}); model {model_path}; "
+        f"torch {threads} threads",
+        flush=True,
+    )
+
+    hf_model: PreTrainedModel | None = None
+    pad_id = 0
+    if any(s.startswith("hf-") for s in systems):
+        hf_model, tokenizer = load_model(model_path, dtype=torch.float32, attn_implementation="sdpa")
+        pad_id = _pad_token_id(hf_model, tokenizer)
+    body_params, head_params = _param_split(hf_model if hf_model is not None else _meta_model(model_path))
+    useful_flop = 2 * body_params * workload.total_tokens + 2 * head_params * workload.total_output_tokens
+
+    matmul_gflops = measure_matmul_gflops()
+    print(f"fp32 matmul 2048x2048x2048: {matmul_gflops:.1f} GFLOP/s (median)", flush=True)
+
+    results: dict[str, SystemResult] = {}
+    runners: dict[str, Callable[[], SystemResult]] = {
+        "engine": lambda: run_engine(model_path, engine_settings, workload),
+        "hf-cb": lambda: run_hf_cb(_need(hf_model), workload),
+        "hf-generate": lambda: run_hf_generate(_need(hf_model), workload),
+        "hf-static": lambda: run_hf_static(_need(hf_model), workload, args.static_batch or 16, pad_id),
+    }
+    for name in systems:
+        print(f"running {name} ...", flush=True)
+        results[name] = runners[name]()
+        print(f"  {name}: {results[name].wall_s:.2f} s, {results[name].output_tok_s:.2f} tok/s", flush=True)
+
+    print()
+    _print_table(results, useful_flop, matmul_gflops)
+    print(
+        f"\nGFLOP/s counts 2 x {body_params / 1e6:.1f} M parameters (outside embedding and LM head) x "
+        f"{workload.total_tokens} tokens (prompt + output) + 2 x {head_params / 1e6:.1f} M (LM head) x "
+        f"{workload.total_output_tokens} sampled rows = {useful_flop / 1e12:.2f} TFLOP of useful work; "
+        f"% is of the fp32 matmul rate measured above."
+    )
+    if "engine" in results:
+        _print_engine_stats(results["engine"])
+
+    status = 0
+    short = _short_outputs(results, workload)
+    for name, bad in short.items():
+        print(
+            f"\nWARNING {name}: {len(bad)} requests did not generate exactly their max_new_tokens: {bad[:10]}"
+        )
+        status = 1
+    check: dict[str, Any] | None = None
+    if args.check:
+        check = check_outputs(results)
+        if check.get("engine", {}).get("mismatching"):
+            status = 1
+
+    if args.json is not None:
+        report = _report(args, model_path, threads, workload, results, useful_flop, matmul_gflops, check)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"\nwrote {args.json}")
+    return status
+
+
+# ----------------------------------------------------------------------------------------- systems
+
+
+def run_engine(model_path: Path, settings: dict[str, Any], workload: Workload) -> SystemResult:
+    from services.worker.engine import Engine
+
+    engine = Engine.from_pretrained(model_path, **settings)
+    try:
+        engine.generate([_WARMUP_PROMPT], [_WARMUP_NEW_TOKENS], ignore_eos=True)
+        stats_before = dict(engine.stats())
+        start = time.perf_counter()
+        outputs = engine.generate(workload.prompts, workload.max_new_tokens, ignore_eos=True)
+        wall = time.perf_counter() - start
+        stats_after = dict(engine.stats())
+    finally:
+        engine.close()
+    return SystemResult(
+        name="engine",
+        wall_s=wall,
+        outputs=[list(o) for o in outputs],
+        prompt_tokens=workload.total_prompt_tokens,
+        extra={"settings": settings, "stats_before": stats_before, "stats": stats_after},
+    )
+
+
+@torch.inference_mode()
+def run_hf_cb(model: PreTrainedModel, workload: Workload) -> SystemResult:
+    """transformers' continuous batching, driven request by request so each keeps its own length.
+
+    `generate_batch` takes one `max_new_tokens` for all requests, hence the manager API. EOS: a request's
+    `eos_token_id=-1` is an empty stop set (RequestState keeps only ids >= 0); the generation config gets
+    -1 too, or `init_continuous_batching` warns and sets it anyway.
+    """
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    gen_config = GenerationConfig(
+        do_sample=False, eos_token_id=-1, max_new_tokens=max(workload.max_new_tokens)
+    )
+    # auto_switch_to_flash off: the baseline is sdpa, and a flash kernel installed later must not change it.
+    cb_config = ContinuousBatchingConfig(**HF_CB_SETTINGS, auto_switch_to_flash=False)
+    hints = WorkloadHints(
+        max_prompt_length=max(len(p) for p in workload.prompts),
+        max_generated_length=max(workload.max_new_tokens),
+        num_requests=workload.num_requests,
+    )
+    manager = model.init_continuous_batching(
+        generation_config=gen_config, continuous_batching_config=cb_config, workload_hints=hints
+    )
+    try:
+        manager.warmup()
+        manager.start()
+        _hf_cb_collect(manager, [_WARMUP_PROMPT], [_WARMUP_NEW_TOKENS], "warmup")
+        start = time.perf_counter()
+        outputs = _hf_cb_collect(manager, workload.prompts, workload.max_new_tokens, "w1")
+        wall = time.perf_counter() - start
+        resolved = manager.continuous_batching_config
+        extra = {
+            "settings": {
+                **HF_CB_SETTINGS,
+                "attn_implementation": model.config._attn_implementation,
+                "max_requests_per_batch": resolved.max_requests_per_batch,
+            }
+        }
+    finally:
+        manager.stop(block=True)
+        manager.destroy()
+    return SystemResult("hf-cb", wall, outputs, workload.total_prompt_tokens, extra=extra)
+
+
+def _hf_cb_collect(
+    manager: Any, prompts: list[list[int]], new_tokens: list[int], tag: str
+) -> list[list[int]]:
+    ids = [f"{tag}_{i}" for i in range(len(prompts))]
+    for request_id, prompt, n in zip(ids, prompts, new_tokens, strict=True):
+        manager.add_request(prompt, request_id=request_id, max_new_tokens=n, eos_token_id=-1)
+    done: dict[str, list[int]] = {}
+    while len(done) < len(ids):
+        result = manager.get_result(timeout=1.0)
+        if result is None:
+            if not manager.is_running():
+                raise RuntimeError(
+                    f"hf-cb generation thread stopped with {len(ids) - len(done)} requests left"
+                )
+            continue
+        if result.is_finished():
+            if result.error is not None:
+                raise RuntimeError(f"hf-cb request {result.request_id} failed: {result.error}")
+            done[result.request_id] = list(result.generated_tokens)
+    return [done[i] for i in ids]
+
+
+@torch.inference_mode()
+def run_hf_generate(model: PreTrainedModel, workload: Workload) -> SystemResult:
+    def one(prompt: list[int], n: int) -> list[int]:
+        return _hf_generate(model, [prompt], n, pad_id=0)[0][:n]
+
+    one(_WARMUP_PROMPT, _WARMUP_NEW_TOKENS)
+    start = time.perf_counter()
+    outputs = [one(p, n) for p, n in zip(workload.prompts, workload.max_new_tokens, strict=True)]
+    wall = time.perf_counter() - start
+    return SystemResult("hf-generate", wall, outputs, workload.total_prompt_tokens)
+
+
+@torch.inference_mode()
+def run_hf_static(model: PreTrainedModel, workload: Workload, batch_size: int, pad_id: int) -> SystemResult:
+    """Static batches in workload order; each batch runs to its longest request (the rest is waste)."""
+    _hf_generate(model, [_WARMUP_PROMPT] * min(batch_size, 2), _WARMUP_NEW_TOKENS, pad_id)
+    outputs: list[list[int]] = []
+    wasted = 0
+    start = time.perf_counter()
+    for lo in range(0, workload.num_requests, batch_size):
+        prompts = workload.prompts[lo : lo + batch_size]
+        wanted = workload.max_new_tokens[lo : lo + batch_size]
+        generated = _hf_generate(model, prompts, max(wanted), pad_id)
+        outputs.extend(g[:n] for g, n in zip(generated, wanted, strict=True))
+        wasted += sum(len(g) - n for g, n in zip(generated, wanted, strict=True))
+    wall = time.perf_counter() - start
+    return SystemResult(
+        "hf-static",
+        wall,
+        outputs,
+        workload.total_prompt_tokens,
+        wasted_output_tokens=wasted,
+        extra={"batch_size": batch_size},
+    )
+
+
+def _hf_generate(
+    model: PreTrainedModel, prompts: list[list[int]], new_tokens: int, pad_id: int
+) -> list[list[int]]:
+    """Greedy `generate` on left-padded prompts; returns exactly `new_tokens` ids per prompt.
+
+    `eos_token_id=[]` disables stopping without touching logits (an explicit `None` would be replaced by
+    the model's default EOS). `min_new_tokens` is not used: it masks EOS and so changes greedy outputs.
+    """
+    from transformers import GenerationConfig
+
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        attention_mask[row, width - len(prompt) :] = 1
+    config = GenerationConfig(
+        do_sample=False, max_new_tokens=new_tokens, eos_token_id=[], pad_token_id=pad_id, use_cache=True
+    )
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+    return out[:, width:].tolist()
+
+
+# ------------------------------------------------------------------------------------- measurement
+
+
+def measure_matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
+    """Median fp32 GFLOP/s of an n x n x n torch matmul: the machine's practical ceiling, this run."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)  # first call picks kernels and grows the allocator
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - start)
+    return 2 * n**3 / statistics.median(times) / 1e9
+
+
+def _param_split(model: PreTrainedModel) -> tuple[int, int]:
+    """(parameters outside the input embedding and LM head, LM head parameters).
+
+    The LM head is split out because it runs only on rows that sample; with tied embeddings it is the
+    embedding matrix, which `parameters()` lists once, so the split is done by identity, not by name.
+    """
+    embedding = model.get_input_embeddings().weight
+    head_module = model.get_output_embeddings()
+    head = head_module.weight if head_module is not None else None
+    body = sum(p.numel() for p in model.parameters() if p is not embedding and p is not head)
+    return body, (head.numel() if head is not None else 0)
+
+
+def _meta_model(model_path: Path) -> PreTrainedModel:
+    """The architecture without weights, for counting parameters when no HF system is run."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+# ------------------------------------------------------------------------------------------ report
+
+
+def check_outputs(results: dict[str, SystemResult]) -> dict[str, Any]:
+    """Compare every system's greedy outputs with hf-generate's; print and return the mismatches."""
+    reference = results["hf-generate"].outputs
+    report: dict[str, Any] = {}
+    for name, result in results.items():
+        if name == "hf-generate":
+            continue
+        mismatching = []
+        for i, (got, want) in enumerate(zip(result.outputs, reference, strict=True)):
+            if got != want:
+                # Outputs of different lengths agree up to the shorter one, then differ at its end.
+                pairs = zip(got, want, strict=False)
+                first = next((k for k, (a, b) in enumerate(pairs) if a != b), min(len(got), len(want)))
+                mismatching.append({"request": i, "first_diff": first, "len": len(got), "ref_len": len(want)})
+        report[name] = {"requests": len(reference), "mismatching": mismatching}
+        if mismatching:
+            listed = ", ".join(f"#{m['request']}@{m['first_diff']}" for m in mismatching[:12])
+            more = " ..." if len(mismatching) > 12 else ""
+            print(
+                f"check {name} vs hf-generate: {len(mismatching)}/{len(reference)} requests differ "
+                f"(request@first differing token: {listed}{more})"
+            )
+        else:
+            print(f"check {name} vs hf-generate: all {len(reference)} requests identical")
+    return report
+
+
+def _print_table(results: dict[str, SystemResult], useful_flop: float, matmul_gflops: float) -> None:
+    def ratio(result: SystemResult, base: str) -> str:
+        return f"{result.output_tok_s / results[base].output_tok_s:.2f}x" if base in results else "-"
+
+    header = (
+        "system",
+        "wall s",
+        "out tok",
+        "out tok/s",
+        "prompt tok",
+        "vs hf-cb",
+        "vs hf-gen",
+        "GFLOP/s",
+        "% mm",
+    )
+    rows = [header]
+    for r in results.values():
+        gflops = useful_flop / r.wall_s / 1e9
+        rows.append(
+            (
+                r.name,
+                f"{r.wall_s:.2f}",
+                str(r.output_tokens),
+                f"{r.output_tok_s:.2f}",
+                str(r.prompt_tokens),
+                ratio(r, "hf-cb"),
+                ratio(r, "hf-generate"),
+                f"{gflops:.1f}",
+                f"{100 * gflops / matmul_gflops:.1f}",
+            )
+        )
+    widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
+    for row in rows:
+        cells = zip(row, widths, strict=True)
+        print("  ".join(cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(cells)))
+    for r in results.values():
+        if r.wasted_output_tokens:
+            print(f"({r.name} also generated {r.wasted_output_tokens} tokens past their requests' limits)")
+
+
+def _print_engine_stats(result: SystemResult) -> None:
+    before, after = result.extra["stats_before"], result.extra["stats"]
+    parts = []
+    for key, value in after.items():
+        prior = before.get(key)
+        delta = ""
+        if isinstance(value, int | float) and isinstance(prior, int | float) and prior and prior != value:
+            delta = f" ({value - prior:+g} in the timed run)"
+        parts.append(f"{key}={value}{delta}")
+    print("engine stats: " + ", ".join(parts))
+
+
+def _report(
+    args: argparse.Namespace,
+    model_path: Path,
+    threads: int,
+    workload: Workload,
+    results: dict[str, SystemResult],
+    useful_flop: float,
+    matmul_gflops: float,
+    check: dict[str, Any] | None,
+) -> dict[str, Any]:
+    systems: dict[str, Any] = {}
+    for name, r in results.items():
+        systems[name] = {
+            "wall_s": r.wall_s,
+            "output_tokens": r.output_tokens,
+            "prompt_tokens": r.prompt_tokens,
+            "output_tok_s": r.output_tok_s,
+            "gflop_s": useful_flop / r.wall_s / 1e9,
+            "wasted_output_tokens": r.wasted_output_tokens,
+            **{k: v for k, v in r.extra.items() if k != "stats_before"},
+        }
+        for base in ("hf-cb", "hf-generate"):
+            if base in results:
+                systems[name][f"ratio_vs_{base}"] = r.output_tok_s / results[base].output_tok_s
+    return {
+        "model": str(model_path),
+        "workload": {
+            "num_requests": workload.num_requests,
+            "seed": args.seed,
+            "prompt_tokens": workload.total_prompt_tokens,
+            "output_tokens": workload.total_output_tokens,
+        },
+        "threads": threads,
+        "matmul_2048_gflop_s": matmul_gflops,
+        "useful_tflop": useful_flop / 1e12,
+        "systems": systems,
+        "check": check,
+    }
+
+
+# ----------------------------------------------------------------------------------------- helpers
+
+
+def _parse_systems(value: str, static_batch: int | None) -> list[str]:
+    systems = [s.strip() for s in value.split(",") if s.strip()]
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        raise SystemExit(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+    if static_batch is not None:
+        if static_batch <= 0:
+            raise SystemExit("--static-batch must be positive")
+        if "hf-static" not in systems:
+            systems.append("hf-static")
+    return list(dict.fromkeys(systems))  # drop repeats, keep order
+
+
+def _usable_cores() -> int:
+    # The affinity mask, not os.cpu_count(): containers and taskset restrict the cores a process may use.
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _pad_token_id(model: PreTrainedModel, tokenizer: Any) -> int:
+    # Padded positions are masked out, so any valid id does; prefer the model's own pad id.
+    for candidate in (
+        getattr(tokenizer, "pad_token_id", None),
+        model.generation_config.pad_token_id,
+        model.config.pad_token_id,
+    ):
+        if isinstance(candidate, int) and candidate >= 0:
+            return candidate
+    return 0
+
+
+def _need(model: PreTrainedModel | None) -> PreTrainedModel:
+    if model is None:
+        raise RuntimeError("HF model not loaded")  # unreachable: loaded whenever an hf-* system is chosen
+    return model
+
+
+def _short_outputs(results: dict[str, SystemResult], workload: Workload) -> dict[str, list[int]]:
+    """Requests whose output length differs from their max_new_tokens, per system."""
+    short: dict[str, list[int]] = {}
+    for name, r in results.items():
+        bad = [
+            i for i, (o, n) in enumerate(zip(r.outputs, workload.max_new_tokens, strict=True)) if len(o) != n
+        ]
+        if bad:
+            short[name] = bad
+    return short

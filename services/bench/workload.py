@@ -1,0 +1,65 @@
+"""The reference benchmark workload (W1 in PERFORMANCE.md).
+
+Every system under comparison must see exactly the same requests, so the workload is a pure function of
+its parameters and a seed. The drawing procedure is part of the contract: the published baseline figures
+(3,305 output tokens, 9,443 prompt tokens for the defaults) are only comparable if it never changes.
+
+Procedure, with one `random.Random(seed)` and `randint` bounds inclusive, for each request in turn:
+  1. its prompt length from `prompt_len`,
+  2. its output length (`max_new_tokens`) from `new_tokens`,
+  3. its prompt ids, one `randint(*id_range)` call per token, in order.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Prompts as token ids and, per request, how many tokens to generate (EOS ignored)."""
+
+    prompts: list[list[int]]
+    max_new_tokens: list[int]
+
+    def __post_init__(self) -> None:
+        if len(self.prompts) != len(self.max_new_tokens):
+            raise ValueError(
+                f"{len(self.prompts)} prompts but {len(self.max_new_tokens)} max_new_tokens entries"
+            )
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def total_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def total_output_tokens(self) -> int:
+        return sum(self.max_new_tokens)
+
+    @property
+    def total_tokens(self) -> int:
+        """Tokens whose forward pass the workload costs (prompt + output), for FLOP estimates."""
+        return self.total_prompt_tokens + self.total_output_tokens
+
+
+def reference_workload(
+    num_requests: int = 48,
+    prompt_len: tuple[int, int] = (32, 384),
+    new_tokens: tuple[int, int] = (8, 128),
+    id_range: tuple[int, int] = (100, 49052),
+    seed: int = 0,
+) -> Workload:
+    """W1 with its defaults; see the module docstring for the exact drawing order."""
+    rng = random.Random(seed)
+    prompts: list[list[int]] = []
+    max_new_tokens: list[int] = []
+    for _ in range(num_requests):
+        length = rng.randint(*prompt_len)
+        max_new_tokens.append(rng.randint(*new_tokens))
+        prompts.append([rng.randint(*id_range) for _ in range(length)])
+    return Workload(prompts=prompts, max_new_tokens=max_new_tokens)
