@@ -21,8 +21,9 @@ $(STAMP): pyproject.toml Makefile
 model: $(STAMP)
 	$(BIN)/cbserve prepare-model
 
+# Until the gRPC stack lands (issue 3), `serve` runs the engine in-process behind a terminal chat.
 serve: model
-	$(BIN)/cbserve up
+	$(BIN)/cbserve chat
 
 test: model
 	$(BIN)/ruff check services tests scripts

@@ -1,16 +1,11 @@
-"""The `cbserve` command line: argparse subcommands, each dispatching to a handler that returns an exit code.
+"""The `cbserve` command line: argparse subcommands, each a handler returning an exit code.
 
-Invariants:
-- This module imports no heavy dependency itself; a handler imports what it needs when it runs.
-  (Registering `bench offline` imports `services.bench.offline`, so its import cost counts here.)
-- A missing or broken optional subcommand module (`services.bench.offline`) never breaks the others;
-  invoking that subcommand reports why it is unavailable and exits 2.
+Handlers import what they need when they run, so `cbserve --help` stays fast.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Callable, Sequence
 
@@ -24,47 +19,50 @@ def _prepare_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_bench_offline(bench: argparse._SubParsersAction) -> None:
-    parser = bench.add_parser("offline", help="offline throughput benchmark (no server processes)")
-    try:
-        from services.bench import offline
-    except ImportError as exc:
-        reason = str(exc)
+def _bench_offline(args: argparse.Namespace) -> int:
+    from services.bench import offline
 
-        def unavailable(args: argparse.Namespace) -> int:
-            print(f"cbserve bench offline is unavailable: {reason}", file=sys.stderr)
-            return 2
+    return offline.run(args)
 
-        # Any arguments are accepted so the user sees the real cause, not a usage error.
-        parser.set_defaults(handler=unavailable, accepts_unknown_args=True)
-        return
-    offline.add_arguments(parser)
-    parser.set_defaults(handler=offline.run)
+
+def _chat(args: argparse.Namespace) -> int:
+    from services.worker.chat import chat_loop
+
+    return chat_loop(args.model, args.max_new_tokens, args.temperature)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from services.bench.arguments import add_offline_arguments
+
     parser = argparse.ArgumentParser(prog="cbserve", description="Continuous-batching LLM inference server.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     prepare = commands.add_parser(
-        "prepare-model",
-        help="convert the embedded SmolLM2 GGUF model once and print its directory",
+        "prepare-model", help="convert the embedded SmolLM2 GGUF model once and print its directory"
     )
     prepare.add_argument("--force", action="store_true", help="convert again even if a conversion exists")
     prepare.set_defaults(handler=_prepare_model)
 
+    chat = commands.add_parser("chat", help="chat with a model through the in-process engine (stdin/stdout)")
+    chat.add_argument("--model", default=None, help="local model directory (default: embedded SmolLM2)")
+    chat.add_argument("--max-new-tokens", type=int, default=256)
+    chat.add_argument("--temperature", type=float, default=0.0)
+    chat.set_defaults(handler=_chat)
+
     bench = commands.add_parser("bench", help="benchmarks")
-    _add_bench_offline(bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK"))
+    benchmarks = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+    offline = benchmarks.add_parser("offline", help="offline throughput: engine vs transformers, same run")
+    add_offline_arguments(offline)
+    offline.set_defaults(handler=_bench_offline)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse `argv` (default: sys.argv[1:]), run the chosen subcommand and return its exit status."""
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    if unknown and not getattr(args, "accepts_unknown_args", False):
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    from services.common.logging import configure_logging
+
+    configure_logging(json=not sys.stderr.isatty())
     handler: Handler = args.handler
     return handler(args)
 

@@ -33,33 +33,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from services.bench.arguments import ENGINE_SETTING_NAMES, SYSTEMS
 from services.bench.workload import Workload, reference_workload
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-SYSTEMS = ("engine", "hf-cb", "hf-generate", "hf-static")
-DEFAULT_SYSTEMS = "engine,hf-cb,hf-generate"
-
 # The configuration PERFORMANCE.md measured transformers' continuous batching with (26.9 tok/s on W1);
 # it is the baseline, so it stays fixed whatever engine settings are benchmarked.
 HF_CB_SETTINGS: dict[str, int] = {"page_size": 32, "num_blocks": 512, "max_batch_tokens": 512}
-
-# Engine settings exposed as flags: (name, type, help). Only those given are passed, so that the
-# engine's own defaults (and its memory-based sizing) are what a bare run measures.
-_ENGINE_FLAGS: tuple[tuple[str, Any, str], ...] = (
-    ("page_size", int, "tokens per KV page"),
-    ("num_blocks", int, "KV blocks (overrides memory-based sizing)"),
-    ("max_batch_tokens", int, "tokens computed per step"),
-    ("max_memory_percent", float, "fraction of free memory for the KV cache"),
-    ("max_requests_per_batch", int, "rows of logits per step"),
-    ("scheduler_type", str, "fifo or prefill_first"),
-    ("safety_margin", float, "free-cache fraction below which no prefill is admitted"),
-    ("cpu_offload_space", float, "GiB of CPU swap pool (0: soft reset)"),
-    ("q_padding_interval_size", int, "query length padding (CUDA graphs)"),
-    ("kv_padding_interval_size", int, "KV length padding (CUDA graphs)"),
-)
-_ENGINE_SETTING_NAMES = (*(name for name, _, _ in _ENGINE_FLAGS), "allow_block_sharing")
 
 # Token ids for the warm-up requests: fewer than one page, so a prefix cache cannot keep anything from
 # them that W1 (random ids) would hit.
@@ -88,46 +70,12 @@ class SystemResult:
         return self.output_tokens / self.wall_s
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2-135M)")
-    parser.add_argument("--num-requests", type=int, default=48, help="requests in the W1 workload")
-    parser.add_argument("--seed", type=int, default=0, help="W1 seed")
-    parser.add_argument(
-        "--systems",
-        default=DEFAULT_SYSTEMS,
-        help=f"comma-separated, run in this order; from {','.join(SYSTEMS)} (default {DEFAULT_SYSTEMS})",
-    )
-    parser.add_argument(
-        "--static-batch", type=int, default=None, metavar="N", help="add hf-static with batches of N"
-    )
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: usable cores)")
-    parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the results here")
-    parser.add_argument(
-        "--check",
-        action="store_true",
-        help="compare greedy outputs with hf-generate token for token (exit 1 if the engine differs)",
-    )
-    group = parser.add_argument_group("engine settings (only those given are passed to the engine)")
-    for name, kind, help_text in _ENGINE_FLAGS:
-        flag = "--" + name.replace("_", "-")
-        if name == "scheduler_type":
-            group.add_argument(flag, choices=("fifo", "prefill_first"), default=None, help=help_text)
-        else:
-            group.add_argument(flag, type=kind, default=None, help=help_text)
-    group.add_argument(
-        "--allow-block-sharing",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="prefix caching",
-    )
-
-
 def run(args: argparse.Namespace) -> int:
     systems = _parse_systems(args.systems, args.static_batch)
     if args.check and "hf-generate" not in systems:
         raise SystemExit("--check needs hf-generate among --systems (it is the reference)")
     engine_settings = {
-        name: getattr(args, name) for name in _ENGINE_SETTING_NAMES if getattr(args, name, None) is not None
+        name: getattr(args, name) for name in ENGINE_SETTING_NAMES if getattr(args, name, None) is not None
     }
     if "engine" in systems:
         # Validate before minutes of model loading and baseline runs, not after.
