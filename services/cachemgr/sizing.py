@@ -27,6 +27,8 @@ class CacheSizing:
     free_bytes: int
     workspace_bytes: int
     source: str  # "num_blocks" or "memory"
+    # The cache budget: KV pages attention may gather in one step within the reserved workspace.
+    max_pages_per_step: int
 
     @property
     def kv_bytes(self) -> int:
@@ -46,6 +48,13 @@ def free_memory_bytes(device: torch.device) -> int:
     raise RuntimeError("MemAvailable missing from /proc/meminfo")
 
 
+def attention_workspace_bytes(model_config: Any, cfg: CBConfig) -> int:
+    """Scores and gathered K/V of one layer's attention pass: every batch token against a full context."""
+    c = getattr(model_config, "text_config", None) or model_config
+    context = min(int(getattr(c, "max_position_embeddings", 4096)), 8192)
+    return cfg.max_batch_tokens * int(c.num_attention_heads) * context * 4
+
+
 def step_workspace_bytes(model_config: Any, cfg: CBConfig, dtype_bytes: int) -> int:
     """A generous estimate of one forward's transient memory beyond weights and KV."""
     c = getattr(model_config, "text_config", None) or model_config
@@ -53,10 +62,8 @@ def step_workspace_bytes(model_config: Any, cfg: CBConfig, dtype_bytes: int) -> 
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
     per_token = 6 * c.hidden_size + 3 * c.intermediate_size + 4 * heads * head_dim
     activations = cfg.max_batch_tokens * per_token * dtype_bytes
-    context = min(int(getattr(c, "max_position_embeddings", 4096)), 8192)
-    attention = cfg.max_batch_tokens * heads * context * 4
     logits = cfg.max_requests_per_batch * c.vocab_size * 4 * 3
-    return activations + attention + logits
+    return activations + attention_workspace_bytes(model_config, cfg) + logits
 
 
 def size_cache(geometry: KVGeometry, model_config: Any, cfg: CBConfig, device: torch.device) -> CacheSizing:
@@ -74,4 +81,8 @@ def size_cache(geometry: KVGeometry, model_config: Any, cfg: CBConfig, device: t
                 f"- {workspace / GIB:.2f} GiB workspace < {RESERVED_CHUNKS + 1} chunks of {chunk_bytes} B"
             )
     swap_slots = int(cfg.cpu_offload_space * GIB) // chunk_bytes
-    return CacheSizing(num_chunks, swap_slots, chunk_bytes, free, workspace, source)
+    gathered_page_bytes = (
+        2 * geometry.page_size * geometry.num_kv_heads * geometry.head_dim * geometry.dtype_bytes
+    )
+    max_pages = attention_workspace_bytes(model_config, cfg) // gathered_page_bytes
+    return CacheSizing(num_chunks, swap_slots, chunk_bytes, free, workspace, source, max_pages)

@@ -30,15 +30,16 @@ ATTENTION_NAME = "cbserve_paged"
 class RowGroup:
     """Requests attended together: query rows (packed-token indices) and the KV slots they read.
 
-    `rows` is `[B * Q]` (padded query positions point at row 0 and are dropped via `valid`); `mask`
-    is `[B, 1, group * Q, L]` with True where a query may attend (already folded for GQA).
-    `slots[view]` is `[B, L]`: pool slots in that view, padding slot where masked.
+    `rows` is `[B * Q]` (padded query positions point at row 0 and are dropped via `valid`); `bias`
+    is the additive mask `[B, 1, group * Q, L]`: 0 where a query may attend, -inf elsewhere (already
+    folded for GQA; built once per step, since SDPA would convert a boolean mask in every layer).
+    `slots[view]` is `[B * L]`: pool slots in that view, padding slot where masked.
     """
 
     rows: torch.Tensor
     valid: torch.Tensor | None  # None: every row is real
     num_queries: int  # Q
-    mask: torch.Tensor
+    bias: torch.Tensor
     slots: dict[tuple[int, int], torch.Tensor]
 
 
@@ -59,14 +60,13 @@ class AttentionBatch:
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float, softcap: float | None
 ) -> torch.Tensor:
     if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
     # Logit soft-capping (Gemma2) has no fused kernel: do it by hand.
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
+    scores = torch.tanh(scores / softcap) * softcap + bias
     return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
@@ -98,15 +98,15 @@ def paged_attention(
 
     out = q.new_zeros(q.shape)
     for rg in batch.groups[view[0]]:
-        b = rg.mask.shape[0]
+        b, kv_len = rg.bias.shape[0], rg.bias.shape[-1]
         nq = rg.num_queries
         # [B*Q, H, D] -> [B, kv, group*Q, D]: query head h uses kv head h // group.
         qg = q[rg.rows].view(b, nq, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
         qg = qg.reshape(b, kv_heads, group * nq, head_dim)
         slots = rg.slots[view]
-        kg = k_cache[slots].permute(0, 2, 1, 3)  # [B, kv, L, D]
-        vg = v_cache[slots].permute(0, 2, 1, 3)
-        res = _attend(qg, kg, vg, rg.mask, scale, softcap)
+        kg = k_cache[slots].view(b, kv_len, kv_heads, head_dim).transpose(1, 2)
+        vg = v_cache[slots].view(b, kv_len, kv_heads, head_dim).transpose(1, 2)
+        res = _attend(qg, kg, vg, rg.bias, scale, softcap)
         res = (
             res.view(b, kv_heads, group, nq, head_dim)
             .permute(0, 3, 1, 2, 4)

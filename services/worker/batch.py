@@ -47,6 +47,7 @@ class BatchBuilder:
         kv_of_layer: list[tuple[torch.Tensor, torch.Tensor]],
         max_batch_tokens: int,
         query_group: int,
+        dtype: torch.dtype = torch.float32,
         q_padding: int = 0,
         kv_padding: int = 0,
         device: torch.device | str = "cpu",
@@ -55,6 +56,7 @@ class BatchBuilder:
         self.page_size = geometry.page_size
         self.kv_of_layer = kv_of_layer
         self.query_group = query_group  # query heads per KV head
+        self.dtype = dtype
         self.q_padding = q_padding
         self.kv_padding = kv_padding
         self.device = torch.device(device)
@@ -167,12 +169,15 @@ class BatchBuilder:
         slots = {}
         for view in views:
             chunk = tables[view][sel[:, None], page_idx]
-            slots[view] = torch.where(key_ok, chunk * page + key_pos % page, PADDING_SLOT).to(self.device)
+            slots[view] = (
+                torch.where(key_ok, chunk * page + key_pos % page, PADDING_SLOT).view(-1).to(self.device)
+            )
         all_valid = bool(valid_q.all())
+        bias = torch.zeros(mask.shape, dtype=self.dtype).masked_fill_(~mask, float("-inf"))
         return RowGroup(
             rows=rows.to(self.device),
             valid=None if all_valid else valid_q.reshape(-1).to(self.device),
             num_queries=num_q,
-            mask=mask.to(self.device),
+            bias=bias.to(self.device),
             slots=slots,
         )

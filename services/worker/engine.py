@@ -72,7 +72,9 @@ class Engine:
             max_step_tokens=config.max_batch_tokens,
         )
         self.runner = ModelRunner(model, self.geometry, self.memory.kv, self.memory.swap, config)
-        self.scheduler = Scheduler(config, eos_ids_of(model))
+        self.scheduler = Scheduler(
+            config, eos_ids_of(model), cache_budget_pages=self.sizing.max_pages_per_step
+        )
         self.sampler = Sampler()
         self._ids = itertools.count()
         log.info(

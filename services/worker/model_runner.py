@@ -45,6 +45,7 @@ class ModelRunner:
             kv_of_layer,
             max_batch_tokens=config.max_batch_tokens,
             query_group=text.num_attention_heads // geometry.num_kv_heads,
+            dtype=kv_pool.dtype,
             q_padding=config.q_padding_interval_size,
             kv_padding=config.kv_padding_interval_size,
             device=self.device,

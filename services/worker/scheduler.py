@@ -64,8 +64,12 @@ class StepBatch:
 
 
 class Scheduler:
-    def __init__(self, config: CBConfig, eos_token_ids: Iterable[int] = ()) -> None:
+    def __init__(
+        self, config: CBConfig, eos_token_ids: Iterable[int] = (), cache_budget_pages: int | None = None
+    ) -> None:
+        """`cache_budget_pages` bounds the KV pages attention gathers in one step (None: unbounded)."""
         self.config = config
+        self.cache_budget_pages = cache_budget_pages
         self.order = {status: i for i, status in enumerate(_CLASS_ORDER[config.scheduler_type])}
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Request] = {}
@@ -112,6 +116,7 @@ class Scheduler:
         cfg = self.config
         tokens_left = cfg.max_batch_tokens
         rows_left = cfg.max_requests_per_batch
+        pages_left = self.cache_budget_pages if self.cache_budget_pages is not None else float("inf")
         entries = []
         for req in sorted(self.requests.values(), key=self._policy_key):
             if tokens_left == 0:
@@ -120,6 +125,12 @@ class Scheduler:
             samples = n == req.num_remaining
             if samples and rows_left == 0:
                 continue  # a chunk that stops short of sampling needs no logits row
+            # A pending request's chunk may move forward by a prefix hit: budget its whole length.
+            reach = req.num_tokens if req.status is RequestStatus.PENDING else req.num_computed + n
+            pages = -(-reach // cfg.page_size)
+            if pages > pages_left:
+                continue
+            pages_left -= pages
             tokens_left -= n
             rows_left -= samples
             entries.append(
