@@ -54,7 +54,9 @@ class FullAttentionAllocator:
         return [c for c in self.tables.get(rid, ()) if c != RECYCLED]
 
     def release(self, rid: str) -> None:
-        self.pool.release(self.tables.pop(rid, []))
+        # Tail first: LRU then evicts a prefix's last pages before its first ones, so what stays
+        # cached is still reachable (lookup walks from the first page and stops at a miss).
+        self.pool.release(self.tables.pop(rid, [])[::-1])
 
     def detach(self, rid: str) -> list[int]:
         """Drop the table without releasing (the caller releases); returns it with RECYCLED holes."""

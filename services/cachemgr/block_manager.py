@@ -67,6 +67,7 @@ class CacheStats:
 def block_hash(parent: bytes, token_ids: list[int], salt: bytes) -> bytes:
     """Collision-resistant chained hash: a collision would hand one tenant another's KV."""
     h = hashlib.blake2b(parent, digest_size=16)
+    h.update(len(salt).to_bytes(4, "little"))  # length-prefixed: no salt can mimic a parent digest
     h.update(salt)
     h.update(array("q", token_ids).tobytes())
     return h.digest()
@@ -124,6 +125,10 @@ class BlockManager:
             req = self._ingest(entry, out)
             if req is None:
                 continue
+            if blocked and req.state is not CacheState.ACTIVE:
+                # Running requests are stuck: admitting or restoring others now would only take the
+                # memory they need and push older requests out (newest-first would be violated).
+                continue
             if self._place(req, entry, out):
                 placed.add(req.request_id)
             elif req.state is CacheState.ACTIVE:
@@ -144,6 +149,7 @@ class BlockManager:
                 else:
                     still.append(entry)
             blocked = still
+        self.swap.end_step()
         out.blocked = [e.request_id for e in blocked]
         return out.build()
 
@@ -163,6 +169,7 @@ class BlockManager:
         available = len(req.token_ids) - req.num_computed
         if entry.num_tokens < 1 or entry.num_tokens > available:
             self._forget(entry.request_id)
+            self.stats.rejected += 1
             out.rejected.append(
                 Rejected(entry.request_id, f"num_tokens {entry.num_tokens} not in [1, {available}]")
             )
@@ -253,7 +260,7 @@ class BlockManager:
             growth += max(0, pages_for(end, self.page_size) - len(table) // alloc.k) * alloc.k
         if live + growth > self.pool.num_free:
             return False
-        self.swap.give_back(req.request_id)
+        self.swap.give_back(req.request_id, read_this_step=True)
         fresh = iter(self.pool.allocate(live))
         for alloc, slots in zip(self.allocators, layout, strict=True):
             table = []
@@ -305,6 +312,8 @@ class BlockManager:
 
     def _offload(self, req: CacheRequest, out: _GrantBuilder) -> None:
         rid = req.request_id
+        for alloc in self.allocators:
+            alloc.recycle(rid, req.num_computed)  # pages no later step reads are not worth saving
         live = [c for a in self.allocators for c in a.live_chunks(rid)]
         if live and self.swap.num_free >= len(live):
             slots = iter(self.swap.take(len(live)))
@@ -320,7 +329,7 @@ class BlockManager:
                     out.swap_out.append((chunk, slot))
                     placed.append(slot)
                 layout.append(placed)
-                self.pool.release(table)
+                self.pool.release(table[::-1])
             self.swap.held[rid] = layout
             req.state = CacheState.OFFLOADED
             self.stats.offloads += 1

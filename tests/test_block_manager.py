@@ -1,0 +1,1012 @@
+"""BlockManager semantics (examples) and a stateful property test that plays a worker against it.
+
+The BlockManager is pure Python: these tests drive `BlockManager.step(plan) -> grant` directly, with no
+mocks. The property test mirrors what a real worker does with a grant: it keeps its own copy of every
+block table (applying `replace`/append deltas), performs the swap copies and the forward's KV writes on a
+simulated pool whose "KV" is the `(salt, group, sub-chunk, token prefix)` a position was computed from, and
+then checks that everything a request can still attend to holds exactly its own KV. That catches wrong
+prefix hits (including across salts), chunks handed out while still live, bad swap copy lists, and writes
+into shared chunks, on top of `bm.check()`.
+
+Protocol reminders (DESIGN.md, "Memory ownership and the step protocol"):
+- the worker sends each request's tokens once: the whole prompt on first sight, then each sampled token;
+- tokens granted at step N count as computed when step N+1's plan arrives;
+- a grant computes `[start, start + num_tokens)`; `start` differs from the worker's count only on admission
+  with a prefix hit;
+- frees/aborts in a plan are released before anything else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from services.cachemgr.allocator import RECYCLED, pages_for
+from services.cachemgr.block_manager import BlockManager, CacheState, block_hash
+from services.common.kv_geometry import RESERVED_CHUNKS, KVGeometry
+from services.common.messages import PROTOCOL_VERSION, PlanEntry, StepGrant, StepPlan
+
+P = 4  # page_size of every geometry below
+
+
+def _geometry(kinds: tuple[str, ...], window: int | None = None) -> KVGeometry:
+    return KVGeometry(
+        num_layers=len(kinds),
+        num_kv_heads=2,
+        head_dim=16,
+        page_size=P,
+        dtype_bytes=4,
+        layer_kinds=kinds,  # type: ignore[arg-type]
+        sliding_window=window,
+    )
+
+
+FULL = _geometry(("full", "full"))
+SLIDING = _geometry(("sliding", "sliding"), window=8)
+HYBRID = _geometry(("sliding", "full", "sliding", "full"), window=8)  # one chunk per block of each kind
+HYBRID_3 = _geometry(("sliding", "full", "full", "full"), window=6)  # a full block is 3 chunks
+
+
+def make_bm(geometry: KVGeometry, capacity: int, **kwargs) -> BlockManager:
+    """A BlockManager whose pool has `capacity` allocatable chunks (plus the reserved ones)."""
+    bm = BlockManager(geometry, capacity + RESERVED_CHUNKS, **kwargs)
+    assert bm.pool.capacity == capacity
+    return bm
+
+
+def E(
+    rid: str,
+    n: int,
+    new: Sequence[int] = (),
+    arrival: int = 0,
+    salt: str = "",
+    max_total: int = 0,
+) -> PlanEntry:
+    return PlanEntry(rid, n, list(new), arrival, salt, max_total)
+
+
+class Driver:
+    """Numbers the steps and runs `bm.check()` after each one."""
+
+    def __init__(self, bm: BlockManager) -> None:
+        self.bm = bm
+        self.n = 0
+
+    def step(self, *entries: PlanEntry, frees: Iterable[str] = (), aborts: Iterable[str] = ()) -> StepGrant:
+        self.n += 1
+        grant = self.bm.step(StepPlan(self.n, list(entries), frees=list(frees), aborts=list(aborts)))
+        assert grant.step == self.n
+        assert grant.version == PROTOCOL_VERSION
+        self.bm.check()
+        return grant
+
+
+def granted(grant: StepGrant) -> dict[str, tuple[int, int]]:
+    return {g.request_id: (g.start, g.num_tokens) for g in grant.granted}
+
+
+def table(bm: BlockManager, rid: str, group: int = 0) -> list[int]:
+    return bm.allocators[group].tables[rid]
+
+
+def toks(base: int, n: int) -> list[int]:
+    return list(range(base, base + n))
+
+
+# ============================================================================== admission
+
+
+def test_version_mismatch_raises() -> None:
+    bm = make_bm(FULL, 4)
+    with pytest.raises(ValueError, match="version"):
+        bm.step(StepPlan(1, [E("a", 1, [1])], version=PROTOCOL_VERSION + 1))
+    assert bm.requests == {}
+
+
+def test_granted_tokens_count_as_computed_at_the_next_plan() -> None:
+    bm = make_bm(FULL, 8)
+    d = Driver(bm)
+    g = d.step(E("a", 5, toks(10, 7)))
+    assert granted(g) == {"a": (0, 5)}
+    assert table(bm, "a") and len(table(bm, "a")) == 2  # pages for tokens [0, 5)
+    assert (bm.requests["a"].num_computed, bm.requests["a"].in_flight) == (0, 5)
+    g = d.step(E("a", 2))  # the rest of the prompt: nothing new to send
+    assert granted(g) == {"a": (5, 2)}
+    assert (bm.requests["a"].num_computed, bm.requests["a"].in_flight) == (5, 2)
+    assert g.granted[0].replace is False and g.granted[0].tables == [[]]  # page 1 already covers 5..7
+
+
+def test_admission_is_all_or_nothing() -> None:
+    bm = make_bm(FULL, 4)
+    d = Driver(bm)
+    assert granted(d.step(E("a", 12, toks(0, 12), arrival=0))) == {"a": (0, 12)}  # 3 of 4 chunks
+    g = d.step(E("b", 8, toks(100, 8), arrival=1))  # needs 2, one is free
+    assert g.granted == [] and g.blocked == [] and g.rejected == [] and g.offloaded == []
+    assert bm.requests["b"].state is CacheState.PENDING
+    assert all("b" not in a.tables for a in bm.allocators)
+    assert bm.pool.num_free == 1
+    # Once `a` is gone `b` is admitted; its prompt was sent already, so nothing new is sent.
+    g = d.step(E("b", 8, [], arrival=1), frees=["a"])
+    assert granted(g) == {"b": (0, 8)}
+    assert bm.requests["b"].token_ids == toks(100, 8)
+
+
+def test_admission_is_all_or_nothing_across_allocators() -> None:
+    # Hybrid: each page costs one full and one sliding chunk. 3 free chunks cover the full side of a
+    # 2-page prompt but not both sides: nothing may be taken from either allocator.
+    bm = make_bm(HYBRID, 5)
+    d = Driver(bm)
+    d.step(E("a", 4, toks(0, 4)))
+    assert bm.pool.num_free == 3
+    g = d.step(E("b", 8, toks(100, 8), arrival=1))
+    assert g.granted == []
+    assert all("b" not in a.tables for a in bm.allocators)
+    assert bm.pool.num_free == 3
+    assert bm.stats_dict()["used_blocks"] == 2
+
+
+def test_chunk_smaller_than_prompt_admits_only_its_pages() -> None:
+    bm = make_bm(FULL, 3)
+    d = Driver(bm)
+    g = d.step(E("a", 4, toks(0, 12), max_total=12))
+    assert (
+        granted(g) == {"a": (0, 4)} and g.granted[0].tables == [table(bm, "a")] and len(table(bm, "a")) == 1
+    )
+
+
+def test_safety_margin_blocks_new_admissions_but_not_growth() -> None:
+    bm = make_bm(FULL, 10, safety_margin=0.5)
+    d = Driver(bm)
+    d.step(E("a", 24, toks(0, 24), arrival=0))  # 6 chunks; 4 free < 0.5 * 10
+    g = d.step(E("a", 1, [7]), E("b", 1, [1], arrival=1))
+    assert granted(g) == {"a": (24, 1)}  # growth: a new page for position 24
+    assert bm.requests["b"].state is CacheState.PENDING and "b" not in bm.allocators[0].tables
+    assert g.blocked == []
+    assert bm.pool.num_free == 3
+    # Freeing `a` lifts the margin.
+    g = d.step(E("b", 1), frees=["a"])
+    assert granted(g) == {"b": (0, 1)}
+
+
+# ============================================================================== rejection
+
+
+def test_request_that_can_never_fit_is_rejected_with_a_reason() -> None:
+    bm = make_bm(FULL, 4)
+    d = Driver(bm)
+    g = d.step(E("big", 20, toks(0, 20)), E("ok", 4, toks(50, 4), arrival=1))
+    assert [r.request_id for r in g.rejected] == ["big"]
+    assert "needs 5 KV chunks" in g.rejected[0].reason and "4" in g.rejected[0].reason
+    assert "big" not in bm.requests and granted(g) == {"ok": (0, 4)}
+    # max_total_tokens (prompt + max new tokens) counts, not only the prompt.
+    g = d.step(E("long", 4, toks(0, 4), arrival=2, max_total=17))
+    assert [r.request_id for r in g.rejected] == ["long"]
+    assert bm.stats.rejected == 2
+    assert bm.pool.num_free == 3
+
+
+def test_sliding_request_longer_than_the_pool_is_not_rejected() -> None:
+    # 40 tokens with a window of 8 and at most 4 tokens per step never hold more than 4 pages.
+    bm = make_bm(SLIDING, 4, max_step_tokens=4)
+    d = Driver(bm)
+    g = d.step(E("s", 4, toks(0, 40), max_total=44))
+    assert g.rejected == [] and granted(g) == {"s": (0, 4)}
+    for start in range(4, 40, 4):
+        assert granted(d.step(E("s", 4))) == {"s": (start, 4)}
+    assert sum(1 for c in table(bm, "s") if c != RECYCLED) <= 4
+
+
+def test_plan_entry_asking_more_tokens_than_available_is_rejected() -> None:
+    bm = make_bm(FULL, 8)
+    d = Driver(bm)
+    g = d.step(E("a", 5, toks(0, 4)))  # asks 5 of a 4-token prompt
+    assert [r.request_id for r in g.rejected] == ["a"] and "not in [1, 4]" in g.rejected[0].reason
+    assert "a" not in bm.requests and bm.pool.num_free == 8
+    g = d.step(E("b", 0, toks(0, 4)))  # zero tokens is no request either
+    assert [r.request_id for r in g.rejected] == ["b"]
+    # An active request forgetting to send its sampled token: rejected and all its blocks released.
+    d.step(E("c", 6, toks(0, 6)))
+    assert bm.pool.num_free == 6
+    g = d.step(E("c", 1))
+    assert [r.request_id for r in g.rejected] == ["c"] and "not in [1, 0]" in g.rejected[0].reason
+    assert "c" not in bm.requests and bm.pool.num_free == 8
+    assert bm.stats_dict()["used_blocks"] == 0
+
+
+def test_frees_and_aborts_are_released_before_anything_else() -> None:
+    bm = make_bm(FULL, 4)
+    d = Driver(bm)
+    d.step(E("a", 8, toks(0, 8)), E("b", 8, toks(100, 8), arrival=1))
+    assert bm.pool.num_free == 0
+    g = d.step(E("c", 16, toks(200, 16), arrival=2), frees=["a"], aborts=["b"])
+    assert granted(g) == {"c": (0, 16)}
+    assert set(bm.requests) == {"c"}
+    # Unknown ids in frees/aborts are harmless.
+    d.step(frees=["nope"], aborts=["nope either"])
+
+
+# ============================================================================== prefix caching
+
+
+def test_prefix_hit_same_salt_full_pages_only() -> None:
+    bm = make_bm(FULL, 16)
+    d = Driver(bm)
+    a = toks(0, 10)
+    d.step(E("a", 10, a, salt="t1"))
+    # `a`'s pages are registered when its tokens count as computed: at the next plan.
+    g = d.step(E("b", 11, [*a[:9], 99, 98], arrival=1, salt="t1"))
+    assert granted(g) == {"b": (8, 3)}  # 2 full pages hit; the partial third page is not shared
+    assert table(bm, "b")[:2] == table(bm, "a")[:2] and table(bm, "b")[2] != table(bm, "a")[2]
+    assert g.granted[0].replace and g.granted[0].tables == [table(bm, "b")]
+    assert [bm.pool.refcount[c] for c in table(bm, "a")] == [2, 2, 1]
+    assert bm.stats.prefix_hit_tokens == 8 and bm.stats.prefix_queries == 10 + 11
+    # A hit never covers the page holding the last prompt token: an entirely cached 8-token prompt
+    # recomputes its whole last page (its logits are needed, and a shared page is never written).
+    g = d.step(E("c", 8, a[:8], arrival=2, salt="t1"))
+    assert granted(g) == {"c": (4, 4)}
+    assert table(bm, "c")[0] == table(bm, "a")[0] and table(bm, "c")[1] != table(bm, "a")[1]
+    # A partial page never hits: 6 tokens hit only page 0.
+    g = d.step(E("d", 6, a[:6], arrival=3, salt="t1"))
+    assert granted(g) == {"d": (4, 2)}
+    # The worker asked fewer tokens than the hit skips: it still gets what it asked after the hit.
+    g = d.step(E("e", 2, [*a[:9], 77], arrival=4, salt="t1"))
+    assert granted(g) == {"e": (8, 2)}
+    assert bm.pool.refcount[table(bm, "a")[0]] == 5
+
+
+def test_prefix_hit_requires_same_salt() -> None:
+    bm = make_bm(FULL, 16)
+    d = Driver(bm)
+    a = toks(0, 9)
+    d.step(E("a", 9, a, salt="tenant-1"))
+    g = d.step(
+        E("other", 9, a, arrival=1, salt="tenant-2"),
+        E("unsalted", 9, a, arrival=2),
+        E("same", 9, a, arrival=3, salt="tenant-1"),
+    )
+    assert granted(g) == {"other": (0, 9), "unsalted": (0, 9), "same": (8, 1)}
+    assert not set(table(bm, "other")) & set(table(bm, "a"))
+    assert not set(table(bm, "unsalted")) & set(table(bm, "a"))
+
+
+def test_prefix_is_registered_only_once_computed() -> None:
+    bm = make_bm(FULL, 16)
+    d = Driver(bm)
+    a = toks(0, 12)
+    # Same step as `a`'s prefill: nothing is computed yet, no hit.
+    g = d.step(E("a", 4, a, salt="s"), E("b", 12, a, arrival=1, salt="s"))
+    assert granted(g) == {"a": (0, 4), "b": (0, 12)}
+    # Next plan: a's first page and b's pages are computed. a registered page 0 first, so b's copy of
+    # it stays unhashed; c hits a's page 0 and b's page 1, and recomputes the page with its last token.
+    g = d.step(E("a", 8), E("c", 12, a, arrival=2, salt="s"))
+    assert granted(g)["c"] == (8, 4)
+    assert table(bm, "c")[:2] == [table(bm, "a")[0], table(bm, "b")[1]]
+
+
+def test_no_prefix_sharing_when_disabled_or_with_sliding_layers() -> None:
+    for geometry, sharing_allowed in ((FULL, False), (SLIDING, True), (HYBRID, True), (HYBRID_3, True)):
+        bm = make_bm(geometry, 40, allow_block_sharing=sharing_allowed)
+        assert bm.sharing is False
+        d = Driver(bm)
+        a = toks(0, 9)
+        d.step(E("a", 9, a))
+        g = d.step(E("b", 9, a, arrival=1))
+        assert granted(g) == {"b": (0, 9)}
+        for group in range(len(bm.allocators)):
+            assert not set(table(bm, "a", group)) & set(table(bm, "b", group))
+        assert bm.pool.hash_of == {}
+
+
+def test_refcounts_of_shared_chunks() -> None:
+    bm = make_bm(FULL, 16)
+    d = Driver(bm)
+    a = toks(0, 8)
+    d.step(E("a", 8, a))
+    d.step(E("b", 5, [*a, 1], arrival=1), E("c", 5, [*a, 2], arrival=2))
+    shared = table(bm, "a")
+    assert table(bm, "b")[:2] == shared and table(bm, "c")[:2] == shared
+    assert [bm.pool.refcount[c] for c in shared] == [3, 3]
+    d.step(frees=["a"])
+    assert [bm.pool.refcount[c] for c in shared] == [2, 2]
+    assert not set(shared) & set(bm.pool.evictable)
+    d.step(frees=["b"], aborts=["c"])
+    assert [bm.pool.refcount[c] for c in shared] == [0, 0]
+    assert list(bm.pool.evictable) == shared[::-1]  # content and hash kept; released tail first
+    stats = bm.stats_dict()
+    assert stats["used_blocks"] == 0 and stats["free_blocks"] + stats["evictable_blocks"] == 16
+
+
+def test_evictable_blocks_are_reclaimed_lru_only_when_nothing_is_free() -> None:
+    bm = make_bm(FULL, 6)
+    d = Driver(bm)
+    a, b = toks(0, 8), toks(100, 8)
+    d.step(E("a", 8, a, salt="s"))
+    d.step(E("b", 8, b, arrival=1, salt="s"))
+    d.step(frees=["a"])  # released first: least recently used
+    d.step(frees=["b"])
+    # Each request's pages are released tail first, so a chain loses its end before its start.
+    a_chunks, b_chunks = list(bm.pool.evictable)[:2], list(bm.pool.evictable)[2:]
+    assert bm.stats_dict()["evictable_blocks"] == 4 and bm.stats_dict()["free_blocks"] == 2
+    a0 = block_hash(b"", a[:4], b"s")
+    a1 = block_hash(a0, a[4:8], b"s")
+    assert bm.pool.lookup(a0) == a_chunks[1] and bm.pool.lookup(a1) == a_chunks[0]
+    # Two fresh chunks come from the free side: nothing cached is evicted.
+    d.step(E("x", 8, toks(200, 8), arrival=2))
+    assert list(bm.pool.evictable) == [*a_chunks, *b_chunks]
+    # One more chunk: the least recently released (a's last page) is evicted and its hash dropped;
+    # a's first page stays cached and reachable.
+    d.step(E("y", 4, toks(300, 4), arrival=3))
+    assert table(bm, "y") == [a_chunks[0]]
+    assert bm.pool.lookup(a1) is None and a_chunks[0] not in bm.pool.hash_of
+    assert bm.pool.lookup(a0) == a_chunks[1]
+    assert list(bm.pool.evictable) == [a_chunks[1], *b_chunks]
+    # b's prefix is still cached and hits; a hit takes its chunks off the evictable side before the
+    # new page is allocated (which evicts a's second page, the least recently used left).
+    g = d.step(E("b2", 9, [*b, 5], arrival=4, salt="s"))
+    assert granted(g) == {"b2": (8, 1)} and table(bm, "b2") == [*b_chunks[::-1], a_chunks[1]]
+    assert list(bm.pool.evictable) == []
+
+
+def test_a_prefix_hit_makes_cached_blocks_most_recently_used() -> None:
+    bm = make_bm(FULL, 5)
+    d = Driver(bm)
+    a, b = toks(0, 8), toks(100, 8)
+    d.step(E("a", 8, a), E("b", 8, b, arrival=1))
+    d.step(frees=["a"])
+    d.step(frees=["b"])
+    a_chunks, b_chunks = list(bm.pool.evictable)[:2], list(bm.pool.evictable)[2:]
+    d.step(E("c", 9, [*a, 1], arrival=2))  # hits a's pages, one fresh chunk from the free side
+    d.step(frees=["c"])
+    assert list(bm.pool.evictable) == [*b_chunks, *a_chunks]
+    d.step(E("y", 8, toks(300, 8), arrival=3))  # the free chunk, then b's first page (now the LRU)
+    assert table(bm, "y")[1] == b_chunks[0]
+    assert list(bm.pool.evictable) == [b_chunks[1], *a_chunks]
+
+
+# ============================================================================== sliding window
+
+
+def test_sliding_allocator_recycles_pages_that_left_the_window() -> None:
+    bm = make_bm(SLIDING, 8)
+    d = Driver(bm)
+    d.step(E("s", 10, toks(0, 20), max_total=20))  # pages 0..2
+    assert len(table(bm, "s")) == 3 and bm.pool.num_free == 5
+    # A step starting at 10 reads positions >= 3: page 0 (positions 0..3) is still needed.
+    g = d.step(E("s", 1))
+    assert granted(g) == {"s": (10, 1)} and RECYCLED not in table(bm, "s")
+    # Starting at 11, position 3 is out of the window (11 - 8 + 1 = 4): page 0 goes back to the pool.
+    first = table(bm, "s")[0]
+    g = d.step(E("s", 5))
+    assert granted(g) == {"s": (11, 5)}
+    assert table(bm, "s")[0] == RECYCLED and bm.pool.refcount[first] == 0 and first in bm.pool.free
+    assert len(table(bm, "s")) == 4  # pages 0..3 cover positions [0, 16)
+    assert g.granted[0].tables == [table(bm, "s")[3:]]
+    # At 16 the window starts at 9: pages 0 and 1 are dead.
+    d.step(E("s", 4))
+    assert table(bm, "s")[:2] == [RECYCLED, RECYCLED]
+    assert sum(1 for c in table(bm, "s") if c != RECYCLED) == 3
+    assert bm.pool.num_free == 8 - 3
+
+
+def test_hybrid_keeps_every_full_page_and_recycles_sliding_pages() -> None:
+    bm = make_bm(HYBRID, 16, max_step_tokens=4)
+    d = Driver(bm)
+    assert [type(a).__name__ for a in bm.allocators] == [
+        "FullAttentionAllocator",
+        "SlidingAttentionAllocator",
+    ]
+    d.step(E("h", 4, toks(0, 24), max_total=24))
+    for _ in range(4):
+        d.step(E("h", 4))
+    full, sliding = table(bm, "h", 0), table(bm, "h", 1)
+    assert len(full) == len(sliding) == 5  # positions [0, 20)
+    assert RECYCLED not in full
+    assert sliding[:2] == [RECYCLED, RECYCLED]  # last start 16: window from 9
+    assert bm.stats_dict()["used_blocks"] == 5 + 3
+
+
+def test_hybrid_with_multi_chunk_blocks() -> None:
+    bm = make_bm(HYBRID_3, 40, max_step_tokens=4)
+    assert [a.k for a in bm.allocators] == [3, 1]
+    d = Driver(bm)
+    g = d.step(E("h", 5, toks(0, 16), max_total=16))
+    assert [len(t) for t in g.granted[0].tables] == [6, 2]
+    d.step(E("h", 4))
+    d.step(E("h", 4))  # starts at 9: window 6 starts at 4 -> page 0 dead
+    assert table(bm, "h", 1)[0] == RECYCLED and RECYCLED not in table(bm, "h", 1)[1:]
+    assert len(table(bm, "h", 0)) == 4 * 3 and RECYCLED not in table(bm, "h", 0)
+
+
+# ============================================================================== offloading
+
+
+def _three_active(bm: BlockManager) -> Driver:
+    """a (2 pages), b (2 pages), c (1 page) admitted in arrival order."""
+    d = Driver(bm)
+    d.step(
+        E("a", 8, toks(0, 8), arrival=0),
+        E("b", 8, toks(100, 8), arrival=1),
+        E("c", 4, toks(200, 4), arrival=2),
+    )
+    return d
+
+
+def test_blocked_request_offloads_the_newest_to_swap() -> None:
+    bm = make_bm(FULL, 6, swap_slots=8)
+    d = _three_active(bm)
+    c_chunks = list(table(bm, "c"))
+    a_table = list(table(bm, "a"))
+    # a takes the last free chunk; b cannot grow: the newest non-placed active request (c) goes.
+    g = d.step(E("a", 1, [1], arrival=0), E("b", 1, [2], arrival=1))
+    assert granted(g) == {"a": (8, 1), "b": (8, 1)}
+    assert g.offloaded == ["c"] and g.soft_reset == [] and g.blocked == []
+    assert [chunk for chunk, _ in g.swap_out] == c_chunks
+    slots = [slot for _, slot in g.swap_out]
+    assert bm.swap.held["c"] == [slots] and bm.swap.num_free == 7
+    assert bm.requests["c"].state is CacheState.OFFLOADED and "c" not in bm.allocators[0].tables
+    assert table(bm, "a")[:2] == a_table  # placed earlier in the step: kept
+    assert bm.stats.offloads == 1
+    # Restore once there is room: swap_in pairs into fresh chunks, slots freed, progress kept.
+    g = d.step(E("c", 1, [3], arrival=2), frees=["a"])
+    assert granted(g) == {"c": (4, 1)}
+    restored = g.granted[0]
+    assert restored.replace and restored.tables == [table(bm, "c")]
+    assert [slot for slot, _ in g.swap_in] == slots
+    assert [chunk for _, chunk in g.swap_in] == table(bm, "c")[:1]
+    assert len(table(bm, "c")) == 2  # plus the page for position 4
+    assert bm.swap.num_free == 8 and bm.swap.held == {} and bm.stats.swap_restores == 1
+    assert bm.requests["c"].token_ids == [*toks(200, 4), 3]
+
+
+def test_offload_skips_requests_placed_earlier_in_the_step() -> None:
+    bm = make_bm(FULL, 6, swap_slots=8)
+    d = _three_active(bm)
+    b_chunks = list(table(bm, "b"))
+    # c (the newest) is placed first and takes the last chunk; a and b are stuck. c keeps its blocks:
+    # the newest non-placed request, b, goes (covering both demands), then a is placed.
+    g = d.step(E("c", 1, [1], arrival=2), E("a", 1, [2], arrival=0), E("b", 1, [3], arrival=1))
+    assert granted(g) == {"c": (4, 1), "a": (8, 1)}
+    assert g.offloaded == ["b"] and g.blocked == []
+    assert [chunk for chunk, _ in g.swap_out] == b_chunks
+    assert set(bm.allocators[0].tables) == {"a", "c"}
+
+
+def test_offload_takes_the_fewest_newest_requests_that_cover_the_demand() -> None:
+    bm = make_bm(FULL, 8, swap_slots=16)
+    d = Driver(bm)
+    d.step(
+        E("a", 4, toks(0, 28), arrival=0),
+        E("b", 8, toks(100, 8), arrival=1),
+        E("c", 4, toks(200, 4), arrival=2),
+        E("d", 4, toks(300, 4), arrival=3),
+    )
+    assert bm.pool.num_free == 3
+    # a wants 20 more tokens: 5 chunks, two more than free. d then c (1 chunk each) cover it; b stays.
+    g = d.step(E("a", 20, arrival=0))
+    assert g.offloaded == ["d", "c"] and granted(g) == {"a": (4, 20)}
+    assert set(bm.allocators[0].tables) == {"a", "b"} and bm.pool.num_free == 0
+    assert len(g.swap_out) == 2 and set(bm.swap.held) == {"c", "d"}
+
+
+def test_soft_reset_without_swap_space() -> None:
+    bm = make_bm(FULL, 6)
+    d = _three_active(bm)
+    g = d.step(E("a", 1, [1], arrival=0), E("b", 1, [2], arrival=1))
+    assert g.soft_reset == ["c"] and g.offloaded == [] and g.swap_out == []
+    assert granted(g) == {"a": (8, 1), "b": (8, 1)}
+    assert "c" not in bm.requests and bm.stats.soft_resets == 1
+    # c's one hashed page went evictable and b's growth (nothing else was free) reclaimed it. The worker
+    # re-sends prompt + generated as a new request; it is recomputed from scratch.
+    g = d.step(E("c", 5, [*toks(200, 4), 9], arrival=2), frees=["a", "b"])
+    assert granted(g) == {"c": (0, 5)}
+
+
+def test_soft_reset_keeps_full_pages_in_the_prefix_cache() -> None:
+    bm = make_bm(FULL, 7)
+    d = Driver(bm)
+    c_prompt = toks(200, 9)
+    d.step(E("a", 8, toks(0, 8), arrival=0), E("c", 9, c_prompt, arrival=1))  # 2 + 3 chunks
+    # a grows by 3 pages, 2 are free: c (newest, not placed) is soft reset.
+    g = d.step(E("a", 9, toks(50, 9), arrival=0))
+    assert g.soft_reset == ["c"] and granted(g) == {"a": (8, 9)}
+    # c's two full pages survived as evictable (a took the free chunks and c's unhashed last page).
+    g = d.step(E("c", 10, [*c_prompt, 42], arrival=1), frees=["a"])
+    assert granted(g) == {"c": (8, 2)}
+
+
+def test_swap_space_too_small_falls_back_to_soft_reset() -> None:
+    bm = make_bm(FULL, 6, swap_slots=1)
+    d = Driver(bm)
+    d.step(
+        E("a", 8, toks(0, 8), arrival=0),
+        E("b", 4, toks(100, 4), arrival=1),
+        E("c", 8, toks(200, 8), arrival=2),
+    )
+    g = d.step(E("a", 1, [1], arrival=0), E("b", 1, [2], arrival=1))
+    # c holds 2 chunks, the swap pool has 1 slot: soft reset.
+    assert g.soft_reset == ["c"] and g.offloaded == [] and bm.swap.num_free == 1
+    assert granted(g) == {"a": (8, 1), "b": (4, 1)}
+
+
+def test_the_last_active_request_is_never_offloaded() -> None:
+    bm = make_bm(FULL, 2, swap_slots=8)
+    d = Driver(bm)
+    d.step(E("a", 8, toks(0, 8)))  # max_total unknown (0): a may outgrow the pool
+    g = d.step(E("a", 1, [1]))
+    assert g.blocked == ["a"] and g.offloaded == [] and g.soft_reset == [] and g.granted == []
+    assert bm.requests["a"].state is CacheState.ACTIVE and len(table(bm, "a")) == 2
+    # Pending requests hold nothing and do not count as active.
+    g = d.step(E("a", 1), E("p", 1, [7], arrival=1))
+    assert g.blocked == ["a"] and g.offloaded == [] and bm.requests["p"].state is CacheState.PENDING
+
+
+def test_an_offloaded_request_waits_for_room_without_triggering_offloads() -> None:
+    bm = make_bm(FULL, 4, swap_slots=8)
+    d = Driver(bm)
+    d.step(E("a", 8, toks(0, 8), arrival=0), E("b", 8, toks(100, 8), arrival=1))
+    # Only a is planned and stuck; b (newest, not placed) goes to swap, then a grows.
+    g = d.step(E("a", 1, [1], arrival=0))
+    assert g.offloaded == ["b"] and granted(g) == {"a": (8, 1)}
+    # b's restore does not fit beside a. A restore never triggers offloading: b just waits, neither
+    # granted nor blocked.
+    g = d.step(E("b", 1, [2], arrival=1))
+    assert g.granted == [] and g.blocked == [] and g.offloaded == []
+    assert bm.requests["b"].state is CacheState.OFFLOADED
+
+
+# ============================================================== regressions (found by the model)
+
+
+def test_swap_slot_freed_by_a_restore_is_not_reused_by_an_offload_in_the_same_step() -> None:
+    bm = make_bm(FULL, 6, swap_slots=4)
+    d = Driver(bm)
+    d.step(E("a", 7, toks(0, 7), arrival=0), E("b", 4, toks(100, 20), arrival=1))
+    g = d.step(E("a", 1, [1], arrival=0), E("b", 16, arrival=1))
+    assert g.offloaded == ["b"]  # b blocked, a placed: b is its own victim
+    # b is restored (first loop), then a is stuck and offloaded (victim loop) in the same step.
+    g = d.step(E("b", 12, arrival=1), E("a", 1, [2], arrival=0))
+    assert g.offloaded == ["a"] and [g_.request_id for g_ in g.granted] == ["b"]
+    read_by_swap_in = {slot for slot, _ in g.swap_in}
+    written_by_swap_out = {slot for _, slot in g.swap_out}
+    assert not read_by_swap_in & written_by_swap_out, (g.swap_out, g.swap_in)
+
+
+def test_sliding_restore_fits_in_an_empty_pool() -> None:
+    bm = make_bm(SLIDING, 6, swap_slots=16, max_step_tokens=8)
+    d = Driver(bm)
+    d.step(E("q", 4, toks(0, 4), arrival=0, max_total=8), E("r", 8, toks(100, 40), arrival=1, max_total=40))
+    d.step(E("r", 1, arrival=1))
+    d.step(E("r", 8, arrival=1))  # starts at 9: nothing recycled yet, r holds pages 0..4
+    g = d.step(E("q", 1, [5], arrival=0))  # q needs a page; r (newest, not planned) is offloaded
+    assert g.offloaded == ["r"]
+    # r now computes from 17 (window from 10: pages 0 and 1 are dead). Steady state: 5 chunks, and the
+    # pool is empty after q finishes, so an 8-token step must be granted.
+    g = d.step(E("r", 8, arrival=1), frees=["q"])
+    assert g.rejected == []
+    assert granted(g) == {"r": (17, 8)}
+
+
+# ============================================================================== stateful worker model
+
+VOCAB = 6  # small: sampled tokens and tails collide often, so prefixes are shared often
+BASES = (toks(1000, 16), toks(2000, 16))
+SALTS = ("", "", "x")
+
+
+@dataclass
+class WReq:
+    """The worker's view of one request."""
+
+    rid: str
+    arrival: int
+    salt: str
+    tokens: list[int]  # prompt + sampled tokens (the last sampled one is not computed yet)
+    max_total: int
+    sent: int = 0  # tokens the BlockManager has been sent (this incarnation)
+    computed: int = 0  # [0, computed) computed (or granted last step: computed by the next plan)
+    state: str = "new"  # new (BM does not know it) | pending | active | offloaded
+    tables: list[list[int]] | None = None  # mirror of the block tables, from the grants
+    done: bool = False  # finished: freed in the next plan
+    aborted: bool = False
+
+
+class WorkerModel(RuleBasedStateMachine):
+    """A simple worker driving a BlockManager, with a simulated KV pool and swap pool."""
+
+    def __init__(self, geometry: KVGeometry, swap_pages: int, sharing: bool = True) -> None:
+        super().__init__()
+        self.geometry = geometry
+        self.swap_pages = swap_pages  # swap pool size, in pages (all groups' chunks of one page)
+        self.allow_sharing = sharing
+        self.bm: BlockManager | None = None
+        self.reqs: dict[str, WReq] = {}
+        self.next_id = 0
+        self.steps = 0
+        # Simulated bytes: per chunk, per slot in the page, what was computed there.
+        self.kv: dict[int, list[object]] = {}
+        self.swap_kv: dict[int, list[object]] = {}
+        self.consistent = True  # False while a step is half applied (after a failed check)
+
+    # ------------------------------------------------------------------ setup
+
+    @initialize(
+        pages=st.integers(2, 9),
+        margin=st.sampled_from([0.0, 0.0, 0.25]),
+        max_step=st.sampled_from([4, 8, 64]),
+    )
+    def setup(self, pages: int, margin: float, max_step: int) -> None:
+        per_page = sum(self.geometry.chunks_per_block(g) for g in range(len(self.geometry.groups)))
+        self.max_step = max_step
+        self.bm = make_bm(
+            self.geometry,
+            pages * per_page,
+            swap_slots=self.swap_pages * per_page,
+            allow_block_sharing=self.allow_sharing,
+            safety_margin=margin,
+            max_step_tokens=max_step,
+        )
+
+    # ------------------------------------------------------------------ rules
+
+    def live(self) -> list[WReq]:
+        return [r for r in self.reqs.values() if not r.done and not r.aborted]
+
+    @precondition(lambda self: self.bm is not None and len(self.reqs) < 6)
+    @rule(
+        base=st.sampled_from(range(len(BASES))),
+        shared=st.sampled_from([0, 5, 8, 12, 16]),
+        tail=st.lists(st.integers(0, VOCAB - 1), max_size=8),
+        salt=st.sampled_from(SALTS),
+        max_new=st.integers(1, 8),
+    )
+    def add_request(self, base: int, shared: int, tail: list[int], salt: str, max_new: int) -> None:
+        prompt = BASES[base][:shared] + tail
+        if not prompt:
+            prompt = [0]
+        rid = f"r{self.next_id}"
+        self.reqs[rid] = WReq(rid, self.next_id, salt, prompt, len(prompt) + max_new)
+        self.next_id += 1
+
+    @precondition(lambda self: self.bm is not None and self.live())
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from([r.rid for r in self.live()]), label="abort")
+        self.reqs[rid].aborted = True
+
+    @precondition(lambda self: self.bm is not None)
+    @rule(data=st.data(), steps=st.integers(1, 4))
+    def step(self, data: st.DataObject, steps: int) -> None:
+        """`steps` worker steps, each planning a random subset in random order with random chunks."""
+        for _ in range(steps):
+            order = data.draw(st.permutations([r.rid for r in self.live()]), label="order")
+            k = data.draw(st.just(len(order)) | st.integers(0, len(order)), label="how many")
+            chosen = []
+            for r in (self.reqs[rid] for rid in order[:k]):
+                most = min(len(r.tokens) - r.computed, self.max_step)
+                chosen.append((r, data.draw(st.just(most) | st.integers(1, most), label=r.rid)))
+            self.run_step(chosen, data)
+
+    # ------------------------------------------------------------------ one step
+
+    def run_step(self, chosen: list[tuple[WReq, int]], data: st.DataObject | None) -> StepGrant:
+        bm = self.bm
+        assert bm is not None
+        self.consistent = False
+        frees = [r.rid for r in self.reqs.values() if r.done and r.state != "new"]
+        aborts = [r.rid for r in self.reqs.values() if r.aborted and r.state != "new"]
+        for rid in [r.rid for r in self.reqs.values() if r.done or r.aborted]:
+            del self.reqs[rid]
+        entries = []
+        asked: dict[str, int] = {}
+        before = {r.rid: r.state for r, _ in chosen}
+        for r, n in chosen:
+            assert 1 <= n <= len(r.tokens) - r.computed
+            entries.append(PlanEntry(r.rid, n, r.tokens[r.sent :], r.arrival, r.salt, r.max_total))
+            asked[r.rid] = n
+            r.sent = len(r.tokens)
+        old_tables = {rid: [list(t) for t in self._bm_tables(rid)] for rid in self._bm_active()}
+        active_before = len(old_tables) - sum(1 for rid in frees + aborts if rid in old_tables)
+
+        self.steps += 1
+        grant = bm.step(StepPlan(self.steps, entries, frees=frees, aborts=aborts))
+        bm.check()
+        assert grant.step == self.steps
+
+        # ---- the grant's shape
+        granted_ids = [g.request_id for g in grant.granted]
+        assert len(set(granted_ids)) == len(granted_ids)
+        assert set(granted_ids) <= set(asked)
+        moved = set(grant.offloaded) | set(grant.soft_reset)
+        assert not moved & set(granted_ids), "a request placed in this step lost its blocks"
+        assert not set(grant.offloaded) & set(grant.soft_reset)
+        assert set(grant.blocked) <= set(asked) and not set(grant.blocked) & set(granted_ids)
+        for rej in grant.rejected:
+            # This worker never asks more than it has; only first-sight "never fits" is expected.
+            assert before.get(rej.request_id) == "new" and "needs" in rej.reason, rej
+            if self.geometry.all_full:
+                need = pages_for(self.reqs[rej.request_id].max_total, P) * bm.allocators[0].k
+                assert need > bm.pool.capacity
+            del self.reqs[rej.request_id]
+        if self.geometry.all_full:
+            for r, _ in chosen:
+                if before[r.rid] == "new" and r.rid in self.reqs:
+                    assert pages_for(r.max_total, P) * bm.allocators[0].k <= bm.pool.capacity
+        for rid in moved:
+            assert self.reqs[rid].state == "active" and rid in old_tables, rid
+        if active_before > 0:
+            assert self._bm_active(), "the last active request was offloaded"
+        for rid, state in before.items():
+            if state == "active" and rid in self.reqs:
+                outcomes = (rid in granted_ids) + (rid in grant.blocked) + (rid in moved)
+                assert outcomes == 1, f"{rid}: granted, blocked, offloaded or reset, exactly one"
+
+        # ---- swap copies: out (victims' live chunks) before in, then the forward
+        out_slots = [slot for _, slot in grant.swap_out]
+        assert len(set(out_slots)) == len(out_slots)
+        victims_chunks = {c for rid in grant.offloaded for t in old_tables[rid] for c in t if c >= 0}
+        assert {c for c, _ in grant.swap_out} <= victims_chunks
+        # KNOWN BUG (test_swap_slot_freed_by_a_restore_is_not_reused_by_an_offload_in_the_same_step):
+        # a slot given back by a restore can be a swap_out target in the same step. Reading swap_in
+        # sources from the slots as they were before this step's swap_out sidesteps it here, so the rest
+        # of the model keeps checking; for a correct BlockManager both orders give the same bytes.
+        swap_before = {s: list(v) for s, v in self.swap_kv.items()}
+        for chunk, slot in grant.swap_out:
+            self.swap_kv[slot] = list(self.kv[chunk])
+        for slot, chunk in grant.swap_in:
+            self.kv[chunk] = list(swap_before[slot])
+        for rid in grant.offloaded:
+            r = self.reqs[rid]
+            r.state, r.tables = "offloaded", None
+        for rid in grant.soft_reset:
+            r = self.reqs[rid]  # re-queue prompt + generated as a new request
+            r.state, r.tables, r.sent, r.computed = "new", None, 0, 0
+
+        for rid, state in before.items():
+            if rid in self.reqs and state == "new" and self.reqs[rid].state == "new" and rid not in moved:
+                self.reqs[rid].state = "pending"  # sent, not admitted (maybe admitted just below)
+
+        for g in grant.granted:
+            r = self.reqs[g.request_id]
+            state = before[r.rid]
+            n = asked[r.rid]
+            assert 1 <= g.num_tokens <= n, "granted more tokens than planned"
+            assert len(g.tables) == len(bm.allocators)
+            if state in ("new", "pending"):
+                assert g.replace and g.start % P == 0 and g.start <= len(r.tokens) - 1
+                if not bm.sharing:
+                    assert g.start == 0
+                assert g.num_tokens == min(n, len(r.tokens) - g.start)
+                r.tables = [list(t) for t in g.tables]
+            elif state == "offloaded":
+                assert g.replace and g.start == r.computed and g.num_tokens == n
+                r.tables = [list(t) for t in g.tables]
+            else:
+                assert state == "active" and not g.replace
+                assert g.start == r.computed and g.num_tokens == n
+                assert r.tables is not None
+                for mirror, delta in zip(r.tables, g.tables, strict=True):
+                    mirror.extend(delta)
+            r.state = "active"
+            self.forward(r, g.start, g.num_tokens)
+            r.computed = g.start + g.num_tokens
+            if r.computed == len(r.tokens):  # the last token's logits: sample one
+                tok = data.draw(st.integers(0, VOCAB - 1), label="sample") if data else 0
+                r.tokens.append(tok)
+                eos = data.draw(st.booleans(), label="eos") if data else False
+                r.done = len(r.tokens) >= r.max_total or (eos and tok == 0)
+
+        self.check_outside()
+        self.consistent = True
+        return grant
+
+    def forward(self, r: WReq, start: int, n: int) -> None:
+        """Write the KV of `[start, start + n)` through the worker's mirror; then check the KV this
+        step attends to is the request's own."""
+        bm = self.bm
+        assert bm is not None and r.tables is not None
+        for g, mirror in enumerate(r.tables):
+            k = bm.allocators[g].k
+            assert len(mirror) >= pages_for(start + n, P) * k, "table does not cover the step"
+            for pos in range(start, start + n):
+                for j in range(k):
+                    chunk = mirror[pos // P * k + j]
+                    assert chunk >= RESERVED_CHUNKS, f"{r.rid}: writes position {pos} into {chunk}"
+                    assert bm.pool.refcount[chunk] == 1, f"{r.rid}: writes into shared chunk {chunk}"
+                    self.kv.setdefault(chunk, [None] * P)[pos % P] = self.value(r, g, j, pos)
+        # What the step attends to, through the worker's mirror and through the BlockManager's tables
+        # (the mirror may still name a recycled page's old chunk; the BlockManager must not recycle a
+        # page this step can see).
+        self.check_kv(r, start, start + n, r.tables)
+        self.check_kv(r, start, start + n, self._bm_tables(r.rid))
+
+    def value(self, r: WReq, group: int, sub: int, pos: int) -> object:
+        return (r.salt, group, sub, tuple(r.tokens[: pos + 1]))
+
+    def first_live(self, group: int, start: int) -> int:
+        if self.geometry.groups[group] == "full":
+            return 0
+        window = self.geometry.sliding_window
+        assert window is not None
+        return max(0, start - window + 1)
+
+    def check_kv(self, r: WReq, start: int, end: int, tables: list[list[int]]) -> None:
+        """Every position a step starting at `start` attends to, up to `end`, holds r's KV."""
+        bm = self.bm
+        assert bm is not None
+        for g, tbl in enumerate(tables):
+            k = bm.allocators[g].k
+            for pos in range(self.first_live(g, start), end):
+                for j in range(k):
+                    chunk = tbl[pos // P * k + j]
+                    assert chunk >= RESERVED_CHUNKS, f"{r.rid}: position {pos} (group {g}) recycled"
+                    got = self.kv.get(chunk, [None] * P)[pos % P]
+                    want = self.value(r, g, j, pos)
+                    assert got == want, f"{r.rid}: KV at {pos} (group {g}, chunk {chunk}) is {got}"
+
+    # ------------------------------------------------------------------ outside checks
+
+    def _bm_active(self) -> list[str]:
+        assert self.bm is not None
+        return [rid for rid, q in self.bm.requests.items() if q.state is CacheState.ACTIVE]
+
+    def _bm_tables(self, rid: str) -> list[list[int]]:
+        assert self.bm is not None
+        return [a.tables[rid] for a in self.bm.allocators]
+
+    def check_outside(self) -> None:
+        bm = self.bm
+        assert bm is not None
+        # States and token lists agree.
+        known = {rid: r for rid, r in self.reqs.items() if r.state != "new"}
+        assert set(bm.requests) == set(known)
+        want_state = {
+            "pending": CacheState.PENDING,
+            "active": CacheState.ACTIVE,
+            "offloaded": CacheState.OFFLOADED,
+        }
+        for rid, r in known.items():
+            q = bm.requests[rid]
+            assert q.state is want_state[r.state], (rid, q.state, r.state)
+            assert q.token_ids == r.tokens[: r.sent]
+            if r.state == "pending":
+                assert q.num_computed + q.in_flight == 0
+            else:
+                assert q.num_computed + q.in_flight == r.computed
+        # Tables: the worker's mirror equals the BlockManager's, except that a sliding page the
+        # BlockManager recycled (-1) may still name its old chunk in the mirror (append deltas cannot
+        # say "recycled"); only pages wholly outside the window may be recycled.
+        active = {rid for rid, r in known.items() if r.state == "active"}
+        for g, alloc in enumerate(bm.allocators):
+            assert set(alloc.tables) == active
+            for rid in active:
+                r = self.reqs[rid]
+                assert r.tables is not None
+                bm_t, mirror = alloc.tables[rid], r.tables[g]
+                assert len(bm_t) == len(mirror), (rid, g, bm_t, mirror)
+                live_from = self.first_live(g, r.computed)
+                for i, (b, m) in enumerate(zip(bm_t, mirror, strict=True)):
+                    if b == RECYCLED:
+                        page = i // alloc.k
+                        assert (page + 1) * P <= live_from, f"{rid}: page {page} recycled while in window"
+                    else:
+                        assert b == m, (rid, g, bm_t, mirror)
+        # Chunk accounting from outside: distinct chunks named by tables are the used ones.
+        used = {c for a in bm.allocators for t in a.tables.values() for c in t if c >= 0}
+        assert len(used) == bm.pool.num_used
+        assert bm.pool.num_free + bm.pool.num_used == bm.pool.capacity
+        stats = bm.stats_dict()
+        assert (
+            stats["free_blocks"] + stats["evictable_blocks"] + stats["used_blocks"] == stats["total_blocks"]
+        )
+        # Swap slots: held exactly by the offloaded requests.
+        offloaded = {rid for rid, r in known.items() if r.state == "offloaded"}
+        assert set(bm.swap.held) == offloaded
+        held = sum(1 for layout in bm.swap.held.values() for t in layout for s in t if s >= 0)
+        assert stats["swap_slots_used"] == held
+        # Every active request still holds its own KV over everything it can attend to; every
+        # offloaded one has it in its swap slots.
+        for rid in active:
+            r = self.reqs[rid]
+            self.check_kv(r, r.computed, r.computed, self._bm_tables(rid))
+        for rid in offloaded:
+            r = self.reqs[rid]
+            for g, slots in enumerate(bm.swap.held[rid]):
+                k = bm.allocators[g].k
+                for pos in range(self.first_live(g, r.computed), r.computed):
+                    for j in range(k):
+                        slot = slots[pos // P * k + j]
+                        assert slot >= 0, f"{rid}: position {pos} not in swap"
+                        assert self.swap_kv[slot][pos % P] == self.value(r, g, j, pos)
+
+    # ------------------------------------------------------------------ the end
+
+    def teardown(self) -> None:
+        if self.bm is None or not self.consistent:
+            return  # nothing set up, or a check already failed: do not bury its message
+        self.drain()
+        bm = self.bm
+        for r in self.reqs.values():
+            r.aborted = not r.done
+        self.run_step([], None)  # frees/aborts everything
+        self.run_step([], None)  # and one more empty plan
+        stats = bm.stats_dict()
+        assert stats["used_blocks"] == 0, stats
+        assert stats["free_blocks"] + stats["evictable_blocks"] == stats["total_blocks"], stats
+        assert stats["swap_slots_used"] == 0 and stats["requests_known"] == 0, stats
+        assert bm.requests == {} and all(a.tables == {} for a in bm.allocators)
+
+    def drain(self) -> None:
+        """Liveness: plan every request in arrival order with the largest chunk until all finish.
+
+        Restores ask one token (KNOWN BUG, test_sliding_restore_fits_in_an_empty_pool: a sliding restore
+        with a full-size chunk may never fit)."""
+        idle = 0
+        for _ in range(1000):
+            pending = sorted(self.live(), key=lambda r: r.arrival)
+            if not pending:
+                return
+            chosen = []
+            for r in pending:
+                available = len(r.tokens) - r.computed
+                n = 1 if r.state == "offloaded" else min(available, self.max_step)
+                chosen.append((r, n))
+            grant = self.run_step(chosen, None)
+            if grant.granted or grant.soft_reset or grant.offloaded or grant.rejected:
+                idle = 0
+            else:
+                idle += 1
+            assert idle < 3, f"no progress: {[(r.rid, r.state, r.computed, len(r.tokens)) for r in pending]}"
+        raise AssertionError("requests never finished")
+
+
+STATEFUL_SETTINGS = dict(
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    derandomize=True,
+)
+
+
+@pytest.mark.parametrize("swap_pages", [0, 3, 64], ids=["no-swap", "small-swap", "swap"])
+@pytest.mark.parametrize(
+    "geometry", [FULL, SLIDING, HYBRID, HYBRID_3], ids=["full", "sliding", "hybrid", "hybrid-3chunk"]
+)
+def test_worker_model(geometry: KVGeometry, swap_pages: int) -> None:
+    run_state_machine_as_test(
+        lambda: WorkerModel(geometry, swap_pages),
+        settings=settings(max_examples=20, stateful_step_count=30, **STATEFUL_SETTINGS),
+    )
+
+
+def test_worker_model_without_sharing() -> None:
+    run_state_machine_as_test(
+        lambda: WorkerModel(FULL, 64, sharing=False),
+        settings=settings(max_examples=20, stateful_step_count=30, **STATEFUL_SETTINGS),
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("swap_pages", [0, 3, 64], ids=["no-swap", "small-swap", "swap"])
+@pytest.mark.parametrize(
+    "geometry", [FULL, SLIDING, HYBRID, HYBRID_3], ids=["full", "sliding", "hybrid", "hybrid-3chunk"]
+)
+def test_worker_model_long(geometry: KVGeometry, swap_pages: int) -> None:
+    run_state_machine_as_test(
+        lambda: WorkerModel(geometry, swap_pages),
+        settings=settings(
+            max_examples=200,
+            stateful_step_count=80,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        ),
+    )
