@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from services.worker.kernels import PagedDecode
+
 ATTENTION_NAME = "cbserve_paged"
 
 
@@ -40,6 +42,7 @@ class RowGroup:
     valid: torch.Tensor | None  # None: every row is real
     num_queries: int  # Q
     bias: torch.Tensor
+    lengths: torch.Tensor  # [B]: keys each request really reads (the rest of its L is padding)
     slots: dict[tuple[int, int], torch.Tensor]
 
 
@@ -57,6 +60,7 @@ class AttentionBatch:
     groups: dict[int, list[RowGroup]]  # per allocator group: decode and prefill row groups
     views_of_layer: list[tuple[int, int]]
     kv_of_layer: list[tuple[torch.Tensor, torch.Tensor]]
+    decode_kernel: PagedDecode | None = None  # native one-query attention reading the pool in place
 
 
 def _attend(
@@ -100,10 +104,18 @@ def paged_attention(
     for rg in batch.groups[view[0]]:
         b, kv_len = rg.bias.shape[0], rg.bias.shape[-1]
         nq = rg.num_queries
+        slots = rg.slots[view]
+        if nq == 1 and batch.decode_kernel is not None:
+            # Decode rows: read each context once, in place, instead of gathering a padded copy.
+            qd = q[rg.rows].view(b, kv_heads, group, head_dim)
+            res = batch.decode_kernel(
+                qd, k_cache, v_cache, slots.view(b, kv_len), rg.lengths, scale, softcap or 0.0
+            )
+            out.index_copy_(0, rg.rows, res.view(b, num_heads, head_dim))
+            continue
         # [B*Q, H, D] -> [B, kv, group*Q, D]: query head h uses kv head h // group.
         qg = q[rg.rows].view(b, nq, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
         qg = qg.reshape(b, kv_heads, group * nq, head_dim)
-        slots = rg.slots[view]
         kg = k_cache[slots].view(b, kv_len, kv_heads, head_dim).transpose(1, 2)
         vg = v_cache[slots].view(b, kv_len, kv_heads, head_dim).transpose(1, 2)
         res = _attend(qg, kg, vg, rg.bias, scale, softcap)

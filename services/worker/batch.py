@@ -16,6 +16,7 @@ import torch
 
 from services.common.kv_geometry import PADDING_SLOT, KVGeometry
 from services.worker.attention import AttentionBatch, RowGroup
+from services.worker.kernels import PagedDecode
 
 
 @dataclass(frozen=True)
@@ -51,12 +52,14 @@ class BatchBuilder:
         q_padding: int = 0,
         kv_padding: int = 0,
         device: torch.device | str = "cpu",
+        decode_kernel: PagedDecode | None = None,
     ) -> None:
         self.geometry = geometry
         self.page_size = geometry.page_size
         self.kv_of_layer = kv_of_layer
         self.query_group = query_group  # query heads per KV head
         self.dtype = dtype
+        self.decode_kernel = decode_kernel
         self.q_padding = q_padding
         self.kv_padding = kv_padding
         self.device = torch.device(device)
@@ -119,6 +122,7 @@ class BatchBuilder:
             groups=groups,
             views_of_layer=self.views_of_layer,
             kv_of_layer=self.kv_of_layer,
+            decode_kernel=self.decode_kernel,
         )
         return ForwardBatch(
             input_ids=self.input_buf[:padded].unsqueeze(0),
@@ -179,5 +183,6 @@ class BatchBuilder:
             valid=None if all_valid else valid_q.reshape(-1).to(self.device),
             num_queries=num_q,
             bias=bias.to(self.device),
+            lengths=(end - lo).to(self.device),
             slots=slots,
         )

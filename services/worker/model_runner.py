@@ -11,6 +11,7 @@ from services.common.config import CBConfig
 from services.common.kv_geometry import KVGeometry
 from services.worker.attention import ATTENTION_NAME
 from services.worker.batch import BatchBuilder, BatchItem
+from services.worker.kernels import paged_decode_kernel
 
 
 class ModelRunner:
@@ -49,6 +50,9 @@ class ModelRunner:
             q_padding=config.q_padding_interval_size,
             kv_padding=config.kv_padding_interval_size,
             device=self.device,
+            decode_kernel=paged_decode_kernel()
+            if self.device.type == "cpu" and kv_pool.dtype == torch.float32
+            else None,
         )
 
     def copy_swap(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]]) -> None:

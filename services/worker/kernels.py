@@ -1,0 +1,58 @@
+"""Native CPU kernels, compiled once on first use by torch's extension builder (cached on disk).
+
+One switch: `CBSERVE_NATIVE_KERNELS=0` turns them off. Without the switch, without a compiler, or off
+the CPU/float32 path, attention falls back to gather + SDPA, which gives the same results up to fp32
+rounding; the tests run both.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import structlog
+import torch
+
+log = structlog.get_logger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+SWITCH = "CBSERVE_NATIVE_KERNELS"
+
+PagedDecode = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float], torch.Tensor
+]
+
+
+def native_kernels_enabled() -> bool:
+    return os.environ.get(SWITCH, "1") != "0"
+
+
+def _cpu_tag() -> str:
+    """-march=native code must never run on another CPU: key the build by this CPU's feature flags."""
+    with open("/proc/cpuinfo") as f:
+        flags = next((line for line in f if line.startswith("flags")), "")
+    return hashlib.sha1(flags.encode()).hexdigest()[:10]
+
+
+@functools.cache
+def paged_decode_kernel() -> PagedDecode | None:
+    """`paged_decode(q [B, kv, group, D], k_cache [S, kv, D], v_cache, slots [B, L], lengths [B],
+    scale, softcap)`: attention of one query token per request over its first `lengths[b]` slots."""
+    if not native_kernels_enabled():
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        module = load(
+            name=f"cbserve_paged_decode_{_cpu_tag()}",
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no ninja, odd platform: the fallback is exact too
+        log.warning("native paged decode kernel unavailable, using gather + SDPA", error=str(exc))
+        return None
+    return module.paged_decode
