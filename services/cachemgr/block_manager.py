@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -263,15 +264,7 @@ class BlockManager:
         self.swap.give_back(req.request_id, read_this_step=True)
         fresh = iter(self.pool.allocate(live))
         for alloc, slots in zip(self.allocators, layout, strict=True):
-            table = []
-            for slot in slots:
-                if slot < 0:
-                    table.append(slot)
-                    continue
-                chunk = next(fresh)
-                out.swap_in.append((slot, chunk))
-                table.append(chunk)
-            alloc.install(req.request_id, table)
+            alloc.install(req.request_id, _relocate(slots, fresh, out.swap_in))
             alloc.grow(req.request_id, end)
         req.state = CacheState.ACTIVE
         self.stats.swap_restores += 1
@@ -320,15 +313,7 @@ class BlockManager:
             layout = []
             for alloc in self.allocators:
                 table = alloc.detach(rid)
-                placed = []
-                for chunk in table:
-                    if chunk < 0:
-                        placed.append(chunk)
-                        continue
-                    slot = next(slots)
-                    out.swap_out.append((chunk, slot))
-                    placed.append(slot)
-                layout.append(placed)
+                layout.append(_relocate(table, slots, out.swap_out))
                 self.pool.release(table[::-1])
             self.swap.held[rid] = layout
             req.state = CacheState.OFFLOADED
@@ -399,6 +384,20 @@ class BlockManager:
         for rid, req in self.requests.items():
             if req.state is CacheState.OFFLOADED and rid not in self.swap.held:
                 raise AssertionError(f"offloaded {rid} holds no swap slots")
+
+
+def _relocate(table: list[int], fresh: Iterator[int], moves: list[tuple[int, int]]) -> list[int]:
+    """Give each live entry of `table` the next id from `fresh`, keep recycled holes, and record every
+    (old, new) pair in `moves` (a swap copy list)."""
+    out = []
+    for old in table:
+        if old < 0:
+            out.append(old)
+            continue
+        new = next(fresh)
+        moves.append((old, new))
+        out.append(new)
+    return out
 
 
 class _GrantBuilder:
