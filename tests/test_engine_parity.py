@@ -24,7 +24,7 @@ NEW_TOKENS = 20
 
 # Cache sizes (in chunks) small enough that the six test prompts cannot all be resident at once, so
 # offloading must happen; each still fits one request. Hybrids need more chunks per page.
-TIGHT_BLOCKS = {"llama": 16, "qwen2": 16, "mistral": 10, "gemma2": 36, "gemma3": 44}
+TIGHT_BLOCKS = {"llama": 16, "qwen2": 16, "qwen3": 16, "mistral": 10, "gemma2": 36, "gemma3": 44}
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "roomy": {"num_blocks": 256},

@@ -4,7 +4,7 @@ Every family shares one geometry (hidden 64, 4 query heads, 2 KV heads, head_dim
 vocab 256, 1024 positions, float32) so tests can reason about page sizes and memory without caring
 which family they run. Families differ in how attention is laid out:
 
-- `llama`, `qwen2`: full attention on every layer.
+- `llama`, `qwen2`, `qwen3`: full attention on every layer (Qwen3 also normalises q and k per head).
 - `mistral`: a sliding window (`MISTRAL_SLIDING_WINDOW`) on every layer, expressed the Mistral way:
   a scalar `sliding_window` and no `layer_types` (transformers 5 then builds a sliding mask and
   sliding cache layers for all layers).
@@ -36,6 +36,7 @@ from transformers import (
     MistralConfig,
     PreTrainedConfig,
     Qwen2Config,
+    Qwen3Config,
 )
 
 try:
@@ -81,6 +82,11 @@ def _qwen2() -> PreTrainedConfig:
     return Qwen2Config(**_COMMON, num_hidden_layers=2, use_sliding_window=False)
 
 
+def _qwen3() -> PreTrainedConfig:
+    # Qwen3 adds per-head RMSNorm on queries and keys before RoPE: a different attention module.
+    return Qwen3Config(**_COMMON, num_hidden_layers=2, use_sliding_window=False)
+
+
 def _mistral() -> PreTrainedConfig:
     return MistralConfig(**_COMMON, num_hidden_layers=2, sliding_window=MISTRAL_SLIDING_WINDOW)
 
@@ -115,6 +121,7 @@ def _gemma3() -> PreTrainedConfig:
 _BUILDERS: dict[str, Callable[[], PreTrainedConfig]] = {
     "llama": _llama,
     "qwen2": _qwen2,
+    "qwen3": _qwen3,
     "mistral": _mistral,
     "gemma2": _gemma2,
 }
@@ -124,7 +131,7 @@ if Gemma3TextConfig is not None:
 FAMILIES: tuple[str, ...] = tuple(_BUILDERS)
 
 # Fixed per family (not derived from hash(), which is salted per process).
-_SEEDS = {"llama": 1000, "qwen2": 1001, "mistral": 1002, "gemma2": 1003, "gemma3": 1004}
+_SEEDS = {"llama": 1000, "qwen2": 1001, "mistral": 1002, "gemma2": 1003, "gemma3": 1004, "qwen3": 1005}
 
 
 def tiny_config(family: str) -> PreTrainedConfig:
