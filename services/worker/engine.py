@@ -77,6 +77,7 @@ class Engine:
         )
         self.sampler = Sampler()
         self._ids = itertools.count()
+        self.last_step_size = 0  # requests computed in the latest step (progress, for stall detection)
         log.info(
             "kv cache sized",
             **self.sizing.as_dict(),
@@ -139,6 +140,7 @@ class Engine:
         batch = self.scheduler.apply(grant)
         self.runner.copy_swap(batch.swap_out, batch.swap_in)
         updated: list[Request] = list(batch.failed)
+        self.last_step_size = len(batch.scheduled)
         if batch.scheduled:
             sampled = self._run(batch)
             updated += self.scheduler.postprocess(batch, sampled)
@@ -173,7 +175,7 @@ class Engine:
     def run_until_done(self) -> None:
         idle = 0
         while self.has_work:
-            progressed = self.step()
+            progressed = self.step() or self.last_step_size
             idle = 0 if progressed or not self.scheduler.has_work else idle + 1
             if idle > MAX_IDLE_STEPS:
                 raise RuntimeError(f"no progress in {MAX_IDLE_STEPS} steps: {self.stats()}")

@@ -1,4 +1,5 @@
-"""Native CPU kernels, compiled once on first use by torch's extension builder (cached on disk).
+"""Native CPU kernels, compiled once on first use by torch's extension builder (cached under
+`$CBSERVE_HOME/kernels`).
 
 One switch: `CBSERVE_NATIVE_KERNELS=0` turns them off. Without the switch, without a compiler, or off
 the CPU/float32 path, attention falls back to gather + SDPA, which gives the same results up to fp32
@@ -10,16 +11,20 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import structlog
 import torch
 
+from services.common.model_source import cbserve_home
+
 log = structlog.get_logger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
 SWITCH = "CBSERVE_NATIVE_KERNELS"
+STALE_LOCK_S = 600
 
 PagedDecode = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float], torch.Tensor
@@ -46,10 +51,20 @@ def paged_decode_kernel() -> PagedDecode | None:
     try:
         from torch.utils.cpp_extension import load
 
+        name = f"cbserve_paged_decode_{_cpu_tag()}"
+        build_dir = cbserve_home() / "kernels" / name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        # torch serialises builds with a lock file; one left by a build that was killed would make
+        # every later start wait forever. A real build takes well under STALE_LOCK_S.
+        lock = build_dir / "lock"
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink(missing_ok=True)
         module = load(
-            name=f"cbserve_paged_decode_{_cpu_tag()}",
+            name=name,
             sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffast-math"],
+            extra_ldflags=["-lmvec"],
+            build_directory=str(build_dir),
             verbose=False,
         )
     except Exception as exc:  # no compiler, no ninja, odd platform: the fallback is exact too

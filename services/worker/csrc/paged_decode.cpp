@@ -6,8 +6,8 @@
 // computed together so each K/V row is loaded once.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <cfloat>
 #include <cmath>
-#include <limits>
 #include <vector>
 
 torch::Tensor paged_decode(
@@ -40,7 +40,8 @@ torch::Tensor paged_decode(
       const int64_t n = lp[b];
       const float* qrow = qp + (b * H + h) * G * D;
       const int64_t* srow = sp + b * L;
-      std::vector<float> maxs(G, -std::numeric_limits<float>::infinity());
+      // Built with -ffast-math (so exp vectorises): every value here stays finite, starting with this.
+      std::vector<float> maxs(G, -FLT_MAX);
       for (int64_t j = 0; j < n; ++j) {
         const float* krow = kp + (srow[j] * H + h) * D;
         for (int64_t g = 0; g < G; ++g) {
@@ -57,11 +58,15 @@ torch::Tensor paged_decode(
       std::fill(acc.begin(), acc.end(), 0.f);
       std::vector<float> sums(G, 0.f);
       for (int64_t g = 0; g < G; ++g) {
+        float* row = scores.data() + g * L;
+        const float m = maxs[g];
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < n; ++j) {
-          const float e = std::exp(scores[g * L + j] - maxs[g]);
-          scores[g * L + j] = e;
-          sums[g] += e;
+          row[j] = std::exp(row[j] - m);
+          sum += row[j];
         }
+        sums[g] = sum;
       }
       for (int64_t j = 0; j < n; ++j) {
         const float* vrow = vp + (srow[j] * H + h) * D;
