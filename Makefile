@@ -26,7 +26,7 @@ serve: model
 	$(BIN)/cbserve chat
 
 test: model
-	$(BIN)/ruff check services tests scripts
+	$(BIN)/ruff check services tests
 	$(BIN)/pytest -q
 
 test-slow: model
@@ -36,7 +36,7 @@ bench: model
 	$(BIN)/cbserve bench offline
 
 lint: $(STAMP)
-	$(BIN)/ruff check services tests scripts
+	$(BIN)/ruff check services tests
 
 clean:
 	rm -rf $(VENV)
