@@ -27,9 +27,6 @@ class FullAttentionAllocator:
         self.k = chunks_per_block
         self.tables: dict[str, list[int]] = {}
 
-    def first_live_position(self, start: int) -> int:
-        return 0
-
     def chunks_needed(self, rid: str, end: int) -> int:
         """New chunks to hold tokens `[0, end)`."""
         have = len(self.tables.get(rid, ())) // self.k

@@ -86,16 +86,14 @@ class Scheduler:
         request.arrival = next(self._arrivals)
         self.requests[request.request_id] = request
 
-    def abort(
-        self, request_id: str, reason: FinishReason = FinishReason.ABORTED, error: str = ""
-    ) -> Request | None:
+    def abort(self, request_id: str) -> Request | None:
+        """Finish a request in any state; its blocks are released with the next plan."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
         if req.num_sent:
             self._aborts.append(request_id)
-        self._finish(req, reason)
-        req.error = error
+        self._finish(req, FinishReason.ABORTED)
         return req
 
     @property
