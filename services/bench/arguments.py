@@ -38,6 +38,9 @@ def add_offline_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--static-batch", type=int, default=None, metavar="N", help="add hf-static with batches of N"
     )
+    parser.add_argument(
+        "--repeat", type=int, default=1, metavar="N", help="rounds of all systems in turn; medians reported"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: usable cores)")
     parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the results here")
     parser.add_argument(
