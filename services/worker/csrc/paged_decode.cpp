@@ -35,13 +35,15 @@ torch::Tensor paged_decode(
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(static_cast<size_t>(G * L));
     std::vector<float> acc(static_cast<size_t>(G * D));
+    std::vector<float> maxs(static_cast<size_t>(G));
+    std::vector<float> sums(static_cast<size_t>(G));
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / H, h = task % H;
       const int64_t n = lp[b];
       const float* qrow = qp + (b * H + h) * G * D;
       const int64_t* srow = sp + b * L;
       // Built with -ffast-math (so exp vectorises): every value here stays finite, starting with this.
-      std::vector<float> maxs(G, -FLT_MAX);
+      std::fill(maxs.begin(), maxs.end(), -FLT_MAX);
       for (int64_t j = 0; j < n; ++j) {
         const float* krow = kp + (srow[j] * H + h) * D;
         for (int64_t g = 0; g < G; ++g) {
@@ -56,7 +58,6 @@ torch::Tensor paged_decode(
         }
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      std::vector<float> sums(G, 0.f);
       for (int64_t g = 0; g < G; ++g) {
         float* row = scores.data() + g * L;
         const float m = maxs[g];
