@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.common.sampling_params import SamplingParams
 from services.worker.engine import Engine
 from services.worker.request import FinishReason, RequestStatus
-from services.worker.sampling_params import SamplingParams
 from tests.test_engine_parity import assert_no_leak, make_prompts
 
 

@@ -72,7 +72,7 @@ def assert_no_leak(engine: Engine) -> None:
     assert stats["used_blocks"] == 0, stats
     assert stats["free_blocks"] + stats["evictable_blocks"] == stats["total_blocks"], stats
     assert stats["swap_slots_used"] == 0, stats
-    engine.block_manager.check()
+    engine.cache.block_manager.check()
 
 
 @pytest.mark.parametrize("config_name", list(CONFIGS))

@@ -19,6 +19,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from services.common.sampling_params import SamplingParams
 from services.worker.sampler import (
     SampleOutput,
     Sampler,
@@ -27,7 +28,6 @@ from services.worker.sampler import (
     _top_k_,
     _top_p_,
 )
-from services.worker.sampling_params import SamplingParams
 
 SAMPLER = Sampler()
 

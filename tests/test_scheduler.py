@@ -5,8 +5,8 @@ from __future__ import annotations
 from services.cachemgr.block_manager import BlockManager
 from services.common.config import CBConfig
 from services.common.kv_geometry import KVGeometry
+from services.common.sampling_params import SamplingParams
 from services.worker.request import FinishReason, Request, RequestStatus
-from services.worker.sampling_params import SamplingParams
 from services.worker.scheduler import Scheduler
 
 GEOMETRY = KVGeometry(

@@ -33,8 +33,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from services.bench.arguments import ENGINE_SETTING_NAMES, SYSTEMS
+from services.bench.arguments import SYSTEMS
 from services.bench.workload import Workload, reference_workload
+from services.common.cli_args import cb_settings
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -74,9 +75,7 @@ def run(args: argparse.Namespace) -> int:
     systems = _parse_systems(args.systems, args.static_batch)
     if args.check and "hf-generate" not in systems:
         raise SystemExit("--check needs hf-generate among --systems (it is the reference)")
-    engine_settings = {
-        name: getattr(args, name) for name in ENGINE_SETTING_NAMES if getattr(args, name, None) is not None
-    }
+    engine_settings = cb_settings(args)
     if "engine" in systems:
         # Validate before minutes of model loading and baseline runs, not after.
         from services.common.config import CBConfig

@@ -192,6 +192,19 @@ class BlockManager:
             return f"needs {need} KV chunks for {total} tokens; the pool has {self.pool.capacity}"
         return ""
 
+    def max_request_tokens(self) -> int:
+        """Most tokens (prompt + output) one request can hold in an empty pool; see `_never_fits`."""
+        full_k, sliding_need = 0, 0
+        for alloc in self.allocators:
+            if isinstance(alloc, SlidingAttentionAllocator):
+                span = alloc.window - 1 + self.max_step_tokens
+                sliding_need += (pages_for(span, self.page_size) + 1) * alloc.k
+            else:
+                full_k += alloc.k
+        if not full_k:
+            return 2**31 - 1  # sliding pages recycle: the cache never limits a request's length
+        return max(0, (self.pool.capacity - sliding_need) // full_k) * self.page_size
+
     # ------------------------------------------------------------------------------------ placement
 
     def _place(self, req: CacheRequest, entry: PlanEntry, out: _GrantBuilder) -> bool:
@@ -347,6 +360,17 @@ class BlockManager:
             self.swap.give_back(rid)
         for alloc in self.allocators:
             alloc.release(rid)
+
+    def release_all(self) -> int:
+        """Forget every request (its worker is gone); returns how many. In-flight tokens are not
+        committed: the step that computed them may never have run. Full hashed pages stay cached."""
+        rids = list(self.requests)
+        for rid in rids:
+            req = self.requests[rid]
+            req.in_flight = 0
+            self._forget(rid)
+        self.swap.end_step()
+        return len(rids)
 
     def stats_dict(self) -> dict[str, int]:
         return {

@@ -1,7 +1,9 @@
 """Where the KV pool and the swap pool live.
 
-The cachemgr owns both pools; this module is the one small interface that creates them, so that a
-later step can back them by POSIX shared memory or a CUDA IPC handle without touching the cores.
+The cachemgr owns both pools; this module is the one small interface that creates them. In one
+process (the in-process engine) they are plain tensors. Shared with a worker process (`shared=True`)
+the KV pool is CUDA memory exported by IPC handle, or POSIX shared memory on CPU, and the swap pool is
+host shared memory; the worker maps them with `attach_pool_memory` and pins the swap pool itself.
 
 Layout (see `kv_geometry`): `[layers_per_chunk, 2, num_chunks, page_size, kv_heads, head_dim]`; the swap
 pool has the same layout with `num_slots` in place of `num_chunks`.
@@ -9,21 +11,42 @@ pool has the same layout with `num_slots` in place of `num_chunks`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import msgspec
 import torch
 
 from services.common.kv_geometry import RESERVED_CHUNKS, KVGeometry
+from services.common.tensor_handles import (
+    SharedTensor,
+    TensorHandle,
+    create_shm_tensor,
+    open_tensor,
+    share_cuda_tensor,
+)
+
+
+class PoolHandles(msgspec.Struct, frozen=True):
+    kv: TensorHandle
+    swap: TensorHandle | None
 
 
 @dataclass
 class PoolMemory:
     kv: torch.Tensor
     swap: torch.Tensor | None
+    handles: PoolHandles | None = None  # set when another process may attach
+    _owned: list[SharedTensor] = field(default_factory=list)
+    _pinned: bool = False
 
     def close(self) -> None:
+        if self._pinned and self.swap is not None:
+            torch.cuda.cudart().cudaHostUnregister(self.swap.data_ptr())
         self.kv = torch.empty(0)
         self.swap = None
+        for shared in self._owned:
+            shared.close()
+        self._owned.clear()
 
 
 def pool_shape(geometry: KVGeometry, units: int) -> tuple[int, ...]:
@@ -32,15 +55,50 @@ def pool_shape(geometry: KVGeometry, units: int) -> tuple[int, ...]:
 
 
 def create_pool_memory(
-    geometry: KVGeometry, num_chunks: int, swap_slots: int, dtype: torch.dtype, device: torch.device
+    geometry: KVGeometry,
+    num_chunks: int,
+    swap_slots: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    shared: bool = False,
 ) -> PoolMemory:
-    # torch.empty: untouched pages of a large CPU pool are never committed. Only the reserved padding
-    # chunks are read before being written (masked reads), and must hold finite values: 0 * NaN = NaN.
-    kv = torch.empty(pool_shape(geometry, num_chunks), dtype=dtype, device=device)
+    kv_shape, swap_shape = pool_shape(geometry, num_chunks), pool_shape(geometry, swap_slots)
+    owned: list[SharedTensor] = []
+    if not shared:
+        # torch.empty: untouched pages of a large CPU pool are never committed.
+        kv = torch.empty(kv_shape, dtype=dtype, device=device)
+        kv_handle = None
+    elif device.type == "cuda":
+        kv = torch.empty(kv_shape, dtype=dtype, device=device)
+        kv_handle = share_cuda_tensor(kv)
+    else:
+        owned.append(create_shm_tensor(kv_shape, dtype, "kv"))  # sparse file: also lazily committed
+        kv, kv_handle = owned[-1].tensor, owned[-1].handle
+    # Only the reserved padding chunks are read before being written (masked reads), and must hold
+    # finite values: 0 * NaN = NaN.
     kv[:, :, :RESERVED_CHUNKS].zero_()
-    swap = None
-    if swap_slots:
-        swap = torch.empty(pool_shape(geometry, swap_slots), dtype=dtype, device="cpu")
+    swap, swap_handle = None, None
+    if swap_slots and shared:
+        owned.append(create_shm_tensor(swap_shape, dtype, "swap"))
+        swap, swap_handle = owned[-1].tensor, owned[-1].handle
+    elif swap_slots:
+        swap = torch.empty(swap_shape, dtype=dtype, device="cpu")
         if device.type == "cuda":
             swap = swap.pin_memory()  # async host<->device copies need page-locked memory
-    return PoolMemory(kv=kv, swap=swap)
+    handles = PoolHandles(kv_handle, swap_handle) if kv_handle is not None else None
+    return PoolMemory(kv=kv, swap=swap, handles=handles, _owned=owned)
+
+
+def attach_pool_memory(handles: PoolHandles, device: torch.device) -> PoolMemory:
+    """Map pools another process owns. On CUDA the swap pool is page-locked in place."""
+    kv = open_tensor(handles.kv)
+    if kv.device.type != device.type:
+        raise ValueError(f"KV pool is on {kv.device}, this worker runs on {device}")
+    swap = open_tensor(handles.swap) if handles.swap is not None else None
+    pinned = False
+    if swap is not None and device.type == "cuda":
+        nbytes = swap.numel() * swap.element_size()
+        err = torch.cuda.cudart().cudaHostRegister(swap.data_ptr(), nbytes, 0)
+        pinned = int(err) == 0  # unpinned copies still work, only synchronously
+    return PoolMemory(kv=kv, swap=swap, _pinned=pinned)

@@ -8,6 +8,7 @@ rows), divided by the chunk size. On CUDA "free" is `cudaMemGetInfo`; on CPU it 
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 
 from services.common.config import CBConfig
 from services.common.kv_geometry import RESERVED_CHUNKS, KVGeometry
+from services.common.tensor_handles import shm_dir
 
 GIB = 1 << 30
 
@@ -48,6 +50,11 @@ def free_memory_bytes(device: torch.device) -> int:
     raise RuntimeError("MemAvailable missing from /proc/meminfo")
 
 
+def shm_free_bytes() -> int:
+    st = os.statvfs(shm_dir())
+    return st.f_bavail * st.f_frsize
+
+
 def attention_workspace_bytes(model_config: Any, cfg: CBConfig) -> int:
     """Scores and gathered K/V of one layer's attention pass: every batch token against a full context."""
     c = getattr(model_config, "text_config", None) or model_config
@@ -66,10 +73,22 @@ def step_workspace_bytes(model_config: Any, cfg: CBConfig, dtype_bytes: int) -> 
     return activations + attention_workspace_bytes(model_config, cfg) + logits
 
 
-def size_cache(geometry: KVGeometry, model_config: Any, cfg: CBConfig, device: torch.device) -> CacheSizing:
+def size_cache(
+    geometry: KVGeometry,
+    model_config: Any,
+    cfg: CBConfig,
+    device: torch.device,
+    *,
+    reserve_bytes: int = 0,
+    shm: bool = False,
+) -> CacheSizing:
+    """`reserve_bytes`: memory someone else still needs (the weights a worker has yet to load).
+    `shm`: the pool lives in /dev/shm; writing past that filesystem's free space would SIGBUS."""
     chunk_bytes = geometry.chunk_bytes
     workspace = step_workspace_bytes(model_config, cfg, geometry.dtype_bytes)
-    free = free_memory_bytes(device)
+    free = free_memory_bytes(device) - reserve_bytes
+    if shm and device.type == "cpu":
+        free = min(free, shm_free_bytes())
     if cfg.num_blocks is not None:
         num_chunks, source = cfg.num_blocks + RESERVED_CHUNKS, "num_blocks"
     else:

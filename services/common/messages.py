@@ -1,13 +1,18 @@
-"""The worker <-> cachemgr step protocol: one StepPlan in, one StepGrant out, per step.
+"""The worker <-> cachemgr protocol: attach once, then one StepPlan in, one StepGrant out, per step.
 
 Typed msgspec structs so that the same objects cross a ZMQ socket as msgpack (never pickle) or are
 passed directly to `BlockManager.step` in-process. Every message carries `version`; a peer rejects a
-version it does not speak.
+version it does not speak. Messages are tagged so that one decoder reads any of a link's kinds, and
+anything else (garbage, truncated, foreign) fails to decode and is dropped.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
+
+from services.common.tensor_handles import TensorHandle
 
 PROTOCOL_VERSION = 1
 
@@ -28,7 +33,7 @@ class PlanEntry(msgspec.Struct, array_like=True, frozen=True):
     max_total_tokens: int = 0  # prompt + max new tokens, for the fits-at-all check on first sight
 
 
-class StepPlan(msgspec.Struct, frozen=True):
+class StepPlan(msgspec.Struct, frozen=True, tag="plan"):
     step: int
     entries: list[PlanEntry]
     frees: list[str] = []  # finished requests: release their blocks before anything else
@@ -56,7 +61,7 @@ class Rejected(msgspec.Struct, array_like=True, frozen=True):
     reason: str
 
 
-class StepGrant(msgspec.Struct, frozen=True):
+class StepGrant(msgspec.Struct, frozen=True, tag="grant"):
     step: int
     granted: list[Granted]
     blocked: list[str]  # active requests that could not get blocks and were not offloaded
@@ -66,3 +71,43 @@ class StepGrant(msgspec.Struct, frozen=True):
     swap_out: list[tuple[int, int]]  # (chunk, swap slot): copy before this step's forward
     swap_in: list[tuple[int, int]]  # (swap slot, chunk): copy after swap_out, before the forward
     version: int = PROTOCOL_VERSION
+
+
+class Attach(msgspec.Struct, frozen=True, tag="attach"):
+    """A worker (re)starting. A new `worker_id` makes the cachemgr drop the previous worker's requests:
+    their full pages stay in the prefix cache, so re-submitted requests recompute little."""
+
+    worker_id: str
+    version: int = PROTOCOL_VERSION
+
+
+class StatsQuery(msgspec.Struct, frozen=True, tag="stats_query"):
+    version: int = PROTOCOL_VERSION
+
+
+class Attached(msgspec.Struct, frozen=True, tag="attached"):
+    cachemgr_id: str
+    geometry: dict[str, Any]  # KVGeometry fields
+    sizing: dict[str, Any]  # CacheSizing fields
+    kv: TensorHandle
+    swap: TensorHandle | None
+    prefix_caching: bool
+    max_request_tokens: int
+    released: int  # requests of a previous worker dropped on this attach
+    version: int = PROTOCOL_VERSION
+
+
+class Stats(msgspec.Struct, frozen=True, tag="stats"):
+    stats: dict[str, int]
+    version: int = PROTOCOL_VERSION
+
+
+class Failure(msgspec.Struct, frozen=True, tag="failure"):
+    """The cachemgr could not serve a message: not attached, wrong version, bad plan."""
+
+    reason: str
+    version: int = PROTOCOL_VERSION
+
+
+ToCachemgr = Attach | StepPlan | StatsQuery
+FromCachemgr = Attached | StepGrant | Stats | Failure

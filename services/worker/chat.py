@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 
+from services.common.sampling_params import SamplingParams
 from services.worker.engine import Engine
-from services.worker.sampling_params import SamplingParams
 
 
 def stream_text(engine: Engine, prompt_ids: list[int], params: SamplingParams) -> str:

@@ -11,25 +11,26 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
 import torch
 from transformers import PreTrainedModel
 
-from services.cachemgr.block_manager import BlockManager
-from services.cachemgr.pool_memory import PoolMemory, create_pool_memory
-from services.cachemgr.sizing import CacheSizing, size_cache
+from services.cachemgr.kv_cache import KVCache
 from services.common.config import CBConfig
 from services.common.kv_geometry import KVGeometry
 from services.common.messages import StepGrant
 from services.common.model_source import load_model
+from services.common.sampling_params import SamplingParams
 from services.worker.batch import BatchItem
+from services.worker.cache_client import CacheClient
 from services.worker.model_runner import ModelRunner
 from services.worker.request import FinishReason, Request
 from services.worker.sampler import Sampler, SamplingRow
-from services.worker.sampling_params import SamplingParams
 from services.worker.scheduler import Scheduler, StepBatch
 
 log = structlog.get_logger(__name__)
@@ -37,6 +38,20 @@ log = structlog.get_logger(__name__)
 # A step that places nothing while requests wait can only repeat if nothing will ever free memory;
 # the BlockManager rejects requests that cannot fit at all, so this many idle steps means a bug.
 MAX_IDLE_STEPS = 1000
+
+
+@dataclass
+class StepPhases:
+    """Seconds one step spent in each phase; `schedule` covers the scheduler's plan, apply and
+    postprocess, `cache` the cachemgr's step (a round trip when it is another process)."""
+
+    schedule: float = 0.0
+    cache: float = 0.0
+    build: float = 0.0
+    forward: float = 0.0
+    sample: float = 0.0
+    num_tokens: int = 0
+    num_requests: int = 0
 
 
 def eos_ids_of(model: PreTrainedModel) -> tuple[int, ...]:
@@ -49,42 +64,42 @@ def eos_ids_of(model: PreTrainedModel) -> tuple[int, ...]:
 
 
 class Engine:
-    def __init__(self, model: PreTrainedModel, config: CBConfig, tokenizer: Any = None) -> None:
+    """Scheduler, model runner and sampler around a KV cache.
+
+    `cache` is the cachemgr's surface: a `KVCache` owned here (in-process, the default) or a
+    `RemoteCache` speaking to the cachemgr process. The engine closes only a cache it created.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        config: CBConfig,
+        tokenizer: Any = None,
+        cache: CacheClient | None = None,
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
         self.device = model.device
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         dtype = next(model.parameters()).dtype
-        self.geometry = KVGeometry.from_model_config(
-            model.config, config.page_size, torch.tensor([], dtype=dtype).element_size()
-        )
-        self.sizing: CacheSizing = size_cache(self.geometry, model.config, config, self.device)
-        self.memory: PoolMemory = create_pool_memory(
-            self.geometry, self.sizing.num_chunks, self.sizing.swap_slots, dtype, self.device
-        )
-        self.block_manager = BlockManager(
-            self.geometry,
-            self.sizing.num_chunks,
-            swap_slots=self.sizing.swap_slots,
-            allow_block_sharing=config.allow_block_sharing,
-            safety_margin=config.effective_safety_margin,
-            max_step_tokens=config.max_batch_tokens,
-        )
-        self.runner = ModelRunner(model, self.geometry, self.memory.kv, self.memory.swap, config)
+        self._owns_cache = cache is None
+        self.cache: CacheClient = cache or KVCache(model.config, config, dtype, self.device)
+        expected = KVGeometry.from_model_config(model.config, config.page_size, dtype.itemsize)
+        if self.cache.geometry != expected:
+            raise ValueError(
+                f"the KV cache's geometry {self.cache.geometry} does not fit this model: {expected}"
+            )
+        self.geometry = expected
+        memory = self.cache.memory
+        self.runner = ModelRunner(model, self.geometry, memory.kv, memory.swap, config)
         self.scheduler = Scheduler(
-            config, eos_ids_of(model), cache_budget_pages=self.sizing.max_pages_per_step
+            config, eos_ids_of(model), cache_budget_pages=self.cache.sizing.max_pages_per_step
         )
         self.sampler = Sampler()
         self._ids = itertools.count()
         self.last_step_size = 0  # requests computed in the latest step (progress, for stall detection)
-        log.info(
-            "kv cache sized",
-            **self.sizing.as_dict(),
-            layers_per_chunk=self.geometry.layers_per_chunk,
-            groups=self.geometry.groups,
-            prefix_caching=self.block_manager.sharing,
-        )
+        self.last_step_times = StepPhases()
 
     @classmethod
     def from_pretrained(
@@ -118,7 +133,15 @@ class Engine:
         if bad:
             raise ValueError(f"prompt ids out of vocabulary (size {self.vocab_size}): {bad[:8]}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        req = Request(rid, prompt, params, arrival=0, priority=priority, cache_salt=cache_salt)
+        req = Request(
+            rid,
+            prompt,
+            params,
+            arrival=0,
+            priority=priority,
+            cache_salt=cache_salt,
+            arrived_at=time.monotonic(),
+        )
         if params.seed is not None:
             req.generator = Sampler.make_generator(params.seed, self.device)
         self.scheduler.add(req)
@@ -135,23 +158,39 @@ class Engine:
 
     def step(self) -> list[Request]:
         """One continuous-batching step. Returns requests that got a token or finished this step."""
+        times = self.last_step_times = StepPhases()
+        t0 = time.perf_counter()
         plan = self.scheduler.plan()
-        grant: StepGrant = self.block_manager.step(plan)
+        t1 = time.perf_counter()
+        grant: StepGrant = self.cache.step(plan)
+        t2 = time.perf_counter()
         batch = self.scheduler.apply(grant)
         self.runner.copy_swap(batch.swap_out, batch.swap_in)
+        times.schedule, times.cache = t1 - t0, t2 - t1
         updated: list[Request] = list(batch.failed)
         self.last_step_size = len(batch.scheduled)
+        for s in batch.scheduled:
+            if s.request.scheduled_at is None:
+                s.request.scheduled_at = t2
         if batch.scheduled:
-            sampled = self._run(batch)
+            sampled = self._run(batch, times)
             updated += self.scheduler.postprocess(batch, sampled)
+            times.num_tokens = sum(s.num_tokens for s in batch.scheduled)
+            times.num_requests = len(batch.scheduled)
+        times.schedule += time.perf_counter() - t2 - times.build - times.forward - times.sample
         return updated
 
-    def _run(self, batch: StepBatch) -> list[int]:
+    def _run(self, batch: StepBatch, times: StepPhases) -> list[int]:
+        t0 = time.perf_counter()
         items = [
             BatchItem(s.start, s.request.tokens(s.start, s.start + s.num_tokens), s.request.tables, s.sample)
             for s in batch.scheduled
         ]
-        logits = self.runner.forward(items)
+        built = self.runner.build(items)
+        t1 = time.perf_counter()
+        logits = self.runner.forward(built)
+        t2 = time.perf_counter()
+        times.build, times.forward = t1 - t0, t2 - t1
         sampling = batch.sampling
         if not sampling:
             return []
@@ -170,6 +209,7 @@ class Engine:
         for s, lp in zip(sampling, out.logprobs, strict=True):
             if s.request.params.logprobs is not None:
                 s.request.logprobs.append(lp)
+        times.sample = time.perf_counter() - t2
         return out.token_ids
 
     def run_until_done(self) -> None:
@@ -226,18 +266,19 @@ class Engine:
 
     def _flush_releases(self) -> None:
         if self.scheduler.has_releases and not self.scheduler.has_work:
-            self.block_manager.step(self.scheduler.plan())
+            self.cache.step(self.scheduler.plan())
 
     # ---------------------------------------------------------------------------------------- admin
 
     def stats(self) -> dict[str, Any]:
-        return self.block_manager.stats_dict() | self.scheduler.counts()
+        return self.cache.stats() | self.scheduler.counts()
 
     def close(self) -> None:
         for rid in list(self.scheduler.requests):
             self.abort(rid)
         self._flush_releases()
-        self.memory.close()
+        if self._owns_cache:
+            self.cache.close()
 
     def __enter__(self) -> Engine:
         return self

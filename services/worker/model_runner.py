@@ -10,7 +10,7 @@ from transformers import PreTrainedModel
 from services.common.config import CBConfig
 from services.common.kv_geometry import KVGeometry
 from services.worker.attention import ATTENTION_NAME
-from services.worker.batch import BatchBuilder, BatchItem
+from services.worker.batch import BatchBuilder, BatchItem, ForwardBatch
 from services.worker.kernels import paged_decode_kernel
 
 
@@ -69,10 +69,12 @@ class ModelRunner:
             chunks = torch.tensor([c for _, c in swap_in], device=self.device)
             self.kv_pool.index_copy_(2, chunks, self.swap_pool.index_select(2, slots).to(self.device))
 
+    def build(self, items: Sequence[BatchItem]) -> ForwardBatch:
+        return self.builder.build(items)
+
     @torch.inference_mode()
-    def forward(self, items: Sequence[BatchItem]) -> torch.Tensor:
-        """Logits `[R, vocab]` (float32) for the sampling items, in order."""
-        batch = self.builder.build(items)
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits `[R, vocab]` (float32) for the batch's sampling items, in order."""
         out = self.model(
             input_ids=batch.input_ids,
             position_ids=batch.position_ids,

@@ -7,8 +7,8 @@ from enum import Enum
 
 import torch
 
+from services.common.sampling_params import SamplingParams
 from services.worker.sampler import TokenLogprobs
-from services.worker.sampling_params import SamplingParams
 
 
 class RequestStatus(Enum):
@@ -52,6 +52,8 @@ class Request:
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str = ""
+    arrived_at: float = 0.0  # time.monotonic() when added
+    scheduled_at: float | None = None  # when first computed: the end of its queue time
 
     @property
     def num_tokens(self) -> int:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.worker.sampling_params import SamplingParams
+from services.common.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
 

@@ -1,0 +1,77 @@
+"""What the cachemgr owns: the pool memory and the BlockManager that decides over it.
+
+The in-process engine holds one `KVCache` directly; the cachemgr process holds one with `shared=True`
+and serves it over ZMQ (`cachemgr/server.py`). Either way the worker sees the same surface
+(`geometry`, `sizing`, `memory`, `step`, `stats`), see `worker/cache_client.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+import torch
+
+from services.cachemgr.block_manager import BlockManager
+from services.cachemgr.pool_memory import PoolMemory, create_pool_memory
+from services.cachemgr.sizing import CacheSizing, size_cache
+from services.common.config import CBConfig
+from services.common.kv_geometry import KVGeometry
+from services.common.messages import StepGrant, StepPlan
+
+log = structlog.get_logger(__name__)
+
+
+class KVCache:
+    def __init__(
+        self,
+        model_config: Any,
+        config: CBConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        shared: bool = False,
+        reserve_bytes: int = 0,
+    ) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.geometry = KVGeometry.from_model_config(model_config, config.page_size, dtype.itemsize)
+        self.sizing: CacheSizing = size_cache(
+            self.geometry, model_config, config, device, reserve_bytes=reserve_bytes, shm=shared
+        )
+        self.memory: PoolMemory = create_pool_memory(
+            self.geometry, self.sizing.num_chunks, self.sizing.swap_slots, dtype, device, shared=shared
+        )
+        self.block_manager = BlockManager(
+            self.geometry,
+            self.sizing.num_chunks,
+            swap_slots=self.sizing.swap_slots,
+            allow_block_sharing=config.allow_block_sharing,
+            safety_margin=config.effective_safety_margin,
+            max_step_tokens=config.max_batch_tokens,
+        )
+        log.info(
+            "kv cache sized",
+            **self.sizing.as_dict(),
+            layers_per_chunk=self.geometry.layers_per_chunk,
+            groups=self.geometry.groups,
+            prefix_caching=self.block_manager.sharing,
+            shared=shared,
+        )
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.block_manager.sharing
+
+    def step(self, plan: StepPlan) -> StepGrant:
+        return self.block_manager.step(plan)
+
+    def stats(self) -> dict[str, int]:
+        return self.block_manager.stats_dict()
+
+    def release_all(self) -> int:
+        return self.block_manager.release_all()
+
+    def close(self) -> None:
+        self.memory.close()

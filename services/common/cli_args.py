@@ -1,0 +1,86 @@
+"""Command-line settings shared by every `cbserve` subcommand.
+
+Every continuous-batching setting of `CBConfig` is a kebab-case flag (`--page-size`) and an
+environment variable `CBSERVE_<NAME>` (`CBSERVE_PAGE_SIZE`); a flag given on the command line wins.
+Unset settings stay None and are not passed, so `CBConfig`'s own defaults apply.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from typing import Any
+
+from services.common.config import DEFAULT_SAFETY_MARGIN, CBConfig
+
+# (name, parser, help) for each CBConfig field; `bool` fields become --x/--no-x switches.
+CB_SETTINGS: tuple[tuple[str, Any, str], ...] = (
+    ("page_size", int, "tokens per KV page"),
+    ("num_blocks", int, "KV blocks (overrides memory-based sizing)"),
+    ("max_batch_tokens", int, "tokens computed per step"),
+    ("max_memory_percent", float, "fraction of free memory for the KV cache"),
+    ("max_requests_per_batch", int, "rows of logits (sampling requests) per step"),
+    ("allow_block_sharing", bool, "prefix caching"),
+    ("scheduler_type", str, "fifo or prefill_first"),
+    ("safety_margin", float, "free-cache fraction below which no prefill is admitted"),
+    ("cpu_offload_space", float, "GiB of CPU swap pool (0: offloading falls back to soft reset)"),
+    ("q_padding_interval_size", int, "query length padding (CUDA graphs)"),
+    ("kv_padding_interval_size", int, "KV length padding (CUDA graphs)"),
+    ("use_cuda_graph", bool, "CUDA graph capture (default: automatic)"),
+    ("use_async_batching", bool, "overlap batch preparation with the forward (needs CUDA graphs)"),
+)
+CB_SETTING_NAMES = tuple(name for name, _, _ in CB_SETTINGS)
+
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
+def env_name(dest: str) -> str:
+    return "CBSERVE_" + dest.upper()
+
+
+def parse_bool(text: str) -> bool:
+    if text.lower() in _TRUE:
+        return True
+    if text.lower() in _FALSE:
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def add_env_argument(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    flag: str,
+    *,
+    type: Callable[[str], Any] = str,
+    default: Any = None,
+    help: str = "",
+    **kwargs: Any,
+) -> None:
+    """`parser.add_argument(flag, ...)` whose default comes from `CBSERVE_<DEST>` when that is set."""
+    dest = flag.lstrip("-").replace("-", "_")
+    env = os.environ.get(env_name(dest))
+    if type is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+        if env is not None:
+            default = parse_bool(env)
+    else:
+        kwargs["type"] = type
+        if env is not None:
+            default = type(env)
+    parser.add_argument(flag, default=default, help=f"{help} [{env_name(dest)}]", **kwargs)
+
+
+def add_cb_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("continuous batching (unset: the engine's defaults)")
+    for name, kind, help_text in CB_SETTINGS:
+        extra = {"choices": sorted(DEFAULT_SAFETY_MARGIN)} if name == "scheduler_type" else {}
+        add_env_argument(group, "--" + name.replace("_", "-"), type=kind, help=help_text, **extra)
+
+
+def cb_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The continuous-batching settings given (flag or environment), as CBConfig keyword arguments."""
+    return {n: getattr(args, n) for n in CB_SETTING_NAMES if getattr(args, n, None) is not None}
+
+
+def cb_config(args: argparse.Namespace) -> CBConfig:
+    return CBConfig.from_kwargs(**cb_settings(args))
