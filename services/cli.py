@@ -8,6 +8,12 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from services.gateway.server import GatewaySettings
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -31,8 +37,160 @@ def _chat(args: argparse.Namespace) -> int:
     return chat_loop(args.model, args.max_new_tokens, args.temperature)
 
 
+DEFAULT_CACHEMGR_ADDRESS = "tcp://127.0.0.1:5557"
+DEFAULT_WORKER_ADDRESS = "tcp://127.0.0.1:5556"
+
+
+def _dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, name)
+
+
+def _cachemgr(args: argparse.Namespace) -> int:
+    from services.cachemgr.server import run_cachemgr
+    from services.common.cli_args import cb_config
+
+    return run_cachemgr(args.model, args.cachemgr_address, cb_config(args), args.device, _dtype(args.dtype))
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from services.common.cli_args import cb_config
+    from services.worker.server import run_worker
+
+    return run_worker(
+        args.model,
+        args.worker_address,
+        args.cachemgr_address,
+        cb_config(args),
+        args.device,
+        _dtype(args.dtype),
+        threads=args.threads,
+        cachemgr_timeout_s=args.cachemgr_timeout,
+        gateway_timeout_s=args.gateway_timeout,
+    )
+
+
+def _gateway_settings(args: argparse.Namespace) -> GatewaySettings:
+    from services.gateway.inputs import Limits
+    from services.gateway.server import GatewaySettings
+
+    return GatewaySettings(
+        max_queue_size=args.max_queue_size,
+        drain_grace_s=args.drain_grace,
+        max_message_bytes=args.max_message_bytes,
+        max_concurrent_streams=args.max_concurrent_streams,
+        keepalive_time_s=args.keepalive_time,
+        worker_timeout_s=args.worker_timeout,
+        limits=Limits(default_max_tokens=args.default_max_tokens, max_stop_strings=args.max_stop_strings),
+    )
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from services.gateway.server import serve
+
+    settings = _gateway_settings(args)
+    metrics_port = args.metrics_port or None
+    asyncio.run(serve(args.model, args.worker_address, args.host, args.port, metrics_port, settings))
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    from services.common.cli_args import cb_config, cb_settings, env_name
+    from services.supervisor import run_up
+
+    cb_config(args)  # refuse bad settings here, not in three children
+    settings_env = {
+        env_name(name): str(value).lower() if isinstance(value, bool) else str(value)
+        for name, value in cb_settings(args).items()
+    }
+    for name in ("max_queue_size", "drain_grace", "default_max_tokens", "worker_timeout", "threads"):
+        if getattr(args, name, None) is not None:
+            settings_env[env_name(name)] = str(getattr(args, name))
+    return run_up(
+        args.model, args.device, args.dtype, args.port, args.metrics_port or None, args.host, settings_env,
+        drain_grace_s=args.drain_grace,
+    )  # fmt: skip
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from services.gateway.client import stream_to
+
+    try:
+        final = stream_to(
+            args.target, args.prompt, chat=args.chat, max_tokens=args.max_tokens,
+            temperature=args.temperature, seed=args.seed, stops=args.stop,
+        )  # fmt: skip
+    except grpc.RpcError as exc:
+        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    if final is not None and args.verbose:
+        from google.protobuf.json_format import MessageToJson
+
+        print(MessageToJson(final), file=sys.stderr)
+    return 0
+
+
+def _health(args: argparse.Namespace) -> int:
+    import grpc
+
+    from services.gateway.client import health_status
+
+    try:
+        status = health_status(args.target, args.service, args.timeout)
+    except grpc.RpcError as exc:
+        status = exc.code().name
+    print(status)
+    return 0 if status == "SERVING" else 1
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    from services.common.cli_args import add_env_argument
+
+    add_env_argument(parser, "--model", help="local model directory (default: the embedded SmolLM2-135M)")
+    add_env_argument(parser, "--device", default="cpu", help="cpu, cuda or cuda:N")
+    add_env_argument(parser, "--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                     help="weight and KV dtype")  # fmt: skip
+
+
+def _add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    from services.common.cli_args import add_env_argument
+
+    add_env_argument(parser, "--threads", type=int, help="worker torch threads (default: usable cores)")
+    add_env_argument(parser, "--cachemgr-timeout", type=float, default=10.0,
+                     help="seconds to wait for the cachemgr's answer before failing requests")  # fmt: skip
+    add_env_argument(parser, "--gateway-timeout", type=float, default=15.0,
+                     help="seconds of gateway silence before its requests are aborted")  # fmt: skip
+
+
+def _add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
+    from services.common.cli_args import add_env_argument
+
+    add_env_argument(parser, "--host", default="127.0.0.1", help="gRPC and metrics listen address")
+    add_env_argument(parser, "--port", type=int, default=50051, help="gRPC port")
+    add_env_argument(parser, "--metrics-port", type=int, default=9090, help="Prometheus port (0: off)")
+    add_env_argument(parser, "--max-queue-size", type=int, default=1024,
+                     help="streams waiting for their first token before RESOURCE_EXHAUSTED")  # fmt: skip
+    add_env_argument(parser, "--drain-grace", type=float, default=30.0,
+                     help="seconds in-flight streams may take to finish after SIGTERM")  # fmt: skip
+    add_env_argument(parser, "--default-max-tokens", type=int, default=256,
+                     help="max_tokens of requests that set none")  # fmt: skip
+    add_env_argument(parser, "--max-stop-strings", type=int, default=16, help="stop strings per request")
+    add_env_argument(parser, "--max-message-bytes", type=int, default=16 << 20, help="gRPC message limit")
+    add_env_argument(parser, "--max-concurrent-streams", type=int, default=1024,
+                     help="concurrent streams per HTTP/2 connection")  # fmt: skip
+    add_env_argument(parser, "--keepalive-time", type=float, default=30.0, help="seconds between pings")
+    add_env_argument(parser, "--worker-timeout", type=float, default=10.0,
+                     help="seconds without a worker status before its streams fail UNAVAILABLE")  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     from services.bench.arguments import add_offline_arguments
+    from services.common.cli_args import add_cb_arguments, add_env_argument
 
     parser = argparse.ArgumentParser(prog="cbserve", description="Continuous-batching LLM inference server.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -48,6 +206,51 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-new-tokens", type=int, default=256)
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.set_defaults(handler=_chat)
+
+    up = commands.add_parser("up", help="run cachemgr, worker and gateway on this machine, supervised")
+    _add_model_arguments(up)
+    _add_gateway_arguments(up)
+    _add_worker_arguments(up)
+    add_cb_arguments(up)
+    up.set_defaults(handler=_up)
+
+    cachemgr = commands.add_parser("cachemgr", help="run the KV cache manager process")
+    _add_model_arguments(cachemgr)
+    add_env_argument(cachemgr, "--cachemgr-address", default=DEFAULT_CACHEMGR_ADDRESS, help="bind address")
+    add_cb_arguments(cachemgr)
+    cachemgr.set_defaults(handler=_cachemgr)
+
+    worker = commands.add_parser("worker", help="run the worker process (scheduler + model)")
+    _add_model_arguments(worker)
+    add_env_argument(worker, "--worker-address", default=DEFAULT_WORKER_ADDRESS,
+                     help="ZMQ bind address for gateways")  # fmt: skip
+    add_env_argument(worker, "--cachemgr-address", default=DEFAULT_CACHEMGR_ADDRESS, help="cachemgr address")
+    _add_worker_arguments(worker)
+    add_cb_arguments(worker)
+    worker.set_defaults(handler=_worker)
+
+    gateway = commands.add_parser("gateway", help="run the gRPC gateway process")
+    add_env_argument(gateway, "--model", help="local model directory (default: the embedded SmolLM2-135M)")
+    add_env_argument(gateway, "--worker-address", default=DEFAULT_WORKER_ADDRESS, help="worker to connect to")
+    _add_gateway_arguments(gateway)
+    gateway.set_defaults(handler=_gateway)
+
+    generate = commands.add_parser("generate", help="stream a completion from a running server")
+    add_env_argument(generate, "--target", default="127.0.0.1:50051", help="gateway host:port")
+    generate.add_argument("prompt", help="prompt text")
+    generate.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    generate.add_argument("--max-tokens", type=int, default=None)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--seed", type=int, default=None)
+    generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    generate.add_argument("--verbose", "-v", action="store_true", help="print the final message (stderr)")
+    generate.set_defaults(handler=_generate)
+
+    health_cmd = commands.add_parser("health", help="exit 0 when the server's health service says SERVING")
+    add_env_argument(health_cmd, "--target", default="127.0.0.1:50051", help="gateway host:port")
+    health_cmd.add_argument("--service", default="", help='service name ("" = the whole server)')
+    health_cmd.add_argument("--timeout", type=float, default=5.0)
+    health_cmd.set_defaults(handler=_health)
 
     bench = commands.add_parser("bench", help="benchmarks")
     benchmarks = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")

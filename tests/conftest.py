@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from services.common.model_source import prepare_default_model
+from tests.stack import Stack
 from tests.tiny_models import tiny_model_dir
 
 
@@ -26,3 +27,32 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Pat
 def smollm2_dir() -> Path:
     """The converted default model (converted on first use into $CBSERVE_HOME, then reused)."""
     return prepare_default_model()
+
+
+# Stacks are session-scoped: three processes take tens of seconds to start on two cores.
+TINY_STACK_SETTINGS = {
+    "page_size": 8,
+    "num_blocks": 256,
+    "max_batch_tokens": 24,  # every prompt is chunked
+    "q_padding_interval_size": 16,
+    "kv_padding_interval_size": 8,
+}
+SMOL_STACK_SETTINGS = {"num_blocks": 96, "max_batch_tokens": 64}
+
+
+@pytest.fixture(scope="session")
+def tiny_stack(
+    tiny_models: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    """`cbserve up` on the tiny Llama: chunked prefill, padding, prefix caching."""
+    stack = Stack(tiny_models("llama"), tmp_path_factory.mktemp("tiny_stack"), **TINY_STACK_SETTINGS)
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="session")
+def smol_stack(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """`cbserve up` on the embedded SmolLM2 (a real tokenizer and chat template)."""
+    stack = Stack(smollm2_dir, tmp_path_factory.mktemp("smol_stack"), **SMOL_STACK_SETTINGS)
+    yield stack
+    stack.stop()

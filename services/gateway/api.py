@@ -73,7 +73,7 @@ def _compile(digest: str) -> None:
 
 def _load() -> tuple[ModuleType, ModuleType]:
     # An installed (non-editable) copy has no proto/ beside it: it uses the stubs built into it.
-    if PROTO_ROOT.is_dir():
+    if (PROTO_ROOT / PROTO_FILE).is_file():
         digest = _source_digest()
         stamp = GENERATED / _DIGEST_FILE
         if not stamp.exists() or stamp.read_text() != digest:

@@ -1,0 +1,143 @@
+"""From a public `GenerateRequest` to what the worker runs: prompt ids and SamplingParams.
+
+Pure translation and validation; every refusal is an `InvalidRequest` naming the offending field and
+value, which the server turns into INVALID_ARGUMENT. Limits are explicit (see `Limits`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from services.common.gateway_messages import WorkerFacts
+from services.common.sampling_params import SamplingParams
+
+CHAT_ROLES = frozenset({"system", "user", "assistant"})
+
+
+class InvalidRequest(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Explicit per-request limits (documented in the README)."""
+
+    max_input_chars: int = 1 << 20  # text or all chat contents together, before tokenizing
+    max_stop_strings: int = 16
+    max_stop_chars: int = 256  # per stop string
+    max_stop_token_ids: int = 64
+    default_max_tokens: int = 256
+
+
+@dataclass(frozen=True)
+class Prepared:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stops: tuple[str, ...]
+    want_text: bool
+    want_token_ids: bool
+
+
+def _chat_dicts(chat: Any, limits: Limits) -> list[dict[str, str]]:
+    if not chat.messages:
+        raise InvalidRequest("chat needs at least one message")
+    messages = []
+    for i, m in enumerate(chat.messages):
+        if m.role not in CHAT_ROLES:
+            roles = sorted(CHAT_ROLES)
+            raise InvalidRequest(f"chat.messages[{i}].role must be one of {roles}, got {m.role!r}")
+        messages.append({"role": m.role, "content": m.content})
+    size = sum(len(m["content"]) for m in messages)
+    if size > limits.max_input_chars:
+        raise InvalidRequest(f"chat contents hold {size} characters; the limit is {limits.max_input_chars}")
+    return messages
+
+
+def tokenize_input(request: Any, tokenizer: Any, facts: WorkerFacts, limits: Limits) -> list[int]:
+    """Prompt ids of a GenerateRequest or TokenizeRequest (both have the `input` oneof)."""
+    kind = request.WhichOneof("input")
+    if kind is None:
+        raise InvalidRequest("no input: set one of text, token_ids, chat")
+    if kind == "token_ids":
+        ids = list(request.token_ids.ids)
+        bad = [t for t in ids if not 0 <= t < facts.vocab_size]
+        if bad:
+            raise InvalidRequest(f"token ids out of vocabulary [0, {facts.vocab_size}): {bad[:8]}")
+    elif tokenizer is None:
+        raise InvalidRequest(f"{kind} input needs a tokenizer and this model has none; send token_ids")
+    elif kind == "text":
+        size = len(request.text)
+        if size > limits.max_input_chars:
+            raise InvalidRequest(f"text holds {size} characters; the limit is {limits.max_input_chars}")
+        ids = list(tokenizer(request.text, add_special_tokens=True)["input_ids"])
+    else:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise InvalidRequest("this model's tokenizer has no chat template; send text or token_ids")
+        rendered = tokenizer.apply_chat_template(
+            _chat_dicts(request.chat, limits), add_generation_prompt=True, tokenize=True
+        )
+        ids = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+    if not ids:
+        raise InvalidRequest("empty prompt")
+    return [int(t) for t in ids]
+
+
+def prepare(request: Any, tokenizer: Any, facts: WorkerFacts, limits: Limits) -> Prepared:
+    prompt = tokenize_input(request, tokenizer, facts, limits)
+    room = facts.max_request_tokens - len(prompt)
+    if room < 1:
+        raise InvalidRequest(
+            f"prompt of {len(prompt)} tokens leaves no room to generate: a request holds at most "
+            f"{facts.max_request_tokens} tokens"
+        )
+    s, stop, out = request.sampling, request.stopping, request.output
+    if stop.HasField("max_tokens"):
+        max_tokens = stop.max_tokens
+        if len(prompt) + max_tokens > facts.max_request_tokens:
+            raise InvalidRequest(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                f"{facts.max_request_tokens} tokens a request may hold"
+            )
+    else:
+        max_tokens = min(limits.default_max_tokens, room)
+    if len(stop.stop) > limits.max_stop_strings:
+        raise InvalidRequest(f"{len(stop.stop)} stop strings; the limit is {limits.max_stop_strings}")
+    for i, text in enumerate(stop.stop):
+        if not text or len(text) > limits.max_stop_chars:
+            raise InvalidRequest(
+                f"stopping.stop[{i}] must hold 1..{limits.max_stop_chars} characters, got {len(text)}"
+            )
+    if len(stop.stop_token_ids) > limits.max_stop_token_ids:
+        raise InvalidRequest(
+            f"{len(stop.stop_token_ids)} stop token ids; the limit is {limits.max_stop_token_ids}"
+        )
+    want_text = out.text if out.HasField("text") else tokenizer is not None
+    if want_text and tokenizer is None:
+        raise InvalidRequest("output.text needs a tokenizer and this model has none")
+    if stop.stop and tokenizer is None:
+        raise InvalidRequest("stop strings need a tokenizer and this model has none")
+    try:
+        params = SamplingParams(
+            temperature=s.temperature if s.HasField("temperature") else 1.0,
+            top_k=s.top_k if s.HasField("top_k") else 0,
+            top_p=s.top_p if s.HasField("top_p") else 1.0,
+            min_p=s.min_p if s.HasField("min_p") else 0.0,
+            repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+            seed=s.seed if s.HasField("seed") else None,
+            max_new_tokens=max_tokens,
+            min_new_tokens=stop.min_tokens if stop.HasField("min_tokens") else 0,
+            ignore_eos=stop.ignore_eos,
+            stop_token_ids=tuple(stop.stop_token_ids),
+            logprobs=out.logprobs if out.HasField("logprobs") else None,
+        )
+        params.validate(facts.vocab_size)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from exc
+    return Prepared(
+        prompt_ids=prompt,
+        params=params,
+        stops=tuple(stop.stop),
+        want_text=want_text,
+        want_token_ids=out.token_ids if out.HasField("token_ids") else True,
+    )

@@ -1,0 +1,381 @@
+"""The gateway process: `cbserve.v1.TextGeneration` over grpc.aio, plus health, reflection, metrics.
+
+It owns everything textual (tokenization, chat templates, incremental detokenization, stop strings)
+so that the worker sees only token ids. Each Generate call becomes one worker request; the call's
+end, however it ends (final message, client cancel, deadline, stop string, error), releases it, and
+any end but the worker's own finish also aborts it in the worker, which frees its blocks within a
+step. Errors are status codes only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common.gateway_messages import NewRequest, RequestOutput
+from services.gateway.api import SERVICE_NAME, pb, pb_grpc
+from services.gateway.detokenizer import IncrementalDetokenizer
+from services.gateway.inputs import InvalidRequest, Limits, Prepared, prepare, tokenize_input
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.stop_strings import StopStringMatcher
+from services.gateway.worker_client import WorkerClient
+
+log = structlog.get_logger(__name__)
+
+FINISH_REASONS = {
+    "eos": pb.FINISH_REASON_EOS,
+    "stop_token": pb.FINISH_REASON_STOP_SEQUENCE,
+    "length": pb.FINISH_REASON_LENGTH,
+    "aborted": pb.FINISH_REASON_ABORTED,
+}
+HEALTH_SERVICES = ("", SERVICE_NAME)
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    max_queue_size: int = 1024  # streams admitted but without a first token yet
+    drain_grace_s: float = 30.0
+    max_message_bytes: int = 16 << 20
+    max_concurrent_streams: int = 1024  # per HTTP/2 connection
+    keepalive_time_s: float = 30.0
+    keepalive_timeout_s: float = 10.0
+    worker_timeout_s: float = 10.0
+    limits: Limits = field(default_factory=Limits)
+
+
+@dataclass
+class _Stream:
+    """One Generate call's progress, for its usage and timings."""
+
+    arrival: float
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    queue_seconds: float = 0.0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    last_token: int | None = None
+
+
+class TextGenerationService(pb_grpc.TextGenerationServicer):
+    def __init__(
+        self,
+        client: WorkerClient,
+        tokenizer: Any,
+        model_info: dict[str, Any],
+        settings: GatewaySettings,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.model_info = model_info
+        self.settings = settings
+        self.metrics = metrics
+        self.draining = False
+        self.active = 0  # Generate calls in progress
+        self.waiting = 0  # ... of which no token has arrived yet
+        self._ids = itertools.count()
+
+    # ----------------------------------------------------------------------------------- Generate
+
+    async def Generate(
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        arrival = time.monotonic()
+        metadata = dict(context.invocation_metadata() or ())
+        trace_id = request.request_id or str(metadata.get("x-request-id") or "") or uuid.uuid4().hex
+        await context.send_initial_metadata((("x-request-id", trace_id),))
+        structlog.contextvars.bind_contextvars(request_id=trace_id)
+        facts = await self._admit(context)
+        try:
+            prepared = prepare(request, self.tokenizer, facts, self.settings.limits)
+        except InvalidRequest as exc:
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        internal = f"r{next(self._ids)}"
+        queue = self.client.submit(
+            NewRequest(internal, prepared.prompt_ids, prepared.params, request.priority, request.cache_salt,
+                       trace_id)
+        )  # fmt: skip
+        self.active += 1
+        self.waiting += 1
+        stream = _Stream(arrival, len(prepared.prompt_ids))
+        finished = False
+        try:
+            async for response in self._stream(queue, prepared, stream, context, internal, trace_id):
+                yield response
+            finished = True
+        finally:
+            self.active -= 1
+            if stream.first_token_at is None:
+                self.waiting -= 1
+            self.client.release(internal, abort=not finished)
+            if not finished:
+                log.info("request ended early", reason="cancelled, deadline or error")
+            structlog.contextvars.unbind_contextvars("request_id")
+
+    async def _admit(self, context: grpc.aio.ServicerContext) -> Any:
+        facts = self.client.facts
+        if self.draining:
+            await self._abort(context, grpc.StatusCode.UNAVAILABLE, "server is draining")
+        if not self.client.ready or facts is None:
+            await self._abort(context, grpc.StatusCode.UNAVAILABLE, "worker not ready")
+        if self.waiting >= self.settings.max_queue_size:
+            await self._abort(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"queue full: {self.waiting} requests wait (max_queue_size {self.settings.max_queue_size})",
+            )
+        return facts
+
+    async def _abort(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> None:
+        self.metrics.errors.labels(code.name).inc()
+        log.info("request refused", code=code.name, details=details)
+        await context.abort(code, details)
+
+    async def _stream(
+        self,
+        queue: asyncio.Queue[RequestOutput],
+        prepared: Prepared,
+        stream: _Stream,
+        context: grpc.aio.ServicerContext,
+        internal: str,
+        trace_id: str,
+    ) -> AsyncIterator[Any]:
+        needs_text = prepared.want_text or bool(prepared.stops)
+        detok = IncrementalDetokenizer(self.tokenizer, prepared.prompt_ids) if needs_text else None
+        matcher = StopStringMatcher(prepared.stops)
+        while True:
+            out = await queue.get()
+            if out.code:
+                await self._abort(context, grpc.StatusCode[out.code], out.error)
+            self._observe(stream, out)
+            text, matched = "", None
+            if detok is not None:
+                delta = detok.push(out.token_ids) + (detok.flush() if out.finish else "")
+                text, matched = matcher.push(delta)
+                if out.finish and matched is None:
+                    text += matcher.flush()
+            chunk = pb.GenerateChunk(
+                token_ids=out.token_ids if prepared.want_token_ids else (),
+                text=text if prepared.want_text else "",
+                logprobs=[
+                    pb.TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob,
+                                     top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+                    for lp in out.logprobs or ()
+                ],
+            )  # fmt: skip
+            if chunk.token_ids or chunk.text or chunk.logprobs:
+                yield pb.GenerateResponse(chunk=chunk)
+            if matched is not None:
+                self.client.release(internal, abort=True)  # the worker stops computing it now
+                yield self._final(stream, trace_id, pb.FINISH_REASON_STOP_SEQUENCE, stop_sequence=matched)
+                return
+            if out.finish:
+                stop_token = stream.last_token if out.finish == "stop_token" else None
+                yield self._final(stream, trace_id, FINISH_REASONS[out.finish], stop_token_id=stop_token)
+                return
+
+    def _observe(self, stream: _Stream, out: RequestOutput) -> None:
+        now = time.monotonic()
+        if out.cached_tokens >= 0:
+            stream.cached_tokens = out.cached_tokens
+        if out.queue_seconds >= 0:
+            stream.queue_seconds = out.queue_seconds
+            self.metrics.queue.observe(out.queue_seconds)
+        if not out.token_ids:
+            return
+        if stream.first_token_at is None:
+            stream.first_token_at = now
+            self.waiting -= 1
+            self.metrics.ttft.observe(now - stream.arrival)
+        elif stream.last_token_at is not None:
+            self.metrics.itl.observe((now - stream.last_token_at) / len(out.token_ids))
+        stream.last_token_at = now
+        stream.completion_tokens += len(out.token_ids)
+        stream.last_token = out.token_ids[-1]
+
+    def _final(
+        self,
+        stream: _Stream,
+        trace_id: str,
+        reason: int,
+        *,
+        stop_sequence: str = "",
+        stop_token_id: int | None = None,
+    ) -> Any:
+        now = time.monotonic()
+        self.metrics.e2e.observe(now - stream.arrival)
+        self.metrics.prompt_tokens.inc(stream.prompt_tokens)
+        self.metrics.generation_tokens.inc(stream.completion_tokens)
+        self.metrics.requests.labels(pb.FinishReason.Name(reason)).inc()
+        final = pb.GenerateFinal(
+            request_id=trace_id,
+            finish_reason=reason,
+            stop_sequence=stop_sequence,
+            usage=pb.Usage(
+                prompt_tokens=stream.prompt_tokens,
+                completion_tokens=stream.completion_tokens,
+                cached_prompt_tokens=stream.cached_tokens,
+            ),
+            timings=pb.Timings(
+                queue_seconds=stream.queue_seconds,
+                time_to_first_token_seconds=(stream.first_token_at or now) - stream.arrival,
+                total_seconds=now - stream.arrival,
+            ),
+        )
+        if stop_token_id is not None:
+            final.stop_token_id = stop_token_id
+        return pb.GenerateResponse(final=final)
+
+    # ------------------------------------------------------------------------------ unary methods
+
+    async def GetModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        facts = self.client.facts
+        if facts is None:
+            await self._abort(context, grpc.StatusCode.UNAVAILABLE, "worker not ready")
+        return pb.ModelInfo(
+            **self.model_info,
+            vocab_size=facts.vocab_size,
+            max_model_len=facts.max_request_tokens,
+            max_prompt_tokens=max(facts.max_request_tokens - 1, 0),
+            page_size=facts.page_size,
+            total_blocks=facts.total_blocks,
+            prefix_caching=facts.prefix_caching,
+            dtype=facts.dtype,
+            device=facts.device,
+        )
+
+    async def GetLoad(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if not self.client.ready:
+            await self._abort(context, grpc.StatusCode.UNAVAILABLE, "worker not ready")
+        try:
+            load = await self.client.query_load()
+        except TimeoutError:
+            await self._abort(context, grpc.StatusCode.UNAVAILABLE, "worker did not answer the load query")
+        fields = {f: getattr(load, f) for f in pb.Load.DESCRIPTOR.fields_by_name}
+        return pb.Load(**fields)
+
+    async def Tokenize(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        facts = self.client.facts
+        if facts is None:
+            await self._abort(context, grpc.StatusCode.UNAVAILABLE, "worker not ready")
+        try:
+            ids = tokenize_input(request, self.tokenizer, facts, self.settings.limits)
+        except InvalidRequest as exc:
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.TokenizeResponse(token_ids=ids)
+
+
+def _model_info(model_dir: str, name: str | None) -> tuple[Any, dict[str, Any]]:
+    """The tokenizer (None if the model has none) and ModelInfo's static fields."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from services.common.model_source import has_tokenizer
+
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    tokenizer = None
+    if has_tokenizer(Path(model_dir)):
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    try:
+        eos = GenerationConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id
+    except OSError:
+        eos = None
+    eos = config.eos_token_id if eos is None else eos
+    eos_ids = [] if eos is None else list(eos) if isinstance(eos, list | tuple) else [eos]
+    return tokenizer, {
+        "model_id": name or model_dir,
+        "architecture": (config.architectures or [""])[0],
+        "eos_token_ids": eos_ids,
+        "has_tokenizer": tokenizer is not None,
+        "has_chat_template": getattr(tokenizer, "chat_template", None) is not None,
+    }
+
+
+async def serve(
+    model: str | None,
+    worker_address: str,
+    host: str,
+    port: int,
+    metrics_port: int | None,
+    settings: GatewaySettings,
+) -> None:
+    from services.common.model_source import resolve_model
+
+    model_dir = str(resolve_model(model))
+    tokenizer, info = _model_info(model_dir, model)
+    health_servicer = health.aio.HealthServicer()
+    for name in HEALTH_SERVICES:
+        await health_servicer.set(name, NOT_SERVING)
+    service: TextGenerationService | None = None
+
+    def on_ready_change(ready: bool) -> None:
+        serving = ready and not (service is not None and service.draining)
+        status = SERVING if serving else NOT_SERVING
+        for name in HEALTH_SERVICES:
+            asyncio.get_running_loop().create_task(health_servicer.set(name, status))
+
+    metrics: GatewayMetrics
+    client = WorkerClient(
+        worker_address,
+        worker_timeout_s=settings.worker_timeout_s,
+        on_ready_change=on_ready_change,
+        on_step=lambda times: metrics.observe_step(times),
+    )
+    metrics = GatewayMetrics(lambda: client.load)
+    service = TextGenerationService(client, tokenizer, info, settings, metrics)
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", settings.max_message_bytes),
+            ("grpc.max_send_message_length", settings.max_message_bytes),
+            ("grpc.max_concurrent_streams", settings.max_concurrent_streams),
+            ("grpc.keepalive_time_ms", int(settings.keepalive_time_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(settings.keepalive_timeout_s * 1000)),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+        ]
+    )
+    pb_grpc.add_TextGenerationServicer_to_server(service, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
+    )
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    await server.start()
+    await client.start()
+    if metrics_port is not None:
+        metrics.serve(metrics_port, host)
+    log.info("gateway serving", host=host, port=bound, metrics_port=metrics_port, worker=worker_address)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+    # Drain: health turns NOT_SERVING at once (load balancers stop routing here), new calls get
+    # UNAVAILABLE, and the streams in flight may finish within the grace period.
+    service.draining = True
+    await health_servicer.enter_graceful_shutdown()
+    log.info("gateway draining", in_flight=service.active, grace_s=settings.drain_grace_s)
+    deadline = time.monotonic() + settings.drain_grace_s
+    while service.active and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    await server.stop(grace=1.0)
+    await client.close()
+    log.info("gateway stopped", unfinished=service.active)

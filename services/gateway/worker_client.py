@@ -1,0 +1,210 @@
+"""The gateway's link to the worker: an asyncio ZMQ DEALER socket.
+
+Calls register a stream (an asyncio.Queue of `RequestOutput`) and queue their add or abort; everything
+queued in one event-loop turn leaves as one `GatewayMessage`. A heartbeat (an empty message) goes out
+every `heartbeat_s` so the worker knows this gateway lives. The worker's periodic status tells
+readiness and load; no status for `worker_timeout_s`, or a new worker id (it restarted), means the
+worker's requests are gone: their streams get an UNAVAILABLE error output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+import uuid
+from collections.abc import Callable
+
+import msgspec
+import structlog
+import zmq
+import zmq.asyncio
+
+from services.common.gateway_messages import (
+    PROTOCOL_VERSION,
+    GatewayMessage,
+    Load,
+    NewRequest,
+    RequestOutput,
+    StepTimes,
+    WorkerFacts,
+    WorkerMessage,
+    WorkerStatus,
+)
+
+log = structlog.get_logger(__name__)
+
+
+class WorkerClient:
+    def __init__(
+        self,
+        address: str,
+        *,
+        heartbeat_s: float = 0.5,
+        worker_timeout_s: float = 10.0,
+        on_ready_change: Callable[[bool], None] | None = None,
+        on_step: Callable[[StepTimes], None] | None = None,
+    ) -> None:
+        self.address = address
+        self.gateway_id = uuid.uuid4().hex[:12]
+        self.heartbeat_s = heartbeat_s
+        self.worker_timeout_s = worker_timeout_s
+        self.on_ready_change = on_ready_change
+        self.on_step = on_step
+        self.ready = False
+        self.facts: WorkerFacts | None = None
+        self.load = Load()
+        self.worker_id = ""
+        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._adds: list[NewRequest] = []
+        self._aborts: list[str] = []
+        self._load_waiters: dict[int, asyncio.Future[Load]] = {}
+        self._query_ids = itertools.count(1)
+        self._flush_scheduled = False
+        self._last_status = 0.0
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(WorkerMessage)
+        self._context = zmq.asyncio.Context()
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        # Queue only to a connected worker: with none, a send fails at once instead of piling up
+        # messages that a worker started later would receive stale.
+        self._socket.setsockopt(zmq.IMMEDIATE, 1)
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        self._socket.connect(self.address)
+        self._send(GatewayMessage(self.gateway_id))
+        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._heartbeat())]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._aborts:
+            self._flush()
+        self._socket.close(linger=0)
+        self._context.term()
+
+    # ---------------------------------------------------------------------------------------- calls
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._streams)
+
+    def submit(self, request: NewRequest) -> asyncio.Queue[RequestOutput]:
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._streams[request.request_id] = queue
+        self._adds.append(request)
+        self._schedule_flush()
+        return queue
+
+    def release(self, request_id: str, *, abort: bool) -> None:
+        """Forget a stream; `abort` also tells the worker to stop computing it and free its blocks."""
+        if self._streams.pop(request_id, None) is not None and abort:
+            self._aborts.append(request_id)
+            self._schedule_flush()
+
+    async def query_load(self, timeout_s: float = 5.0) -> Load:
+        query = next(self._query_ids)
+        future: asyncio.Future[Load] = asyncio.get_running_loop().create_future()
+        self._load_waiters[query] = future
+        self._send(GatewayMessage(self.gateway_id, load_query=query))
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._load_waiters.pop(query, None)
+
+    # -------------------------------------------------------------------------------------- sending
+
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        adds, aborts, self._adds, self._aborts = self._adds, self._aborts, [], []
+        if adds or aborts:
+            self._send(GatewayMessage(self.gateway_id, adds, aborts))
+
+    def _send(self, message: GatewayMessage) -> None:
+        # With IMMEDIATE set, no connected worker (or a full queue) means not writable: fail what
+        # cannot be sent now rather than let it wait for a worker that may never read it.
+        if not self._socket.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+            for new in message.adds:
+                self._deliver(RequestOutput(new.request_id, [], finish="error", error="worker unreachable",
+                                            code="UNAVAILABLE"))  # fmt: skip
+            return
+        sent = self._socket.send(self._encoder.encode(message), zmq.NOBLOCK)
+        sent.add_done_callback(_log_send_failure)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            self._send(GatewayMessage(self.gateway_id))
+            if self.ready and time.monotonic() - self._last_status > self.worker_timeout_s:
+                log.error("worker silent; failing its requests", timeout_s=self.worker_timeout_s)
+                self._worker_lost("worker stopped responding")
+
+    # ------------------------------------------------------------------------------------ receiving
+
+    async def _receive(self) -> None:
+        while True:
+            payload = await self._socket.recv()
+            try:
+                message = self._decoder.decode(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                log.warning("dropped an undecodable worker message", size=len(payload), error=str(exc))
+                continue
+            if message.version != PROTOCOL_VERSION:
+                log.warning("dropped a worker message of another version", version=message.version)
+                continue
+            if message.worker_id != self.worker_id:
+                if self.worker_id:
+                    self._worker_lost(f"worker {self.worker_id} was replaced by {message.worker_id}")
+                self.worker_id = message.worker_id
+            if message.status is not None:
+                self._on_status(message.status)
+            for output in message.outputs:
+                self._deliver(output)
+            if message.step is not None and self.on_step is not None:
+                self.on_step(message.step)
+
+    def _deliver(self, output: RequestOutput) -> None:
+        queue = self._streams.get(output.request_id)
+        if queue is not None:
+            queue.put_nowait(output)
+            if output.finish:
+                del self._streams[output.request_id]
+
+    def _on_status(self, status: WorkerStatus) -> None:
+        self._last_status = time.monotonic()
+        self.load = status.load
+        if status.facts is not None:
+            self.facts = status.facts
+        if status.load_query:
+            waiter = self._load_waiters.get(status.load_query)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(status.load)
+        self._set_ready(status.ready and status.facts is not None)
+
+    def _set_ready(self, ready: bool) -> None:
+        if ready != self.ready:
+            self.ready = ready
+            log.info("worker readiness changed", ready=ready, worker_id=self.worker_id)
+            if self.on_ready_change is not None:
+                self.on_ready_change(ready)
+
+    def _worker_lost(self, reason: str) -> None:
+        self._set_ready(False)
+        for rid in list(self._streams):
+            self._deliver(RequestOutput(rid, [], finish="error", error=reason, code="UNAVAILABLE"))
+
+
+def _log_send_failure(sent: asyncio.Future[None]) -> None:
+    if not sent.cancelled() and sent.exception() is not None:
+        log.warning("a message to the worker was dropped", error=str(sent.exception()))

@@ -1,0 +1,137 @@
+"""`cbserve up`: the three processes on one machine, supervised.
+
+The cachemgr, worker and gateway run as child processes (`cbserve cachemgr|worker|gateway`) on
+`ipc://` sockets in a private runtime folder. Their JSON logs go straight to this terminal (they
+inherit stderr). A child that dies is started again (the worker re-attaches to the cachemgr, whose
+KV pool outlived it). SIGTERM or Ctrl-C stops the gateway first, so that it drains its streams, then
+the worker, then the cachemgr.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0)
+POLL_S = 0.2
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    process: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    started_at: float = 0.0
+    due_at: float = 0.0  # when a dead child is started again
+    history: list[float] = field(default_factory=list)
+
+    def start(self, env: dict[str, str]) -> None:
+        self.process = subprocess.Popen(self.argv, env=env)
+        self.started_at = time.monotonic()
+        log.info("started", child=self.name, pid=self.process.pid)
+
+
+def cbserve_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "services.cli", *args]
+
+
+class Supervisor:
+    def __init__(self, children: Sequence[Child], env: dict[str, str], stop_timeout_s: float) -> None:
+        self.children = list(children)
+        self.env = env
+        self.stop_timeout_s = stop_timeout_s
+        self.stopping = False
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._stop)
+        signal.signal(signal.SIGINT, self._stop)
+        for child in self.children:
+            child.start(self.env)
+        try:
+            while not self.stopping:
+                time.sleep(POLL_S)
+                self._watch()
+        finally:
+            self._shutdown()
+        return 0
+
+    def _stop(self, signum: int, frame: FrameType | None) -> None:
+        self.stopping = True
+
+    def _watch(self) -> None:
+        now = time.monotonic()
+        for child in self.children:
+            proc = child.process
+            if proc is not None and proc.poll() is not None:
+                # Back off when a child keeps dying young; a long healthy run resets the count.
+                if now - child.started_at > 60:
+                    child.restarts = 0
+                delay = RESTART_BACKOFF_S[min(child.restarts, len(RESTART_BACKOFF_S) - 1)]
+                log.error("child died; restarting", child=child.name, code=proc.returncode, in_s=delay)
+                child.process, child.due_at = None, now + delay
+                child.restarts += 1
+            if child.process is None and now >= child.due_at:
+                child.start(self.env)
+                child.history.append(now)
+
+    def _shutdown(self) -> None:
+        # Gateway first (it drains), then the worker (it releases blocks), then the cachemgr.
+        for child in reversed(self.children):
+            proc = child.process
+            if proc is None or proc.poll() is not None:
+                continue
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("child did not stop; killing it", child=child.name)
+                proc.kill()
+                proc.wait()
+            log.info("stopped", child=child.name, code=proc.returncode)
+
+
+def run_up(
+    model: str | None,
+    device: str,
+    dtype: str,
+    port: int,
+    metrics_port: int | None,
+    host: str,
+    settings_env: dict[str, str],
+    drain_grace_s: float,
+) -> int:
+    runtime = Path(tempfile.mkdtemp(prefix="cbserve-"))
+    cachemgr_address = f"ipc://{runtime}/cachemgr.sock"
+    worker_address = f"ipc://{runtime}/worker.sock"
+    env = os.environ | settings_env
+    env["CBSERVE_DEVICE"], env["CBSERVE_DTYPE"] = device, dtype
+    if model is not None:
+        env["CBSERVE_MODEL"] = model
+    gateway = ["gateway", "--worker-address", worker_address, "--host", host, "--port", str(port)]
+    if metrics_port is not None:
+        gateway += ["--metrics-port", str(metrics_port)]
+    children = [
+        Child("cachemgr", cbserve_argv("cachemgr", "--cachemgr-address", cachemgr_address)),
+        Child("worker", cbserve_argv("worker", "--worker-address", worker_address,
+                                     "--cachemgr-address", cachemgr_address)),
+        Child("gateway", cbserve_argv(*gateway)),
+    ]  # fmt: skip
+    log.info("stack starting", runtime=str(runtime), port=port, metrics_port=metrics_port)
+    try:
+        return Supervisor(children, env, stop_timeout_s=drain_grace_s + 10).run()
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)

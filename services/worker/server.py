@@ -1,0 +1,423 @@
+"""The worker process: the engine loop between gateways (ZMQ ROUTER) and the cachemgr (DEALER).
+
+Each turn: drain every gateway message (new requests, aborts, load queries, heartbeats), run one
+engine step, and send each gateway one `WorkerMessage` with all of its requests' news. Gateways are
+peers of a ROUTER socket, so several may share one worker; a gateway silent for
+`gateway_timeout_s` is presumed dead and its requests are aborted (their blocks return).
+
+The KV memory belongs to the cachemgr. When it stops answering, every request fails with
+UNAVAILABLE and the worker attaches again (a fresh attach id makes the cachemgr drop whatever an
+earlier attach left behind); the model stays loaded.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+import uuid
+from dataclasses import dataclass, field
+from types import FrameType
+
+import msgspec
+import structlog
+import torch
+import zmq
+
+from services.common.config import CBConfig
+from services.common.gateway_messages import (
+    PROTOCOL_VERSION,
+    GatewayMessage,
+    Load,
+    NewRequest,
+    RequestOutput,
+    StepTimes,
+    TokenLogprob,
+    WorkerFacts,
+    WorkerMessage,
+    WorkerStatus,
+)
+from services.common.sampling_params import SamplingParams
+from services.worker.cache_client import CacheUnavailable, RemoteCache
+from services.worker.engine import Engine
+from services.worker.request import FinishReason, Request
+
+log = structlog.get_logger(__name__)
+
+STATUS_INTERVAL_S = 0.5
+IDLE_POLL_MS = 50
+
+
+@dataclass
+class Gateway:
+    routing_id: bytes
+    gateway_id: str
+    last_seen: float
+    requests: set[str] = field(default_factory=set)  # engine request ids
+    # This turn's news, sent as one message by `_flush`.
+    outputs: list[RequestOutput] = field(default_factory=list)
+    status: WorkerStatus | None = None
+
+
+@dataclass
+class Tracked:
+    """Worker-side bookkeeping of one request: whose it is and what it has been sent."""
+
+    gateway: Gateway
+    request_id: str  # the gateway's id
+    trace_id: str
+    emitted: int = 0
+    started: bool = False
+
+
+def _logprobs(req: Request, start: int, end: int) -> list[TokenLogprob] | None:
+    if req.params.logprobs is None:
+        return None
+    return [
+        TokenLogprob(req.output_ids[i], lp.token_logprob, lp.top)
+        for i, lp in enumerate(req.logprobs[start:end], start)
+        if lp is not None
+    ]
+
+
+class WorkerServer:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: CBConfig,
+        *,
+        address: str,
+        cachemgr_address: str,
+        cachemgr_timeout_s: float = 10.0,
+        gateway_timeout_s: float = 15.0,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.address = address
+        self.cachemgr_address = cachemgr_address
+        self.cachemgr_timeout_s = cachemgr_timeout_s
+        self.gateway_timeout_s = gateway_timeout_s
+        self.worker_id = uuid.uuid4().hex[:12]
+        self.engine: Engine | None = None
+        self.facts: WorkerFacts | None = None
+        self.gateways: dict[bytes, Gateway] = {}
+        self.tracked: dict[str, Tracked] = {}
+        self.stopping = False
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(GatewayMessage)
+        self._context = zmq.Context.instance()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished gateway's messages are dropped
+        self._last_status = 0.0
+        self._pending_queries: dict[bytes, int] = {}
+        self._profile: StepTimes | None = None  # the latest step's, sent with this turn's messages
+
+    # ------------------------------------------------------------------------------------ lifecycle
+
+    def run(self) -> None:
+        self._socket.bind(self.address)
+        signal.signal(signal.SIGTERM, self._stop)
+        signal.signal(signal.SIGINT, self._stop)
+        log.info("worker listening", address=self.address, worker_id=self.worker_id)
+        try:
+            while not self.stopping:
+                if self.engine is None:
+                    self._try_attach()
+                self._turn()
+        finally:
+            self._fail_all("worker stopping", "UNAVAILABLE")
+            self._flush()
+            if self.engine is not None:
+                try:
+                    self.engine.close()  # sends the aborts: the cachemgr gets its blocks back now
+                except CacheUnavailable:
+                    pass
+                self._detach()
+            self._socket.close(linger=0)
+            log.info("worker stopped", worker_id=self.worker_id)
+
+    def _stop(self, signum: int, frame: FrameType | None) -> None:
+        self.stopping = True
+
+    def _try_attach(self) -> None:
+        try:
+            cache = RemoteCache(
+                self.cachemgr_address,
+                self.model.device,
+                worker_id=f"{self.worker_id}.{uuid.uuid4().hex[:6]}",
+                timeout_s=self.cachemgr_timeout_s,
+                attach_timeout_s=1.0,
+                context=self._context,
+            )
+        except CacheUnavailable as exc:
+            log.debug("cachemgr not reachable", error=str(exc))
+            return
+        try:
+            self.engine = Engine(self.model, self.config, cache=cache)
+            self._warm_up(self.engine)
+        except CacheUnavailable as exc:
+            log.warning("cachemgr lost during warm-up", error=str(exc))
+            self._detach()
+            return
+        except Exception:
+            cache.close()
+            raise
+        model_config = self.model.config
+        text = getattr(model_config, "text_config", None) or model_config
+        max_positions = int(getattr(text, "max_position_embeddings", 2**31 - 1))
+        self.facts = WorkerFacts(
+            vocab_size=self.engine.vocab_size,
+            max_request_tokens=min(max_positions, cache.max_request_tokens),
+            page_size=self.config.page_size,
+            total_blocks=cache.sizing.num_chunks,
+            prefix_caching=cache.prefix_caching,
+            dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."),
+            device=str(self.model.device),
+            max_logprobs=SamplingParams.MAX_LOGPROBS,
+        )
+        self._last_status = 0.0  # announce readiness at once
+        log.info("worker ready", worker_id=self.worker_id, **msgspec.to_builtins(self.facts))
+
+    @staticmethod
+    def _warm_up(engine: Engine) -> None:
+        """One tiny generation: builds kernels and touches every code path before the first client."""
+        engine.generate([[0, 1, 2, 3]], 2, ignore_eos=True)
+
+    def _detach(self) -> None:
+        if self.engine is not None:
+            try:
+                self.engine.cache.close()
+            finally:
+                self.engine = None
+                self.facts = None
+
+    # ------------------------------------------------------------------------------------ the loop
+
+    def _turn(self) -> None:
+        busy = self.engine is not None and self.engine.has_work
+        if self._socket.poll(0 if busy else IDLE_POLL_MS):
+            self._drain()
+        if self.engine is not None and self.engine.has_work:
+            try:
+                self._step(self.engine)
+            except CacheUnavailable as exc:
+                log.error("cachemgr unavailable; failing requests", error=str(exc))
+                self._fail_all(f"KV cache manager unavailable: {exc}", "UNAVAILABLE")
+                self._detach()
+        self._expire_gateways()
+        self._send_status()
+        self._flush()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                frames = self._socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                log.warning("dropped a gateway message with a wrong frame count", frames=len(frames))
+                continue
+            routing_id, payload = frames
+            try:
+                message = self._decoder.decode(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                log.warning("dropped an undecodable gateway message", size=len(payload), error=str(exc))
+                continue
+            if message.version != PROTOCOL_VERSION:
+                log.warning("dropped a gateway message of another version", version=message.version)
+                continue
+            self._handle(routing_id, message)
+
+    def _handle(self, routing_id: bytes, message: GatewayMessage) -> None:
+        gateway = self.gateways.get(routing_id)
+        if gateway is None or gateway.gateway_id != message.gateway_id:
+            gateway = self.gateways[routing_id] = Gateway(routing_id, message.gateway_id, time.monotonic())
+            log.info("gateway connected", gateway_id=message.gateway_id)
+            self._last_status = 0.0
+        gateway.last_seen = time.monotonic()
+        for rid in message.aborts:
+            self._abort(gateway, rid)
+        for new in message.adds:
+            self._add(gateway, new)
+        if message.load_query:
+            self._pending_queries[routing_id] = message.load_query
+
+    def _add(self, gateway: Gateway, new: NewRequest) -> None:
+        key = f"{gateway.gateway_id}/{new.request_id}"
+        engine = self.engine
+        if engine is None or self.facts is None:
+            gateway.outputs.append(RequestOutput(new.request_id, [], finish="error", error="worker not ready",
+                                                 code="UNAVAILABLE"))  # fmt: skip
+            return
+        try:
+            if key in self.tracked:
+                raise ValueError(f"duplicate request_id {new.request_id!r}")
+            engine.add_request(
+                new.prompt_ids, new.params, request_id=key, priority=new.priority, cache_salt=new.cache_salt
+            )
+        except (ValueError, TypeError) as exc:
+            gateway.outputs.append(
+                RequestOutput(new.request_id, [], finish="error", error=str(exc), code="INVALID_ARGUMENT")
+            )
+            return
+        self.tracked[key] = Tracked(gateway, new.request_id, new.trace_id)
+        gateway.requests.add(key)
+
+    def _abort(self, gateway: Gateway, request_id: str) -> None:
+        key = f"{gateway.gateway_id}/{request_id}"
+        tracked = self.tracked.pop(key, None)
+        if tracked is None:
+            return  # finished already, or never known: aborts race with completions
+        gateway.requests.discard(key)
+        if self.engine is not None:
+            self.engine.abort(key)
+        log.info("request aborted by gateway", request_id=tracked.request_id, trace_id=tracked.trace_id)
+
+    def _step(self, engine: Engine) -> None:
+        updated = engine.step()
+        t_emit = time.perf_counter()
+        for req in updated:
+            self._emit(req)
+        times = engine.last_step_times
+        if times.num_requests:
+            self._profile = StepTimes(
+                times.schedule, times.cache, times.build, times.forward, times.sample,
+                time.perf_counter() - t_emit, times.num_tokens, times.num_requests,
+            )  # fmt: skip
+
+    def _emit(self, req: Request) -> None:
+        tracked = self.tracked.get(req.request_id)
+        if tracked is None:
+            return
+        start, end = tracked.emitted, len(req.output_ids)
+        tracked.emitted = end
+        first = not tracked.started and req.scheduled_at is not None
+        tracked.started = tracked.started or first
+        finish, error, code = "", "", ""
+        if req.finished:
+            assert req.finish_reason is not None
+            finish = req.finish_reason.value
+            if req.finish_reason is FinishReason.ERROR:
+                error, code = req.error, "INVALID_ARGUMENT"
+            del self.tracked[req.request_id]
+            tracked.gateway.requests.discard(req.request_id)
+        tracked.gateway.outputs.append(
+            RequestOutput(
+                tracked.request_id,
+                req.output_ids[start:end],
+                _logprobs(req, start, end),
+                finish=finish,
+                error=error,
+                code=code,
+                cached_tokens=req.num_cached_tokens if first else -1,
+                queue_seconds=req.scheduled_at - req.arrived_at if first and req.scheduled_at else -1.0,
+            )
+        )
+
+    def _fail_all(self, reason: str, code: str) -> None:
+        for key, tracked in list(self.tracked.items()):
+            if self.engine is not None:
+                self.engine.abort(key)
+            tracked.gateway.outputs.append(
+                RequestOutput(tracked.request_id, [], finish="error", error=reason, code=code)
+            )
+            tracked.gateway.requests.discard(key)
+        self.tracked.clear()
+
+    def _expire_gateways(self) -> None:
+        now = time.monotonic()
+        for routing_id, gateway in list(self.gateways.items()):
+            if now - gateway.last_seen <= self.gateway_timeout_s:
+                continue
+            for key in list(gateway.requests):
+                self._abort(gateway, key.split("/", 1)[1])
+            del self.gateways[routing_id]
+            log.warning("gateway timed out; its requests were aborted", gateway_id=gateway.gateway_id)
+
+    # -------------------------------------------------------------------------------------- status
+
+    def load(self) -> Load:
+        if self.engine is None:
+            return Load()
+        stats = self.engine.stats()
+        return Load(
+            requests_running=stats["running"],
+            requests_waiting=stats["waiting"],
+            kv_blocks_used=stats["used_blocks"],
+            kv_blocks_cached=stats["evictable_blocks"],
+            kv_blocks_total=stats["total_blocks"],
+            kv_blocks_free=stats["free_blocks"],
+            swap_slots_used=stats["swap_slots_used"],
+            swap_slots_total=stats["swap_slots"],
+            prefix_cache_queries=stats["prefix_queries"],
+            prefix_cache_hits=stats["prefix_hit_tokens"],
+            offloads=stats["offloads"],
+            soft_resets=stats["soft_resets"],
+            steps=stats["steps"],
+        )
+
+    def _send_status(self) -> None:
+        now = time.monotonic()
+        periodic = now - self._last_status >= STATUS_INTERVAL_S
+        if not periodic and not self._pending_queries:
+            return
+        try:
+            load = self.load()
+        except CacheUnavailable as exc:
+            log.error("cachemgr unavailable; failing requests", error=str(exc))
+            self._fail_all(f"KV cache manager unavailable: {exc}", "UNAVAILABLE")
+            self._detach()
+            load = Load()
+        ready = self.engine is not None and not self.stopping
+        targets = self.gateways.values() if periodic else [
+            g for g in self.gateways.values() if g.routing_id in self._pending_queries
+        ]  # fmt: skip
+        for gateway in targets:
+            query = self._pending_queries.get(gateway.routing_id, 0)
+            gateway.status = WorkerStatus(self.worker_id, ready, self.facts, load, query)
+        self._pending_queries.clear()
+        if periodic:
+            self._last_status = now
+
+    def _flush(self) -> None:
+        """One message per gateway per turn: its outputs, its status if due, the step profile."""
+        profile, self._profile = self._profile, None
+        for gateway in self.gateways.values():
+            if gateway.outputs or gateway.status is not None:
+                step = profile if gateway.outputs else None
+                self._send(gateway, WorkerMessage(self.worker_id, gateway.outputs, gateway.status, step))
+                gateway.outputs, gateway.status = [], None
+
+    def _send(self, gateway: Gateway, message: WorkerMessage) -> None:
+        try:
+            self._socket.send_multipart([gateway.routing_id, self._encoder.encode(message)], zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("gateway not reading; message dropped", gateway_id=gateway.gateway_id)
+
+
+def run_worker(
+    model: str | None,
+    address: str,
+    cachemgr_address: str,
+    config: CBConfig,
+    device: str,
+    dtype: torch.dtype,
+    threads: int | None = None,
+    cachemgr_timeout_s: float = 10.0,
+    gateway_timeout_s: float = 15.0,
+) -> int:
+    import os
+
+    from services.common.model_source import load_model
+
+    torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
+    loaded, _ = load_model(model, dtype=dtype, device=device)
+    WorkerServer(
+        loaded,
+        config,
+        address=address,
+        cachemgr_address=cachemgr_address,
+        cachemgr_timeout_s=cachemgr_timeout_s,
+        gateway_timeout_s=gateway_timeout_s,
+    ).run()
+    return 0

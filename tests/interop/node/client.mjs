@@ -1,0 +1,232 @@
+#!/usr/bin/env node
+// Node.js interop client for cbserve: loads the .proto at run time (no generated code) and prints
+// ONE JSON line on stdout so a test in another language can assert on it.
+//
+//   node client.mjs --target HOST:PORT --request '<GenerateRequest, proto3 JSON>' \
+//        [--deadline-ms N] [--metadata k=v ...]
+//   node client.mjs --target HOST:PORT --health       # grpc.health.v1.Health/Check
+//   node client.mjs --target HOST:PORT --model-info   # cbserve.v1.TextGeneration/GetModelInfo
+//
+// Generate prints {"token_ids", "text", "final", "chunks", "metadata"}. A gRPC error prints
+// {"error": {"code", "name", "details"}} and still exits 0 (the caller asserts on it). A broken
+// stream shape (not exactly one `final`, or anything after it) or a bad invocation exits non-zero.
+//
+// Request field names are proto3 JSON's lowerCamelCase (`tokenIds`, `maxTokens`, `ignoreEos`):
+// with keepCase: false proto-loader uses exactly those names. Unknown keys (e.g. snake_case) are
+// rejected here, since protobufjs would otherwise drop them silently.
+
+import path from 'node:path';
+import { fileURLToPath } from 'node:url';
+import { parseArgs } from 'node:util';
+
+import grpc from '@grpc/grpc-js';
+import protoLoader from '@grpc/proto-loader';
+
+const HERE = path.dirname(fileURLToPath(import.meta.url));
+const API_PROTO = path.resolve(HERE, '../../../proto/cbserve/v1/text_generation.proto');
+const HEALTH_PROTO = path.resolve(HERE, 'health.proto');
+const SERVICE = 'cbserve.v1.TextGeneration';
+
+// longs as strings keep uint64 exact; enums as their names; defaults fill unset scalars so a
+// missing field reads as its proto3 default; oneofs adds the name of the set member (e.g. `kind`).
+const LOADER_OPTIONS = { keepCase: false, longs: String, enums: String, defaults: true, oneofs: true };
+
+class UsageError extends Error {}
+class ProtocolError extends Error {}
+
+function parseCli(argv) {
+  const { values } = parseArgs({
+    args: argv,
+    options: {
+      target: { type: 'string' },
+      request: { type: 'string' },
+      'deadline-ms': { type: 'string' },
+      metadata: { type: 'string', multiple: true, default: [] },
+      health: { type: 'boolean', default: false },
+      'model-info': { type: 'boolean', default: false },
+    },
+    strict: true,
+  });
+  if (!values.target) throw new UsageError('--target HOST:PORT is required');
+  const modes = [values.health, values['model-info'], values.request !== undefined].filter(Boolean);
+  if (modes.length !== 1) throw new UsageError('give exactly one of --request, --health, --model-info');
+  if (values['deadline-ms'] !== undefined && !/^\d+$/.test(values['deadline-ms'])) {
+    throw new UsageError('--deadline-ms takes a non-negative integer');
+  }
+  return values;
+}
+
+function loadPackage(protoPath) {
+  return grpc.loadPackageDefinition(protoLoader.loadSync(protoPath, LOADER_OPTIONS));
+}
+
+function callOptions(args) {
+  const ms = args['deadline-ms'];
+  return ms === undefined ? {} : { deadline: new Date(Date.now() + Number(ms)) };
+}
+
+function buildMetadata(pairs) {
+  const md = new grpc.Metadata();
+  for (const pair of pairs) {
+    const eq = pair.indexOf('=');
+    if (eq <= 0) throw new UsageError(`--metadata takes key=value, got ${JSON.stringify(pair)}`);
+    md.add(pair.slice(0, eq).toLowerCase(), pair.slice(eq + 1));
+  }
+  return md;
+}
+
+function metadataToJson(md) {
+  const out = {};
+  for (const [key, value] of Object.entries(md ? md.getMap() : {})) {
+    out[key] = Buffer.isBuffer(value) ? value.toString('base64') : value; // `-bin` keys are bytes
+  }
+  return out;
+}
+
+// Drops protobufjs' synthetic-oneof markers of proto3 `optional` fields (`_temperature: "temperature"`).
+function clean(value) {
+  if (Array.isArray(value)) return value.map(clean);
+  if (value === null || typeof value !== 'object') return value;
+  return Object.fromEntries(
+    Object.entries(value).filter(([k]) => !k.startsWith('_')).map(([k, v]) => [k, clean(v)]),
+  );
+}
+
+// Every key of `given` must survive an encode/decode round trip (which, with defaults: true,
+// lists every known field); a key that does not is not a field of the message.
+function checkKnownFields(given, decoded, where) {
+  if (Array.isArray(given)) {
+    given.forEach((item, i) => checkKnownFields(item, decoded?.[i], `${where}[${i}]`));
+    return;
+  }
+  if (given === null || typeof given !== 'object') return;
+  for (const [key, value] of Object.entries(given)) {
+    const at = where ? `${where}.${key}` : key;
+    if (decoded === null || typeof decoded !== 'object' || !(key in decoded)) {
+      throw new UsageError(`unknown field ${at} in --request (field names are lowerCamelCase)`);
+    }
+    checkKnownFields(value, decoded[key], at);
+  }
+}
+
+function parseRequest(text, method) {
+  let request;
+  try {
+    request = JSON.parse(text);
+  } catch (err) {
+    throw new UsageError(`--request is not JSON: ${err.message}`);
+  }
+  if (request === null || typeof request !== 'object' || Array.isArray(request)) {
+    throw new UsageError('--request must be a JSON object');
+  }
+  checkKnownFields(request, method.requestDeserialize(method.requestSerialize(request)), '');
+  return request;
+}
+
+function grpcError(err) {
+  if (typeof err?.code !== 'number') throw err; // not a status: a bug here, let it surface
+  const name = Object.keys(grpc.status).find((k) => grpc.status[k] === err.code) ?? 'UNKNOWN';
+  return { error: { code: err.code, name, details: err.details ?? err.message } };
+}
+
+function unary(client, method, request, args) {
+  return new Promise((resolve, reject) => {
+    client[method](request, new grpc.Metadata(), callOptions(args), (err, reply) =>
+      err ? reject(err) : resolve(reply),
+    );
+  });
+}
+
+// The stream must be: chunks, then exactly one `final`, then nothing. On an error status the
+// `final` may be missing, but anything that did arrive must still respect that order.
+function checkShape(messages, completed) {
+  messages.forEach((m, i) => {
+    if (m.kind !== 'chunk' && m.kind !== 'final') {
+      throw new ProtocolError(`message ${i} has neither chunk nor final set`);
+    }
+  });
+  const finals = messages.flatMap((m, i) => (m.kind === 'final' ? [i] : []));
+  if (finals.length > 1) throw new ProtocolError(`${finals.length} final messages (at ${finals})`);
+  if (finals.length === 1 && finals[0] !== messages.length - 1) {
+    throw new ProtocolError(`final is message ${finals[0]} of ${messages.length}; messages follow it`);
+  }
+  if (completed && finals.length === 0) throw new ProtocolError('stream ended OK without a final message');
+}
+
+async function generate(args) {
+  const { TextGeneration } = loadPackage(API_PROTO).cbserve.v1;
+  const request = parseRequest(args.request, TextGeneration.service.Generate);
+  const client = new TextGeneration(args.target, grpc.credentials.createInsecure());
+  const messages = [];
+  let initialMetadata = null;
+  try {
+    await new Promise((resolve, reject) => {
+      const call = client.Generate(request, buildMetadata(args.metadata), callOptions(args));
+      call.on('metadata', (md) => {
+        initialMetadata = md;
+      });
+      call.on('data', (m) => messages.push(m));
+      call.on('end', resolve); // OK status: grpc-js emits either 'end' or 'error', not both
+      call.on('error', reject);
+    });
+  } catch (err) {
+    checkShape(messages, false);
+    return grpcError(err);
+  } finally {
+    client.close();
+  }
+  checkShape(messages, true);
+  const chunks = messages.slice(0, -1).map((m) => m.chunk);
+  return {
+    token_ids: chunks.flatMap((c) => c.tokenIds),
+    text: chunks.map((c) => c.text).join(''),
+    final: clean(messages.at(-1).final),
+    chunks: chunks.length,
+    metadata: metadataToJson(initialMetadata),
+  };
+}
+
+async function health(args) {
+  const { Health } = loadPackage(HEALTH_PROTO).grpc.health.v1;
+  const client = new Health(args.target, grpc.credentials.createInsecure());
+  try {
+    const reply = await unary(client, 'Check', { service: SERVICE }, args);
+    return { status: reply.status };
+  } catch (err) {
+    return grpcError(err);
+  } finally {
+    client.close();
+  }
+}
+
+async function modelInfo(args) {
+  const { TextGeneration } = loadPackage(API_PROTO).cbserve.v1;
+  const client = new TextGeneration(args.target, grpc.credentials.createInsecure());
+  try {
+    return clean(await unary(client, 'GetModelInfo', {}, args));
+  } catch (err) {
+    return grpcError(err);
+  } finally {
+    client.close();
+  }
+}
+
+async function main() {
+  try {
+    const args = parseCli(process.argv.slice(2));
+    const run = args.health ? health : args['model-info'] ? modelInfo : generate;
+    process.stdout.write(`${JSON.stringify(await run(args))}\n`);
+  } catch (err) {
+    if (err instanceof UsageError || String(err?.code).startsWith('ERR_PARSE_ARGS_')) {
+      process.stderr.write(`client.mjs: ${err.message}\n`);
+      process.exitCode = 64;
+    } else if (err instanceof ProtocolError) {
+      process.stderr.write(`client.mjs: protocol violation: ${err.message}\n`);
+      process.exitCode = 3;
+    } else {
+      throw err;
+    }
+  }
+}
+
+await main();

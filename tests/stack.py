@@ -1,0 +1,187 @@
+"""The real three-process stack for integration tests: `cbserve up` on loopback, driven over gRPC.
+
+Each `Stack` starts one supervisor (which starts cachemgr, worker and gateway as children) with its
+settings in `CBSERVE_*` environment variables, waits until the health service says SERVING, and
+stops it with SIGTERM. Its children's JSON logs go to a file, kept for failure reports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from transformers import AutoModelForCausalLM
+
+from services.gateway.api import pb, pb_grpc
+
+Metadata = tuple[tuple[str, str], ...]
+START_TIMEOUT_S = 240  # three processes importing torch on two busy cores
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cbserve(*args: str) -> list[str]:
+    return [sys.executable, "-m", "services.cli", *args]
+
+
+class Stack:
+    def __init__(self, model_dir: Path, log_dir: Path, **settings: Any) -> None:
+        self.model_dir = model_dir
+        self.port, self.metrics_port = free_port(), free_port()
+        self.target = f"127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"stack-{self.port}.log"
+        env = os.environ | {"CBSERVE_WORKER_TIMEOUT": "30", "CBSERVE_THREADS": "2"}
+        for name, value in settings.items():
+            env[f"CBSERVE_{name.upper()}"] = str(value).lower() if isinstance(value, bool) else str(value)
+        self._log = self.log_path.open("wb")
+        argv = cbserve("up", "--model", str(model_dir), "--port", str(self.port),
+                       "--metrics-port", str(self.metrics_port))  # fmt: skip
+        self.process = subprocess.Popen(argv, env=env, cwd=REPO, stdout=self._log, stderr=self._log)
+        self.channel = grpc.insecure_channel(self.target)
+        self.stub = pb_grpc.TextGenerationStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.wait_serving()
+        self.info = self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+        self.idle = self.wait_idle()
+
+    # ------------------------------------------------------------------------------------ lifecycle
+
+    def health_status(self, service: str = "") -> str:
+        try:
+            reply = self.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+        except grpc.RpcError as exc:
+            return exc.code().name
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    def wait_serving(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.health_status() != "SERVING":
+            if self.process.poll() is not None:
+                raise RuntimeError(f"stack exited with {self.process.returncode}:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"stack not SERVING after {timeout_s} s:\n{self.log_tail()}")
+            time.sleep(0.25)
+
+    def stop(self) -> int:
+        self.channel.close()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+        return self.process.returncode
+
+    def log_tail(self, lines: int = 60) -> str:
+        self._log.flush()
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def log_events(self) -> Iterator[dict[str, Any]]:
+        self._log.flush()
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            if line.startswith("{"):
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+
+    def child_pid(self, name: str) -> int:
+        """PID of the latest start of child `name` (cachemgr, worker, gateway)."""
+        pids = [e["pid"] for e in self.log_events() if e.get("event") == "started" and e.get("child") == name]
+        return pids[-1]
+
+    # ---------------------------------------------------------------------------------------- calls
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.info.vocab_size)
+
+    def reference(self, prompt_ids: list[int], max_new_tokens: int, eos: bool = False) -> list[int]:
+        return hf_greedy(self.model_dir, prompt_ids, max_new_tokens, eos)
+
+    def load(self) -> Any:
+        return self.stub.GetLoad(pb.GetLoadRequest(), timeout=10)
+
+    def wait_idle(self, timeout_s: float = 30.0) -> Any:
+        """The load once nothing runs, waits or holds a block (the idle baseline)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            load = self.load()
+            if not (load.requests_running or load.requests_waiting or load.kv_blocks_used):
+                return load
+            if time.monotonic() > deadline:
+                raise AssertionError(f"stack not idle after {timeout_s} s: {load}")
+            time.sleep(0.05)
+
+    def assert_idle(self) -> None:
+        load = self.wait_idle()
+        assert load.kv_blocks_free + load.kv_blocks_cached == load.kv_blocks_total, load
+        assert load.swap_slots_used == 0, load
+
+    def generate(self, request: Any, timeout_s: float = 120.0, metadata: Metadata = ()) -> Any:
+        """Run one call to the end; returns (token ids, text, final message, chunk count)."""
+        ids: list[int] = []
+        text, final, chunks = [], None, 0
+        for response in self.stub.Generate(request, timeout=timeout_s, metadata=metadata):
+            assert final is None, "a message after the final one"
+            if response.HasField("chunk"):
+                chunks += 1
+                ids += response.chunk.token_ids
+                text.append(response.chunk.text)
+            else:
+                final = response.final
+        assert final is not None, "stream ended without a final message"
+        return ids, "".join(text), final, chunks
+
+
+def greedy_request(prompt: list[int], max_tokens: int, **stopping: Any) -> Any:
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt))
+    request.sampling.temperature = 0.0
+    request.stopping.max_tokens = max_tokens
+    request.stopping.ignore_eos = stopping.pop("ignore_eos", True)
+    for name, value in stopping.items():
+        if isinstance(value, list):
+            getattr(request.stopping, name).extend(value)
+        else:
+            setattr(request.stopping, name, value)
+    return request
+
+
+@cache
+def _hf_model(model_dir: Path) -> Any:
+    attn = "eager" if "gemma2" in model_dir.name else "sdpa"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn)
+    return model.eval()
+
+
+@cache
+def _hf_greedy(model_dir: Path, prompt: tuple[int, ...], max_new_tokens: int, eos: bool) -> tuple[int, ...]:
+    model = _hf_model(model_dir)
+    kwargs: dict[str, Any] = {} if eos else {"eos_token_id": None}
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=0, **kwargs)  # fmt: skip
+    return tuple(out[0, len(prompt) :].tolist())
+
+
+def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int, eos: bool = False) -> list[int]:
+    """transformers' greedy `generate` (fp32): the reference every stream must equal."""
+    return list(_hf_greedy(model_dir, tuple(prompt), max_new_tokens, eos))
