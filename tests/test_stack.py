@@ -1,0 +1,116 @@
+"""The three-process stack end to end: many concurrent gRPC streams, each equal to transformers'
+greedy `generate`, under chunked prefill, padding, prefix-cache hits, offloading to the swap pool and
+soft resets; and nothing held afterwards (GetLoad back at its idle baseline)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+from services.gateway.api import pb
+from tests.stack import Stack, greedy_request, hf_greedy
+
+NEW_TOKENS = 12
+
+
+def prompts_with_shared_prefixes(seed: int, groups: int, per_group: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(groups):
+        prefix = [rng.randint(3, 255) for _ in range(rng.randint(16, 40))]
+        prompts += [
+            prefix + [rng.randint(3, 255) for _ in range(rng.randint(1, 30))] for _ in range(per_group)
+        ]
+    rng.shuffle(prompts)
+    return prompts
+
+
+def run_concurrently(stack: Stack, requests: list[Any]) -> list[tuple[list[int], str, Any, int]]:
+    with ThreadPoolExecutor(len(requests)) as pool:
+        return list(pool.map(stack.generate, requests))
+
+
+def test_concurrent_streams_match_generate(tiny_stack: Stack) -> None:
+    """Chunked (max_batch_tokens 24), padded, prefix-cached: 16 clients at once."""
+    prompts = prompts_with_shared_prefixes(seed=1, groups=4, per_group=4)
+    expected = [tiny_stack.reference(p, NEW_TOKENS) for p in prompts]
+    before = tiny_stack.load()
+    results = run_concurrently(tiny_stack, [greedy_request(p, NEW_TOKENS) for p in prompts])
+    for prompt, want, (ids, _, final, _) in zip(prompts, expected, results, strict=True):
+        assert ids == want
+        assert final.finish_reason == pb.FINISH_REASON_LENGTH
+        assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (len(prompt), NEW_TOKENS)
+    after = tiny_stack.load()
+    assert after.prefix_cache_hits > before.prefix_cache_hits, after
+    assert sum(r[2].usage.cached_prompt_tokens for r in results) > 0
+    tiny_stack.assert_idle()
+
+
+@pytest.fixture(scope="module", params=["swap", "soft_reset"])
+def pressure_stack(
+    request: pytest.FixtureRequest,
+    tiny_models: Callable[[str], Path],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[str, Stack]]:
+    """A cache of 16 blocks of 8 tokens: the clients cannot all be resident, so requests are offloaded
+    (to the swap pool, or by soft reset under prefill_first)."""
+    settings: dict[str, Any] = {"page_size": 8, "num_blocks": 16, "max_batch_tokens": 32}
+    if request.param == "swap":
+        settings["cpu_offload_space"] = 0.01
+    else:
+        settings["scheduler_type"] = "prefill_first"
+    stack = Stack(tiny_models("llama"), tmp_path_factory.mktemp(request.param), **settings)
+    yield request.param, stack
+    stack.stop()
+
+
+def test_offloading_keeps_streams_exact(pressure_stack: tuple[str, Stack]) -> None:
+    kind, stack = pressure_stack
+    rng = random.Random(5)
+    prompts = [[rng.randint(3, 255) for _ in range(rng.randint(20, 60))] for _ in range(8)]
+    expected = [stack.reference(p, 20) for p in prompts]
+    results = run_concurrently(stack, [greedy_request(p, 20) for p in prompts])
+    assert [r[0] for r in results] == expected
+    load = stack.load()
+    if kind == "swap":
+        assert load.offloads > 0, load
+    else:
+        assert load.soft_resets > 0, load
+    stack.assert_idle()
+
+
+CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "How do plants make food?",
+    "Say hello in Spanish.",
+    "What is 12 times 12?",
+]
+
+
+def test_smollm2_chat_streams_match_generate(smol_stack: Stack) -> None:
+    """Real chat prompts rendered by the gateway, EOS active: ids and text equal transformers'."""
+    tokenizer = AutoTokenizer.from_pretrained(smol_stack.model_dir)
+    requests, expected = [], []
+    for question in CHATS:
+        messages = [{"role": "user", "content": question}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        prompt = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        expected.append(hf_greedy(smol_stack.model_dir, prompt, 24, eos=True))
+        request = pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=question)]))
+        request.sampling.temperature = 0.0
+        request.stopping.max_tokens = 24
+        requests.append(request)
+    for want, (ids, text, final, _) in zip(expected, run_concurrently(smol_stack, requests), strict=True):
+        assert ids == want
+        assert text == tokenizer.decode(want, skip_special_tokens=True)
+        eos = bool(want) and want[-1] in smol_stack.info.eos_token_ids
+        assert final.finish_reason == (pb.FINISH_REASON_EOS if eos else pb.FINISH_REASON_LENGTH)
+    smol_stack.assert_idle()
