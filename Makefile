@@ -21,9 +21,9 @@ $(STAMP): pyproject.toml Makefile
 model: $(STAMP)
 	$(BIN)/cbserve prepare-model
 
-# Until the gRPC stack lands (issue 3), `serve` runs the engine in-process behind a terminal chat.
+# The three processes (cachemgr, worker, gateway) on this machine; Ctrl-C drains and stops them.
 serve: model
-	$(BIN)/cbserve chat
+	$(BIN)/cbserve up
 
 test: model
 	$(BIN)/ruff check services tests

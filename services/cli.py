@@ -39,6 +39,11 @@ def _chat(args: argparse.Namespace) -> int:
 
 DEFAULT_CACHEMGR_ADDRESS = "tcp://127.0.0.1:5557"
 DEFAULT_WORKER_ADDRESS = "tcp://127.0.0.1:5556"
+# Flags of `cbserve up` that its children read (from CBSERVE_* variables), beyond the CB settings.
+SERVICE_SETTINGS = (
+    "threads", "cachemgr_timeout", "gateway_timeout", "max_queue_size", "drain_grace", "default_max_tokens",
+    "max_stop_strings", "max_message_bytes", "max_concurrent_streams", "keepalive_time", "worker_timeout",
+)  # fmt: skip
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -98,20 +103,17 @@ def _gateway(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from services.common.cli_args import cb_config, cb_settings, env_name
+    from services.common.cli_args import cb_config, cb_settings, settings_env
     from services.supervisor import run_up
 
     cb_config(args)  # refuse bad settings here, not in three children
-    settings_env = {
-        env_name(name): str(value).lower() if isinstance(value, bool) else str(value)
-        for name, value in cb_settings(args).items()
-    }
-    for name in ("max_queue_size", "drain_grace", "default_max_tokens", "worker_timeout", "threads"):
+    settings = cb_settings(args)
+    for name in SERVICE_SETTINGS:
         if getattr(args, name, None) is not None:
-            settings_env[env_name(name)] = str(getattr(args, name))
+            settings[name] = getattr(args, name)
     return run_up(
-        args.model, args.device, args.dtype, args.port, args.metrics_port or None, args.host, settings_env,
-        drain_grace_s=args.drain_grace,
+        args.model, args.device, args.dtype, args.port, args.metrics_port or None, args.host,
+        settings_env(settings), drain_grace_s=args.drain_grace,
     )  # fmt: skip
 
 

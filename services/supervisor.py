@@ -40,7 +40,9 @@ class Child:
     history: list[float] = field(default_factory=list)
 
     def start(self, env: dict[str, str]) -> None:
-        self.process = subprocess.Popen(self.argv, env=env)
+        # Own session: a terminal's Ctrl-C reaches only the supervisor, which stops the children in
+        # order (gateway first, so it drains) instead of all at once.
+        self.process = subprocess.Popen(self.argv, env=env, start_new_session=True)
         self.started_at = time.monotonic()
         log.info("started", child=self.name, pid=self.process.pid)
 

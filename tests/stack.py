@@ -24,6 +24,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoModelForCausalLM
 
+from services.common.cli_args import settings_env
 from services.gateway.api import pb, pb_grpc
 
 Metadata = tuple[tuple[str, str], ...]
@@ -47,9 +48,7 @@ class Stack:
         self.port, self.metrics_port = free_port(), free_port()
         self.target = f"127.0.0.1:{self.port}"
         self.log_path = log_dir / f"stack-{self.port}.log"
-        env = os.environ | {"CBSERVE_WORKER_TIMEOUT": "30", "CBSERVE_THREADS": "2"}
-        for name, value in settings.items():
-            env[f"CBSERVE_{name.upper()}"] = str(value).lower() if isinstance(value, bool) else str(value)
+        env = os.environ | settings_env({"worker_timeout": 30, "threads": 2} | settings)
         self._log = self.log_path.open("wb")
         argv = cbserve("up", "--model", str(model_dir), "--port", str(self.port),
                        "--metrics-port", str(self.metrics_port))  # fmt: skip

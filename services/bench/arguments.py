@@ -7,7 +7,7 @@ from pathlib import Path
 
 from services.common.cli_args import add_cb_arguments
 
-SYSTEMS = ("engine", "hf-cb", "hf-generate", "hf-static")
+SYSTEMS = ("engine", "stack", "hf-cb", "hf-generate", "hf-static")
 DEFAULT_SYSTEMS = "engine,hf-cb,hf-generate"
 
 
@@ -23,6 +23,11 @@ def add_offline_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--static-batch", type=int, default=None, metavar="N", help="add hf-static with batches of N"
+    )
+    parser.add_argument(
+        "--stack",
+        action="store_true",
+        help="add the `stack` system: the whole gRPC service (cbserve up) with the same engine settings",
     )
     parser.add_argument(
         "--repeat", type=int, default=1, metavar="N", help="rounds of all systems in turn; medians reported"

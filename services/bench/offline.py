@@ -12,6 +12,8 @@ Systems:
   the settings PERFORMANCE.md quotes its baseline for (sdpa, page 32, 512 blocks, max_batch_tokens 512).
 - `hf-generate`: `model.generate`, one request at a time.
 - `hf-static`: `model.generate` in static left-padded batches of `--static-batch` requests.
+- `stack`: the three-process service (`cbserve up`, same engine settings) driven over gRPC, all
+  requests at once (`--stack` adds it); its ratio to `engine` is the cost of the process split.
 
 EOS is ignored everywhere, and in the same way: no system stops on EOS, and no system alters logits to
 avoid it, so greedy outputs are comparable token for token (`--check`). For `generate` that means an
@@ -29,7 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -39,6 +41,10 @@ from services.common.cli_args import cb_settings
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+    from services.bench.stack import StackSystem
+
+T = TypeVar("T")
 
 # The configuration PERFORMANCE.md measured transformers' continuous batching with (26.9 tok/s on W1);
 # it is the baseline, so it stays fixed whatever engine settings are benchmarked.
@@ -72,7 +78,7 @@ class SystemResult:
 
 
 def run(args: argparse.Namespace) -> int:
-    systems = _parse_systems(args.systems, args.static_batch)
+    systems = _parse_systems(args.systems, args.static_batch, args.stack)
     if args.check and "hf-generate" not in systems:
         raise SystemExit("--check needs hf-generate among --systems (it is the reference)")
     engine_settings = cb_settings(args)
@@ -107,9 +113,16 @@ def run(args: argparse.Namespace) -> int:
     matmul_gflops = measure_matmul_gflops()
     print(f"fp32 matmul 2048x2048x2048: {matmul_gflops:.1f} GFLOP/s (median)", flush=True)
 
+    stack: StackSystem | None = None
+    if "stack" in systems:
+        from services.bench.stack import StackSystem
+
+        print("starting the stack (cbserve up) ...", flush=True)
+        stack = StackSystem(model_path, engine_settings, threads)
     results: dict[str, SystemResult] = {}
     runners: dict[str, Callable[[], SystemResult]] = {
         "engine": lambda: run_engine(model_path, engine_settings, workload),
+        "stack": lambda: run_stack(_need(stack), workload),
         "hf-cb": lambda: run_hf_cb(_need(hf_model), workload),
         "hf-generate": lambda: run_hf_generate(_need(hf_model), workload),
         "hf-static": lambda: run_hf_static(_need(hf_model), workload, args.static_batch or 16, pad_id),
@@ -117,12 +130,16 @@ def run(args: argparse.Namespace) -> int:
     # Systems take turns, round after round, so a slow spell of a shared machine hits them alike;
     # each system is then represented by its median round.
     rounds: dict[str, list[SystemResult]] = {name: [] for name in systems}
-    for round_no in range(1, args.repeat + 1):
-        for name in systems:
-            print(f"running {name} (round {round_no}/{args.repeat}) ...", flush=True)
-            result = runners[name]()
-            rounds[name].append(result)
-            print(f"  {name}: {result.wall_s:.2f} s, {result.output_tok_s:.2f} tok/s", flush=True)
+    try:
+        for round_no in range(1, args.repeat + 1):
+            for name in systems:
+                print(f"running {name} (round {round_no}/{args.repeat}) ...", flush=True)
+                result = runners[name]()
+                rounds[name].append(result)
+                print(f"  {name}: {result.wall_s:.2f} s, {result.output_tok_s:.2f} tok/s", flush=True)
+    finally:
+        if stack is not None:
+            stack.close()
     for name, runs in rounds.items():
         results[name] = sorted(runs, key=lambda r: r.wall_s)[(len(runs) - 1) // 2]
 
@@ -158,6 +175,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------------------------------- systems
+
+
+def run_stack(stack: StackSystem, workload: Workload) -> SystemResult:
+    wall, outputs, load = stack.run(workload, (_WARMUP_PROMPT, _WARMUP_NEW_TOKENS))
+    return SystemResult(
+        name="stack",
+        wall_s=wall,
+        outputs=outputs,
+        prompt_tokens=workload.total_prompt_tokens,
+        extra={"load": {f.name: getattr(load, f.name) for f in load.DESCRIPTOR.fields}},
+    )
 
 
 def run_engine(model_path: Path, settings: dict[str, Any], workload: Workload) -> SystemResult:
@@ -387,6 +415,7 @@ def _print_table(results: dict[str, SystemResult], useful_flop: float, matmul_gf
         "prompt tok",
         "vs hf-cb",
         "vs hf-gen",
+        "vs engine",
         "GFLOP/s",
         "% mm",
     )
@@ -402,6 +431,7 @@ def _print_table(results: dict[str, SystemResult], useful_flop: float, matmul_gf
                 str(r.prompt_tokens),
                 ratio(r, "hf-cb"),
                 ratio(r, "hf-generate"),
+                ratio(r, "engine"),
                 f"{gflops:.1f}",
                 f"{100 * gflops / matmul_gflops:.1f}",
             )
@@ -471,8 +501,10 @@ def _report(
 # ----------------------------------------------------------------------------------------- helpers
 
 
-def _parse_systems(value: str, static_batch: int | None) -> list[str]:
+def _parse_systems(value: str, static_batch: int | None, stack: bool = False) -> list[str]:
     systems = [s.strip() for s in value.split(",") if s.strip()]
+    if stack:
+        systems.append("stack")
     unknown = sorted(set(systems) - set(SYSTEMS))
     if unknown:
         raise SystemExit(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
@@ -503,10 +535,10 @@ def _pad_token_id(model: PreTrainedModel, tokenizer: Any) -> int:
     return 0
 
 
-def _need(model: PreTrainedModel | None) -> PreTrainedModel:
-    if model is None:
-        raise RuntimeError("HF model not loaded")  # unreachable: loaded whenever an hf-* system is chosen
-    return model
+def _need(thing: T | None) -> T:
+    if thing is None:
+        raise RuntimeError("system not prepared")  # unreachable: prepared whenever the system is chosen
+    return thing
 
 
 def _short_outputs(results: dict[str, SystemResult], workload: Workload) -> dict[str, list[int]]:

@@ -82,5 +82,10 @@ def cb_settings(args: argparse.Namespace) -> dict[str, Any]:
     return {n: getattr(args, n) for n in CB_SETTING_NAMES if getattr(args, n, None) is not None}
 
 
+def settings_env(settings: dict[str, Any]) -> dict[str, str]:
+    """Settings as the `CBSERVE_*` variables a child `cbserve` process reads them from."""
+    return {env_name(k): str(v).lower() if isinstance(v, bool) else str(v) for k, v in settings.items()}
+
+
 def cb_config(args: argparse.Namespace) -> CBConfig:
     return CBConfig.from_kwargs(**cb_settings(args))

@@ -36,6 +36,7 @@ from services.common.gateway_messages import (
     WorkerMessage,
     WorkerStatus,
 )
+from services.common.kv_geometry import RESERVED_CHUNKS
 from services.common.sampling_params import SamplingParams
 from services.worker.cache_client import CacheUnavailable, RemoteCache
 from services.worker.engine import Engine
@@ -169,7 +170,7 @@ class WorkerServer:
             vocab_size=self.engine.vocab_size,
             max_request_tokens=min(max_positions, cache.max_request_tokens),
             page_size=self.config.page_size,
-            total_blocks=cache.sizing.num_chunks,
+            total_blocks=cache.sizing.num_chunks - RESERVED_CHUNKS,  # what requests can be given
             prefix_caching=cache.prefix_caching,
             dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."),
             device=str(self.model.device),

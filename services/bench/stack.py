@@ -1,0 +1,102 @@
+"""The `stack` system of `cbserve bench offline`: the workload through the whole gRPC service.
+
+`cbserve up` runs as a child process with the same engine settings as the in-process `engine`
+system; every request is sent at once over one channel (grpc.aio) as token ids, greedy, EOS ignored,
+and the wall time runs from the first send to the last final message. Start-up and a warm-up call
+are not timed. The child's logs go to a file so that they do not interleave with the table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from services.bench.workload import Workload
+from services.common.cli_args import settings_env
+from services.supervisor import cbserve_argv
+
+START_TIMEOUT_S = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class StackSystem:
+    def __init__(self, model_path: Path, settings: dict[str, Any], threads: int) -> None:
+        self.port = _free_port()
+        self.target = f"127.0.0.1:{self.port}"
+        env = os.environ | settings_env(settings | {"threads": threads})
+        self.log_path = Path(tempfile.mkstemp(prefix="cbserve-bench-stack-", suffix=".log")[1])
+        self._log = self.log_path.open("wb")
+        argv = cbserve_argv("up", "--model", str(model_path), "--port", str(self.port), "--metrics-port", "0")
+        self.process = subprocess.Popen(argv, env=env, stdout=self._log, stderr=self._log)
+        self._wait_serving()
+
+    def _wait_serving(self) -> None:
+        from services.gateway.client import health_status
+
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                if health_status(self.target, timeout_s=2) == "SERVING":
+                    return
+            except grpc.RpcError:
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"the stack did not come up; see {self.log_path}")
+            time.sleep(0.5)
+
+    def run(self, workload: Workload, warmup: tuple[list[int], int]) -> tuple[float, list[list[int]], Any]:
+        """(wall seconds, outputs in workload order, the load afterwards)."""
+        return asyncio.run(self._run(workload, warmup))
+
+    async def _run(
+        self, workload: Workload, warmup: tuple[list[int], int]
+    ) -> tuple[float, list[list[int]], Any]:
+        from services.gateway.api import pb, pb_grpc
+
+        async with grpc.aio.insecure_channel(self.target) as channel:
+            stub = pb_grpc.TextGenerationStub(channel)
+
+            async def one(prompt: list[int], max_tokens: int) -> list[int]:
+                request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt))
+                request.sampling.temperature = 0.0
+                request.stopping.max_tokens = max_tokens
+                request.stopping.ignore_eos = True
+                request.output.text = False
+                ids: list[int] = []
+                async for response in stub.Generate(request, timeout=3600):
+                    ids += response.chunk.token_ids
+                return ids
+
+            await one(*warmup)
+            start = time.perf_counter()
+            outputs = await asyncio.gather(
+                *(one(p, n) for p, n in zip(workload.prompts, workload.max_new_tokens, strict=True))
+            )
+            wall = time.perf_counter() - start
+            load = await stub.GetLoad(pb.GetLoadRequest(), timeout=30)
+        return wall, list(outputs), load
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
