@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.tensor_handles import SHM_PREFIX, shm_dir
 from services.gateway.api import SERVICE_NAME, pb, pb_grpc
-from tests.stack import REPO, START_TIMEOUT_S, cbserve, free_port, greedy_request
+from tests.stack import REPO, START_TIMEOUT_S, Stack, cbserve, free_port, greedy_request
 
 SETTINGS = {"CBSERVE_PAGE_SIZE": "8", "CBSERVE_NUM_BLOCKS": "200", "CBSERVE_THREADS": "1"}
 
@@ -101,3 +101,27 @@ def test_health_follows_readiness_and_drain(
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     assert set(shm_dir().glob(f"{SHM_PREFIX}*")) <= shm_before, "the cachemgr left its pools in shared memory"
+
+
+def test_a_killed_worker_is_restarted_and_the_stack_serves_again(
+    tiny_models: Callable[[str], Path], tmp_path: Path
+) -> None:
+    stack = Stack(tiny_models("llama"), tmp_path, page_size=8, num_blocks=200)
+    try:
+        prompt = [9, 8, 7, 6, 5, 4, 3]
+        stream = stack.stub.Generate(greedy_request(prompt, 900), timeout=120)
+        assert next(stream).HasField("chunk")
+        worker = stack.child_pid("worker")
+        os.kill(worker, signal.SIGKILL)
+        # The stream in flight ends UNAVAILABLE once the gateway sees the worker replaced.
+        with pytest.raises(grpc.RpcError) as lost:
+            list(stream)
+        assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
+        wait_for(lambda: stack.child_pid("worker") != worker, 30, "the supervisor did not restart the worker")
+        stack.wait_serving()
+        ids, *_ = stack.generate(greedy_request(prompt, 8))
+        assert ids == stack.reference(prompt, 8)
+        # The new worker's attach made the cachemgr drop the dead worker's request: nothing is held.
+        stack.assert_idle()
+    finally:
+        stack.stop()

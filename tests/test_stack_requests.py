@@ -61,7 +61,7 @@ def assert_aborted_in_worker(stack: Stack, trace_id: str, timeout_s: float = 5.0
     """The worker logged that the gateway aborted this request (it did not run to its end)."""
     deadline = time.monotonic() + timeout_s
     while not any(
-        e.get("event") == "request aborted by gateway" and e.get("trace_id") == trace_id
+        e.get("event") == "request aborted by gateway" and e.get("request_id") == trace_id
         for e in stack.log_events()
     ):
         assert time.monotonic() < deadline, f"the worker never aborted {trace_id}:\n{stack.log_tail()}"

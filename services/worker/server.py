@@ -263,6 +263,8 @@ class WorkerServer:
             return
         self.tracked[key] = Tracked(gateway, new.request_id, new.trace_id)
         gateway.requests.add(key)
+        log.info("request added", request_id=new.trace_id, prompt_tokens=len(new.prompt_ids),
+                 max_tokens=new.params.max_new_tokens, priority=new.priority)  # fmt: skip
 
     def _abort(self, gateway: Gateway, request_id: str) -> None:
         key = f"{gateway.gateway_id}/{request_id}"
@@ -272,7 +274,7 @@ class WorkerServer:
         gateway.requests.discard(key)
         if self.engine is not None:
             self.engine.abort(key)
-        log.info("request aborted by gateway", request_id=tracked.request_id, trace_id=tracked.trace_id)
+        log.info("request aborted by gateway", request_id=tracked.trace_id, internal_id=tracked.request_id)
 
     def _step(self, engine: Engine) -> None:
         updated = engine.step()
@@ -302,6 +304,8 @@ class WorkerServer:
                 error, code = req.error, "INVALID_ARGUMENT"
             del self.tracked[req.request_id]
             tracked.gateway.requests.discard(req.request_id)
+            log.info("request finished", request_id=tracked.trace_id, reason=finish, error=error or None,
+                     completion_tokens=len(req.output_ids), cached_tokens=req.num_cached_tokens)  # fmt: skip
         tracked.gateway.outputs.append(
             RequestOutput(
                 tracked.request_id,
