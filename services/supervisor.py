@@ -42,13 +42,25 @@ class Child:
     def start(self, env: dict[str, str]) -> None:
         # Own session: a terminal's Ctrl-C reaches only the supervisor, which stops the children in
         # order (gateway first, so it drains) instead of all at once.
-        self.process = subprocess.Popen(self.argv, env=env, start_new_session=True)
+        self.process = subprocess.Popen(
+            self.argv, env=env, start_new_session=True, preexec_fn=die_with_parent
+        )
         self.started_at = time.monotonic()
         log.info("started", child=self.name, pid=self.process.pid)
 
 
 def cbserve_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "services.cli", *args]
+
+
+def die_with_parent() -> None:
+    """`preexec_fn` of a child that must not outlive its parent, even one killed by SIGKILL: Linux
+    sends the child SIGTERM when the parent dies (elsewhere a no-op)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 class Supervisor:

@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM
 
 from services.common.cli_args import settings_env
 from services.gateway.api import pb, pb_grpc
+from services.supervisor import die_with_parent
 
 Metadata = tuple[tuple[str, str], ...]
 START_TIMEOUT_S = 240  # three processes importing torch on two busy cores
@@ -52,7 +53,9 @@ class Stack:
         self._log = self.log_path.open("wb")
         argv = cbserve("up", "--model", str(model_dir), "--port", str(self.port),
                        "--metrics-port", str(self.metrics_port))  # fmt: skip
-        self.process = subprocess.Popen(argv, env=env, cwd=REPO, stdout=self._log, stderr=self._log)
+        self.process = subprocess.Popen(
+            argv, env=env, cwd=REPO, stdout=self._log, stderr=self._log, preexec_fn=die_with_parent
+        )
         self.channel = grpc.insecure_channel(self.target)
         self.stub = pb_grpc.TextGenerationStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)

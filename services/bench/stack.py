@@ -22,7 +22,7 @@ import grpc
 
 from services.bench.workload import Workload
 from services.common.cli_args import settings_env
-from services.supervisor import cbserve_argv
+from services.supervisor import cbserve_argv, die_with_parent
 
 START_TIMEOUT_S = 300
 
@@ -41,7 +41,9 @@ class StackSystem:
         self.log_path = Path(tempfile.mkstemp(prefix="cbserve-bench-stack-", suffix=".log")[1])
         self._log = self.log_path.open("wb")
         argv = cbserve_argv("up", "--model", str(model_path), "--port", str(self.port), "--metrics-port", "0")
-        self.process = subprocess.Popen(argv, env=env, stdout=self._log, stderr=self._log)
+        self.process = subprocess.Popen(
+            argv, env=env, stdout=self._log, stderr=self._log, preexec_fn=die_with_parent
+        )
         self._wait_serving()
 
     def _wait_serving(self) -> None:
