@@ -259,6 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
     offline = benchmarks.add_parser("offline", help="offline throughput: engine vs transformers, same run")
     add_offline_arguments(offline)
     offline.set_defaults(handler=_bench_offline)
+    from services.bench.serve import add_serve_arguments  # light: grpc is imported when it runs
+    from services.bench.serve import run as run_serve
+
+    serve = benchmarks.add_parser("serve", help="serving load generator against a running gateway (gRPC)")
+    add_serve_arguments(serve)
+    serve.set_defaults(handler=run_serve)
     return parser
 
 

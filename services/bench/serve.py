@@ -1,0 +1,502 @@
+"""`cbserve bench serve`: a load generator driving a running gateway over gRPC (grpc.aio, one process,
+one asyncio loop, one channel; a coroutine per request, no thread).
+
+    cbserve bench serve --target 127.0.0.1:50051 --workload random --num-requests 64 \\
+        --request-rate 4 --input-len 128 --output-len 64 --metrics-url http://127.0.0.1:9090/metrics
+    cbserve bench serve --request-rates 1,2,4,8 --json sweep.json --plot sweep.png    # a sweep
+    cbserve bench serve --concurrency 8 --duration 60                                 # closed loop
+    cbserve bench serve --workload shared-prefix --num-groups 4 --prefix-len 512 --input-len 32
+    cbserve bench serve --workload jsonl --dataset prompts.jsonl --no-ignore-eos
+
+Load: open loop with Poisson arrivals at `--request-rate` (`inf`: all at once), or one phase per rate
+of `--request-rates`; `--concurrency C` caps the requests in flight (closed loop with rate `inf`). A
+phase ends after `--num-requests` or at `--duration` seconds: then no more requests are sent, and those
+in flight are cancelled (the server frees their blocks) and counted as cancelled. Each phase starts
+once the server is idle, with fresh prompts (a repeat would be served from the prefix cache). For
+the same reason every run salts its requests' prefix cache (`cache_salt`) with a new random value: the
+same command run twice against one stack sends the same prompts, and the second run must not be
+served from the first run's blocks (`--cache-salt ""` lets it).
+
+Workloads: `random` (token-id prompts of random ids below the vocabulary size from GetModelInfo;
+lengths uniform within ±`--range-ratio` of `--input-len` / `--output-len`; EOS ignored so lengths are
+exact), `shared-prefix` (`--num-groups` long prefixes of `--prefix-len`, each request one prefix plus a
+unique suffix of about `--input-len`; the prefix-cache hit rate comes from GetLoad deltas and from the
+requests' `usage.cached_prompt_tokens` against the shared tokens after each group's first request),
+`long-prompt` (short random requests plus ONE `--long-prompt-len` prompt, sent once the first
+`--long-prompt-after` of them, a quarter by default, have their first token: a warm period, so that
+its prefill meets decoding streams), and `jsonl` (`--dataset`, one object a line with `prompt` text
+or `token_ids`, optional `max_tokens`).
+
+long-prompt, with and without chunked prefill: the report gives the short requests' inter-token
+latency while the long prompt is prefilled (from its send to its first token) and otherwise, median
+and p99, and the ratio of the p99 during the prefill to the median otherwise (the issue's target: at
+most 2 with chunking). Chunking is a server setting, so the contrast takes two stacks and two runs of
+the same command (same seed, so the same requests):
+
+    cbserve up --port 50777 --metrics-port 9777 --max-batch-tokens 256    # prompts chunked by 256
+    cbserve bench serve --target 127.0.0.1:50777 --workload long-prompt --request-rate 2 \\
+        --num-requests 24 --input-len 64 --output-len 64 --long-prompt-len 4000
+    cbserve up --port 50777 --metrics-port 9777 --max-batch-tokens 4096   # the long prompt in one step
+    (the same bench command)
+
+Reported per phase: request, output-token and total-token throughput; TTFT, ITL and E2E latency (mean,
+p50, p90, p99); completed, failed (by status code) and cancelled counts; peak KV usage (GetLoad sampled
+every `--load-interval` s); prefix-cache hits, offloads and soft resets (GetLoad deltas); with
+`--metrics-url`, the step profile (`cbserve:step_time_seconds` by phase, _sum/_count deltas of the
+gateway's Prometheus endpoint around the phase). Definitions are in `serve_report`. Exit status 1 when
+a request failed or a completed one did not get exactly its max_tokens (with EOS ignored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import secrets
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from services.bench.serve_report import (
+    LoadSample,
+    PhaseData,
+    RequestRecord,
+    format_phase,
+    format_sweep,
+    parse_histogram,
+    plot_report,
+    summarize_phase,
+)
+from services.bench.serve_workloads import (
+    WORKLOADS,
+    BenchRequest,
+    arrivals_for,
+    jsonl_requests,
+    long_prompt_requests,
+    phase_rng,
+    random_requests,
+    shared_prefix_requests,
+)
+
+if TYPE_CHECKING:
+    import asyncio  # imported where it runs: `cbserve --help` builds this parser and should stay light
+
+IDLE_TIMEOUT_S = 120.0
+_WARMUP_PROMPT_LEN, _WARMUP_TOKENS = 16, 2
+
+
+# -------------------------------------------------------------------------------------- arguments
+
+
+def _rates(text: str) -> list[float]:
+    rates = [float(x) for x in text.split(",") if x.strip()]
+    if not rates or any(not r > 0 for r in rates):
+        raise argparse.ArgumentTypeError(f"rates must be positive numbers (or inf), got {text!r}")
+    return rates
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default="127.0.0.1:50051", help="gateway host:port")
+    parser.add_argument("--workload", choices=WORKLOADS, default="random")
+    parser.add_argument("--num-requests", type=int, default=64, help="requests per phase")
+    load = parser.add_mutually_exclusive_group()
+    load.add_argument("--request-rate", type=float, default=math.inf,
+                      help="Poisson arrivals per second (inf: all at once; default)")  # fmt: skip
+    load.add_argument("--request-rates", type=_rates, default=None, metavar="R1,R2,...",
+                      help="a sweep: one phase per rate, reported separately")  # fmt: skip
+    parser.add_argument("--concurrency", type=int, default=None, help="most requests in flight (closed loop)")
+    parser.add_argument("--duration", type=float, default=None, metavar="S",
+                        help="end each phase after S seconds, cancelling requests in flight")  # fmt: skip
+    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens (shared-prefix: suffix)")
+    parser.add_argument("--output-len", type=int, default=64, help="tokens to generate (max_tokens)")
+    parser.add_argument("--range-ratio", type=float, default=0.0,
+                        help="lengths uniform within ±ratio of --input-len and --output-len")  # fmt: skip
+    parser.add_argument("--num-groups", type=int, default=4, help="shared-prefix: groups")
+    parser.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: shared prompt tokens")
+    parser.add_argument("--long-prompt-len", type=int, default=4000, help="long-prompt: its prompt tokens")
+    parser.add_argument("--long-output-len", type=int, default=8, help="long-prompt: its max_tokens")
+    parser.add_argument("--long-prompt-after", type=int, default=None, metavar="K",
+                        help="long-prompt: send it once K short requests decode (default n/4)")  # fmt: skip
+    parser.add_argument("--dataset", type=Path, default=None, help="jsonl: the prompts file")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                        help="generate exactly max_tokens (default on)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths and arrivals")
+    parser.add_argument("--cache-salt", default=None,
+                        help="prefix-cache salt of all requests (default: new each run)")  # fmt: skip
+    parser.add_argument("--request-timeout", type=float, default=600.0, help="deadline of each call (s)")
+    parser.add_argument("--load-interval", type=float, default=0.5, help="seconds between GetLoad samples")
+    parser.add_argument(
+        "--metrics-url", default=None, help="gateway Prometheus endpoint, for the step profile"
+    )
+    parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                        help="one short untimed request first (default on)")  # fmt: skip
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                        help="live progress bar on stderr (default on)")  # fmt: skip
+    parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the full report here")
+    parser.add_argument("--plot", type=Path, default=None, metavar="FILE", help="latency CDFs (png)")
+
+
+@dataclass(frozen=True)
+class Phase:
+    index: int
+    name: str
+    rate: float
+
+
+def plan_phases(args: argparse.Namespace) -> list[Phase]:
+    rates = args.request_rates or [args.request_rate]
+    conc = f", concurrency {args.concurrency}" if args.concurrency else ""
+    return [Phase(i, f"rate {r:g} req/s{conc}", r) for i, r in enumerate(rates)]
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Refuse bad settings before connecting."""
+    problems = [
+        (args.num_requests < 1, "--num-requests must be at least 1"),
+        (args.concurrency is not None and args.concurrency < 1, "--concurrency must be at least 1"),
+        (args.duration is not None and args.duration <= 0, "--duration must be positive"),
+        (not args.request_rate > 0, "--request-rate must be positive"),
+        (not 0.0 <= args.range_ratio < 1.0, "--range-ratio must be in [0, 1)"),
+        (min(args.input_len, args.output_len, args.long_prompt_len, args.long_output_len) < 1,
+         "lengths must be at least 1"),
+        (args.workload == "jsonl" and args.dataset is None, "--workload jsonl needs --dataset"),
+        (args.load_interval <= 0, "--load-interval must be positive"),
+        (args.long_prompt_after is not None and not 0 <= args.long_prompt_after <= args.num_requests,
+         "--long-prompt-after must be in [0, --num-requests]"),
+    ]  # fmt: skip
+    for bad, message in problems:
+        if bad:
+            raise SystemExit(f"cbserve bench serve: {message}")
+
+
+# -------------------------------------------------------------------------------------- workloads
+
+
+def build_requests(args: argparse.Namespace, phase: int, vocab_size: int) -> list[BenchRequest]:
+    rng = phase_rng(args.seed, phase, "workload")
+    n, shape = args.num_requests, (args.input_len, args.output_len, args.range_ratio)
+    if args.workload == "random":
+        return random_requests(n, *shape, vocab_size, rng)
+    if args.workload == "shared-prefix":
+        return shared_prefix_requests(n, args.num_groups, args.prefix_len, *shape, vocab_size, rng)
+    if args.workload == "long-prompt":
+        after = n // 4 if args.long_prompt_after is None else args.long_prompt_after
+        return long_prompt_requests(
+            n, *shape, args.long_prompt_len, args.long_output_len, after, vocab_size, rng
+        )
+    return jsonl_requests(args.dataset, n, args.output_len)
+
+
+def check_fits(requests: list[BenchRequest], max_model_len: int) -> None:
+    """Token-id prompts must fit the served model with their max_tokens (text prompts: the server says)."""
+    for r in requests:
+        if r.prompt_len is not None and r.prompt_len + (r.max_tokens or 1) > max_model_len:
+            raise SystemExit(
+                f"cbserve bench serve: request {r.index} ({r.kind}) needs {r.prompt_len} prompt + "
+                f"{r.max_tokens} output tokens; the server's max_model_len is {max_model_len}"
+            )
+
+
+def generate_request(req: BenchRequest, args: argparse.Namespace) -> Any:
+    from services.gateway.api import pb
+
+    request = pb.GenerateRequest(request_id=f"bench-{req.kind}-{req.index}")
+    if req.token_ids is not None:
+        request.token_ids.ids.extend(req.token_ids)
+    else:
+        request.text = req.text or ""
+    request.sampling.temperature = args.temperature
+    if args.temperature > 0:
+        request.sampling.seed = (args.seed * 1_000_003 + req.index) % 2**64  # reproducible outputs
+    if req.max_tokens is not None:
+        request.stopping.max_tokens = req.max_tokens
+    request.stopping.ignore_eos = args.ignore_eos
+    request.output.token_ids = True
+    request.cache_salt = args.cache_salt or ""
+    return request
+
+
+# ----------------------------------------------------------------------------------------- driver
+
+
+class PhaseRunner:
+    """Sends one phase's requests on schedule and records what each stream does."""
+
+    def __init__(self, stub: Any, args: argparse.Namespace, on_done: Callable[[], None]) -> None:
+        self.stub, self.args, self.on_done = stub, args, on_done
+        self.t0 = time.perf_counter()  # reset when the phase starts
+        self.tasks: list[asyncio.Task[None]] = []
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    async def drive(
+        self, requests: list[BenchRequest], arrivals: list[float], records: list[RequestRecord]
+    ) -> float:
+        """Runs the phase; returns its wall time (to the last final message, or the time limit)."""
+        import asyncio
+
+        self.t0 = time.perf_counter()
+        try:
+            await asyncio.wait_for(self._all(requests, arrivals, records), self.args.duration)
+        except TimeoutError:
+            pass  # the time limit: requests in flight are cancelled below
+        wall = self.now()
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        return wall
+
+    async def _all(
+        self, requests: list[BenchRequest], arrivals: list[float], records: list[RequestRecord]
+    ) -> None:
+        import asyncio
+
+        limit = asyncio.Semaphore(self.args.concurrency) if self.args.concurrency else None
+        for pos, (req, at, record) in enumerate(zip(requests, arrivals, records, strict=True)):
+            if (delay := at - self.now()) > 0:
+                await asyncio.sleep(delay)
+            if req.kind == "long":
+                # On top of the steady load (no slot), and without holding up the short requests' schedule.
+                self.tasks.append(asyncio.create_task(self._when_warm(records[:pos], req, record)))
+                continue
+            if limit is not None:
+                await limit.acquire()
+            self.tasks.append(asyncio.create_task(self._one(req, record, limit)))
+        await asyncio.gather(*self.tasks)
+
+    async def _when_warm(self, warm: list[RequestRecord], req: BenchRequest, record: RequestRecord) -> None:
+        """Sends the long prompt once the requests sent before it are decoding (or over), so that its
+        prefill meets running streams: their inter-token latency is what the workload measures."""
+        import asyncio
+
+        while not all(r.chunk_times or r.status in ("ok", "failed", "cancelled") for r in warm):
+            await asyncio.sleep(0.005)
+        await self._one(req, record, None)
+
+    async def _one(self, req: BenchRequest, record: RequestRecord, slot: asyncio.Semaphore | None) -> None:
+        import asyncio
+
+        import grpc
+
+        record.status, record.start = "running", self.now()
+        call = self.stub.Generate(generate_request(req, self.args), timeout=self.args.request_timeout)
+        try:
+            async for response in call:
+                if response.HasField("chunk"):
+                    if response.chunk.token_ids:
+                        record.chunk_times.append(self.now())
+                        record.chunk_tokens.append(len(response.chunk.token_ids))
+                else:
+                    _record_final(record, response.final)
+            record.status = "ok"
+        except asyncio.CancelledError:
+            call.cancel()
+            record.status = "cancelled"
+            raise
+        except grpc.aio.AioRpcError as exc:
+            record.status, record.error_code, record.error = "failed", exc.code().name, exc.details()
+        except Exception as exc:  # a client-side failure must not end the benchmark
+            record.status, record.error_code, record.error = "failed", "CLIENT_ERROR", repr(exc)
+        finally:
+            record.end = self.now()
+            if slot is not None:
+                slot.release()
+            self.on_done()
+
+
+def _record_final(record: RequestRecord, final: Any) -> None:
+    from services.gateway.api import pb
+
+    record.finish_reason = pb.FinishReason.Name(final.finish_reason)
+    record.prompt_tokens = final.usage.prompt_tokens
+    record.cached_prompt_tokens = final.usage.cached_prompt_tokens
+    record.server_ttft = final.timings.time_to_first_token_seconds
+    record.server_queue = final.timings.queue_seconds
+
+
+# ------------------------------------------------------------------------------------ server state
+
+
+def load_dict(load: Any) -> dict[str, int]:
+    return {f.name: int(getattr(load, f.name)) for f in load.DESCRIPTOR.fields}
+
+
+async def get_load(stub: Any, timeout_s: float = 10.0) -> dict[str, int] | None:
+    import grpc
+
+    from services.gateway.api import pb
+
+    try:
+        return load_dict(await stub.GetLoad(pb.GetLoadRequest(), timeout=timeout_s))
+    except grpc.aio.AioRpcError:
+        return None
+
+
+async def sample_load(
+    stub: Any, samples: list[LoadSample], now: Callable[[], float], interval: float
+) -> None:
+    """Runs until cancelled. A GetLoad waits for the worker's step to end, hence the generous timeout."""
+    import asyncio
+
+    while True:
+        load = await get_load(stub, timeout_s=max(4 * interval, 5.0))
+        if load is not None:
+            samples.append(LoadSample(now(), load["kv_blocks_used"], load["kv_blocks_total"],
+                                      load["requests_running"], load["requests_waiting"]))  # fmt: skip
+        await asyncio.sleep(interval)
+
+
+async def wait_idle(stub: Any, timeout_s: float = IDLE_TIMEOUT_S) -> None:
+    """Until nothing runs or waits, so a phase neither inherits nor leaves work."""
+    import asyncio
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        load = await get_load(stub)
+        if load is not None and not (load["requests_running"] or load["requests_waiting"]):
+            return
+        await asyncio.sleep(0.1)
+    print(f"warning: the server is still busy after {timeout_s:.0f} s; starting anyway", file=sys.stderr)
+
+
+def scrape_steps(url: str | None) -> dict[str, tuple[float, float]] | None:
+    import urllib.request
+
+    if url is None:
+        return None
+    try:
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            return parse_histogram(reply.read().decode())
+    except OSError as exc:
+        print(f"warning: could not scrape {url}: {exc}", file=sys.stderr)
+        return None
+
+
+# -------------------------------------------------------------------------------------------- run
+
+
+async def run_phase(
+    stub: Any, args: argparse.Namespace, phase: Phase, requests: list[BenchRequest]
+) -> PhaseData:
+    import asyncio
+
+    from tqdm import tqdm
+
+    arrivals = arrivals_for(requests, phase.rate, phase_rng(args.seed, phase.index, "arrivals"))
+    records = [
+        RequestRecord(r.index, r.kind, r.max_tokens, r.prompt_len, r.group, r.shared_len) for r in requests
+    ]
+    await wait_idle(stub)
+    steps_before = await asyncio.to_thread(scrape_steps, args.metrics_url)
+    load_before = await get_load(stub)
+    bar = tqdm(total=len(requests), desc=phase.name, unit="req", file=sys.stderr, disable=not args.progress)
+    runner = PhaseRunner(stub, args, lambda: bar.update(1))
+    samples: list[LoadSample] = []
+    sampler = asyncio.create_task(sample_load(stub, samples, runner.now, args.load_interval))
+    try:
+        wall = await runner.drive(requests, arrivals, records)
+    finally:
+        sampler.cancel()
+        await asyncio.gather(sampler, return_exceptions=True)
+        bar.close()
+    await wait_idle(stub)  # cancelled requests release their blocks; counters settle
+    load_after = await get_load(stub)
+    steps_after = await asyncio.to_thread(scrape_steps, args.metrics_url)
+    return PhaseData(
+        phase.name, args.workload, phase.rate, args.concurrency, wall, records, load_before, load_after,
+        samples, steps_before, steps_after, check_lengths=args.ignore_eos,
+    )  # fmt: skip
+
+
+async def warmup(stub: Any, args: argparse.Namespace, vocab_size: int) -> None:
+    rng = phase_rng(args.seed, -1, "warmup")
+    req = BenchRequest(
+        -1, _WARMUP_TOKENS, token_ids=[rng.randrange(vocab_size) for _ in range(_WARMUP_PROMPT_LEN)]
+    )
+    async for _ in stub.Generate(generate_request(req, args), timeout=args.request_timeout):
+        pass
+
+
+async def run_all(args: argparse.Namespace) -> tuple[dict[str, Any], list[PhaseData]]:
+    import grpc
+
+    from services.gateway.api import pb, pb_grpc
+
+    options = [("grpc.max_receive_message_length", 16 << 20)]
+    async with grpc.aio.insecure_channel(args.target, options=options) as channel:
+        stub = pb_grpc.TextGenerationStub(channel)
+        info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+        if args.warmup:
+            await warmup(stub, args, info.vocab_size)
+        phases = []
+        for phase in plan_phases(args):
+            try:
+                requests = build_requests(args, phase.index, info.vocab_size)
+            except (OSError, ValueError) as exc:  # a bad --dataset file
+                raise SystemExit(f"cbserve bench serve: {exc}") from exc
+            check_fits(requests, info.max_model_len)
+            phases.append(await run_phase(stub, args, phase, requests))
+            print(format_phase(summarize_phase(phases[-1])), flush=True)
+    model = {f.name: getattr(info, f.name) for f in info.DESCRIPTOR.fields}
+    model["eos_token_ids"] = list(info.eos_token_ids)
+    return model, phases
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    import grpc
+
+    validate(args)
+    if args.cache_salt is None:
+        args.cache_salt = secrets.token_hex(8)
+    try:
+        model, phases = asyncio.run(run_all(args))
+    except grpc.aio.AioRpcError as exc:
+        print(f"error: {args.target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    summaries = [summarize_phase(p) for p in phases]
+    if len(summaries) > 1:
+        print(format_sweep(summaries))
+    if args.json is not None:
+        write_json(args, model, phases, summaries)
+        print(f"wrote {args.json}")
+    if args.plot is not None:
+        plot_report(phases, summaries, args.plot)
+        print(f"wrote {args.plot}")
+    bad = any(s["requests"]["failed"] or s["requests"]["length_mismatch"] for s in summaries)
+    return 1 if bad else 0
+
+
+def write_json(
+    args: argparse.Namespace, model: dict[str, Any], phases: list[PhaseData], summaries: list[dict[str, Any]]
+) -> None:
+    settings = {k: v for k, v in vars(args).items() if not callable(v)}
+    report = {
+        "settings": settings,
+        "model": model,
+        "phases": [
+            s
+            | {"records": [r.to_json() for r in p.records], "load_samples": [vars(x) for x in p.load_samples]}
+            for p, s in zip(phases, summaries, strict=True)
+        ],
+    }
+    args.json.write_text(json.dumps(_jsonable(report), indent=1) + "\n")
+
+
+def _jsonable(value: Any) -> Any:
+    """Strict JSON: paths as strings, infinite rates as "inf" (JSON has no Infinity)."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, Path):
+        return str(value)
+    return value
