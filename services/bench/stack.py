@@ -15,6 +15,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -73,8 +74,12 @@ class StackSystem:
         async with grpc.aio.insecure_channel(self.target) as channel:
             stub = pb_grpc.TextGenerationStub(channel)
 
+            # The stack outlives a round, its prefix cache too: a fresh salt per round keeps a later
+            # round from hitting what an earlier one cached (the in-process engine starts empty).
+            salt = uuid.uuid4().hex
+
             async def one(prompt: list[int], max_tokens: int) -> list[int]:
-                request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt))
+                request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), cache_salt=salt)
                 request.sampling.temperature = 0.0
                 request.stopping.max_tokens = max_tokens
                 request.stopping.ignore_eos = True
