@@ -43,6 +43,7 @@ DEFAULT_WORKER_ADDRESS = "tcp://127.0.0.1:5556"
 SERVICE_SETTINGS = (
     "threads", "cachemgr_timeout", "gateway_timeout", "max_queue_size", "drain_grace", "default_max_tokens",
     "max_stop_strings", "max_message_bytes", "max_concurrent_streams", "keepalive_time", "worker_timeout",
+    "resubmit_timeout",
 )  # fmt: skip
 
 
@@ -87,6 +88,7 @@ def _gateway_settings(args: argparse.Namespace) -> GatewaySettings:
         max_concurrent_streams=args.max_concurrent_streams,
         keepalive_time_s=args.keepalive_time,
         worker_timeout_s=args.worker_timeout,
+        resubmit_timeout_s=args.resubmit_timeout,
         limits=Limits(default_max_tokens=args.default_max_tokens, max_stop_strings=args.max_stop_strings),
     )
 
@@ -187,7 +189,9 @@ def _add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
                      help="concurrent streams per HTTP/2 connection")  # fmt: skip
     add_env_argument(parser, "--keepalive-time", type=float, default=30.0, help="seconds between pings")
     add_env_argument(parser, "--worker-timeout", type=float, default=10.0,
-                     help="seconds without a worker status before its streams fail UNAVAILABLE")  # fmt: skip
+                     help="seconds without a worker status before it is presumed dead")  # fmt: skip
+    add_env_argument(parser, "--resubmit-timeout", type=float, default=60.0,
+                     help="seconds streams of a lost worker wait for a new one")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,10 +21,20 @@ STEP_PHASES = ("schedule", "cache", "build", "forward", "sample", "emit")
 
 
 class _LoadCollector(Collector):
-    def __init__(self, load: Callable[[], Load]) -> None:
+    def __init__(self, load: Callable[[], Load], recovery: Callable[[], tuple[int, int]]) -> None:
         self._load = load
+        self._recovery = recovery
 
     def collect(self) -> Iterable[Metric]:
+        resubmitted, recomputed = self._recovery()
+        yield CounterMetricFamily(
+            "cbserve:resubmitted_requests",
+            "Requests re-submitted after their worker was lost.",
+            value=resubmitted,
+        )
+        yield CounterMetricFamily("cbserve:resubmit_recomputed_tokens",
+                                  "Prompt tokens that re-submitted requests recomputed.",
+                                  value=recomputed)  # fmt: skip
         load = self._load()
         total = max(load.kv_blocks_total, 1)
         gauges = {
@@ -55,7 +65,11 @@ class _LoadCollector(Collector):
 
 
 class GatewayMetrics:
-    def __init__(self, load: Callable[[], Load]) -> None:
+    """`load`: the worker's latest load; `recovery`: (requests re-submitted, tokens they recomputed)."""
+
+    def __init__(
+        self, load: Callable[[], Load], recovery: Callable[[], tuple[int, int]] = lambda: (0, 0)
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("cbserve:time_to_first_token_seconds", "Arrival to first token.",
@@ -74,7 +88,7 @@ class GatewayMetrics:
                                 ["finished_reason"], registry=r)  # fmt: skip
         self.errors = Counter("cbserve:request_errors", "Requests ended by a gRPC error status.",
                               ["code"], registry=r)  # fmt: skip
-        r.register(_LoadCollector(load))
+        r.register(_LoadCollector(load, recovery))
 
     def observe_step(self, times: StepTimes) -> None:
         for phase in STEP_PHASES:

@@ -53,6 +53,7 @@ class GatewaySettings:
     keepalive_time_s: float = 30.0
     keepalive_timeout_s: float = 10.0
     worker_timeout_s: float = 10.0
+    resubmit_timeout_s: float = 60.0  # how long streams of a lost worker wait for a new one
     limits: Limits = field(default_factory=Limits)
 
 
@@ -331,10 +332,11 @@ async def serve(
     client = WorkerClient(
         worker_address,
         worker_timeout_s=settings.worker_timeout_s,
+        resubmit_timeout_s=settings.resubmit_timeout_s,
         on_ready_change=on_ready_change,
         on_step=lambda times: metrics.observe_step(times),
     )
-    metrics = GatewayMetrics(lambda: client.load)
+    metrics = GatewayMetrics(lambda: client.load, lambda: (client.resubmitted, client.recomputed_tokens))
     service = TextGenerationService(client, tokenizer, info, settings, metrics)
     server = grpc.aio.server(
         options=[

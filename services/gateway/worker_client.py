@@ -3,18 +3,27 @@
 Calls register a stream (an asyncio.Queue of `RequestOutput`) and queue their add or abort; everything
 queued in one event-loop turn leaves as one `GatewayMessage`. A heartbeat (an empty message) goes out
 every `heartbeat_s` so the worker knows this gateway lives. The worker's periodic status tells
-readiness and load; no status for `worker_timeout_s`, or a new worker id (it restarted), means the
-worker's requests are gone: their streams get an UNAVAILABLE error output.
+readiness and load.
+
+No status for `worker_timeout_s`, or a new worker id (it restarted), means the worker's requests are
+gone. Their streams are not failed: once a worker is ready again, each is re-submitted as its prompt
+plus the tokens it already streamed, with its token limits reduced by as many, so the client sees
+the stream continue with no token repeated or missing (greedy output equals an uninterrupted run).
+Full pages of the lost requests stay in the cachemgr's prefix cache, so the re-prefill recomputes
+little; how much is counted (`recomputed_tokens`). A stream that no worker takes back within
+`resubmit_timeout_s` fails UNAVAILABLE.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import msgspec
 import structlog
@@ -36,6 +45,25 @@ from services.common.gateway_messages import (
 log = structlog.get_logger(__name__)
 
 
+@dataclass
+class _Stream:
+    request: NewRequest  # as first sent (its prompt and limits)
+    queue: asyncio.Queue[RequestOutput] = field(default_factory=asyncio.Queue)
+    tokens: list[int] = field(default_factory=list)  # ids delivered to the stream so far
+    lost_at: float | None = None  # the worker holding it died; waits for re-submission
+    resubmitted: bool = False  # the next output is the re-submission's first
+
+
+def resubmission(request: NewRequest, generated: list[int]) -> NewRequest:
+    """What a lost request continues as: the tokens it streamed become part of its prompt."""
+    n = len(generated)
+    p = request.params
+    params = dataclasses.replace(
+        p, max_new_tokens=p.max_new_tokens - n, min_new_tokens=max(0, p.min_new_tokens - n)
+    )
+    return msgspec.structs.replace(request, prompt_ids=[*request.prompt_ids, *generated], params=params)
+
+
 class WorkerClient:
     def __init__(
         self,
@@ -43,6 +71,7 @@ class WorkerClient:
         *,
         heartbeat_s: float = 0.5,
         worker_timeout_s: float = 10.0,
+        resubmit_timeout_s: float = 60.0,
         on_ready_change: Callable[[bool], None] | None = None,
         on_step: Callable[[StepTimes], None] | None = None,
     ) -> None:
@@ -50,13 +79,16 @@ class WorkerClient:
         self.gateway_id = uuid.uuid4().hex[:12]
         self.heartbeat_s = heartbeat_s
         self.worker_timeout_s = worker_timeout_s
+        self.resubmit_timeout_s = resubmit_timeout_s
+        self.resubmitted = 0  # requests re-submitted after a worker loss, since start
+        self.recomputed_tokens = 0  # prompt tokens their re-prefills computed (not cache hits)
         self.on_ready_change = on_ready_change
         self.on_step = on_step
         self.ready = False
         self.facts: WorkerFacts | None = None
         self.load = Load()
         self.worker_id = ""
-        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._streams: dict[str, _Stream] = {}
         self._adds: list[NewRequest] = []
         self._aborts: list[str] = []
         self._load_waiters: dict[int, asyncio.Future[Load]] = {}
@@ -96,15 +128,15 @@ class WorkerClient:
         return len(self._streams)
 
     def submit(self, request: NewRequest) -> asyncio.Queue[RequestOutput]:
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._streams[request.request_id] = queue
+        stream = self._streams[request.request_id] = _Stream(request)
         self._adds.append(request)
         self._schedule_flush()
-        return queue
+        return stream.queue
 
     def release(self, request_id: str, *, abort: bool) -> None:
         """Forget a stream; `abort` also tells the worker to stop computing it and free its blocks."""
-        if self._streams.pop(request_id, None) is not None and abort:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and abort and stream.lost_at is None:
             self._aborts.append(request_id)
             self._schedule_flush()
 
@@ -147,8 +179,9 @@ class WorkerClient:
             await asyncio.sleep(self.heartbeat_s)
             self._send(GatewayMessage(self.gateway_id))
             if self.ready and time.monotonic() - self._last_status > self.worker_timeout_s:
-                log.error("worker silent; failing its requests", timeout_s=self.worker_timeout_s)
-                self._worker_lost("worker stopped responding")
+                log.error("worker silent; its requests wait for a worker", timeout_s=self.worker_timeout_s)
+                self._worker_lost()
+            self._expire_lost()
 
     # ------------------------------------------------------------------------------------ receiving
 
@@ -165,7 +198,8 @@ class WorkerClient:
                 continue
             if message.worker_id != self.worker_id:
                 if self.worker_id:
-                    self._worker_lost(f"worker {self.worker_id} was replaced by {message.worker_id}")
+                    log.error("worker replaced", old=self.worker_id, new=message.worker_id)
+                    self._worker_lost()
                 self.worker_id = message.worker_id
             if message.status is not None:
                 self._on_status(message.status)
@@ -175,11 +209,20 @@ class WorkerClient:
                 self.on_step(message.step)
 
     def _deliver(self, output: RequestOutput) -> None:
-        queue = self._streams.get(output.request_id)
-        if queue is not None:
-            queue.put_nowait(output)
-            if output.finish:
-                del self._streams[output.request_id]
+        stream = self._streams.get(output.request_id)
+        if stream is None or stream.lost_at is not None:
+            return  # released, or news from a worker that is gone
+        if stream.resubmitted:
+            stream.resubmitted = False
+            if output.cached_tokens >= 0:
+                prompt = len(stream.request.prompt_ids) + len(stream.tokens)
+                self.recomputed_tokens += prompt - output.cached_tokens
+            # The client's usage and timings describe the request as it first ran.
+            output = msgspec.structs.replace(output, cached_tokens=-1, queue_seconds=-1.0)
+        stream.tokens += output.token_ids
+        stream.queue.put_nowait(output)
+        if output.finish:
+            del self._streams[output.request_id]
 
     def _on_status(self, status: WorkerStatus) -> None:
         self._last_status = time.monotonic()
@@ -191,6 +234,8 @@ class WorkerClient:
             if waiter is not None and not waiter.done():
                 waiter.set_result(status.load)
         self._set_ready(status.ready and status.facts is not None)
+        if self.ready:
+            self._resubmit()
 
     def _set_ready(self, ready: bool) -> None:
         if ready != self.ready:
@@ -199,10 +244,37 @@ class WorkerClient:
             if self.on_ready_change is not None:
                 self.on_ready_change(ready)
 
-    def _worker_lost(self, reason: str) -> None:
+    def _worker_lost(self) -> None:
         self._set_ready(False)
-        for rid in list(self._streams):
-            self._deliver(RequestOutput(rid, [], finish="error", error=reason, code="UNAVAILABLE"))
+        now = time.monotonic()
+        for stream in self._streams.values():
+            if stream.lost_at is None:
+                stream.lost_at = now
+        self._adds = [a for a in self._adds if a.request_id not in self._streams]
+        self._aborts.clear()  # the new worker never knew them
+
+    def _resubmit(self) -> None:
+        lost = [(rid, s) for rid, s in self._streams.items() if s.lost_at is not None]
+        for rid, stream in lost:
+            stream.lost_at = None
+            left = stream.request.params.max_new_tokens - len(stream.tokens)
+            if left <= 0:  # everything was streamed; only the final message was lost
+                self._deliver(RequestOutput(rid, [], finish="length"))
+                continue
+            stream.resubmitted = True
+            self._adds.append(resubmission(stream.request, stream.tokens))
+        if lost:
+            self.resubmitted += len(lost)
+            log.warning("re-submitted requests of a lost worker", requests=len(lost))
+            self._schedule_flush()
+
+    def _expire_lost(self) -> None:
+        now = time.monotonic()
+        for rid, stream in list(self._streams.items()):
+            if stream.lost_at is not None and now - stream.lost_at > self.resubmit_timeout_s:
+                stream.lost_at = None
+                error = f"no worker took the request back in {self.resubmit_timeout_s:.0f} s"
+                self._deliver(RequestOutput(rid, [], finish="error", error=error, code="UNAVAILABLE"))
 
 
 def _log_send_failure(sent: asyncio.Future[None]) -> None:
