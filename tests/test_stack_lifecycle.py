@@ -147,3 +147,64 @@ def scrape_metrics(stack: Stack) -> dict[str, float]:
     with urllib.request.urlopen(url, timeout=10) as response:
         lines = response.read().decode().splitlines()
     return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in lines if line and line[0] != "#")}
+
+
+@pytest.fixture(scope="module")
+def fault_stack(
+    tiny_models: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    """Short timeouts so that crashes are noticed in seconds, and a queue of 4."""
+    stack = Stack(
+        tiny_models("llama"), tmp_path_factory.mktemp("faults"), page_size=8, num_blocks=400,
+        cachemgr_timeout=3, gateway_timeout=3, max_queue_size=4,
+    )  # fmt: skip
+    yield stack
+    stack.stop()
+
+
+def test_queue_overflow_is_refused_at_once(fault_stack: Stack) -> None:
+    calls = [fault_stack.stub.Generate(greedy_request([5, 6, 7, i + 8], 300), timeout=120) for i in range(12)]
+    codes = []
+    for call in calls:
+        try:
+            list(call)
+            codes.append(grpc.StatusCode.OK)
+        except grpc.RpcError as exc:
+            codes.append(exc.code())
+    assert set(codes) == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+    fault_stack.assert_idle()
+
+
+def test_a_killed_gateway_loses_nothing(fault_stack: Stack) -> None:
+    """The worker aborts a dead gateway's requests (its heartbeats stop) and their blocks return."""
+    stream = fault_stack.stub.Generate(greedy_request([9, 9, 9], 900), timeout=60)
+    next(stream)
+    gateway = fault_stack.child_pid("gateway")
+    os.kill(gateway, signal.SIGKILL)
+    with pytest.raises(grpc.RpcError):
+        list(stream)
+    wait_for(lambda: fault_stack.child_pid("gateway") != gateway, 30, "the gateway was not restarted")
+    fault_stack.wait_serving()
+    fault_stack.assert_idle()
+    prompt = [4, 5, 6]
+    assert fault_stack.generate(greedy_request(prompt, 8))[0] == fault_stack.reference(prompt, 8)
+
+
+def test_a_killed_cachemgr_fails_streams_then_the_stack_recovers(fault_stack: Stack) -> None:
+    """In-flight streams end UNAVAILABLE within the worker's cachemgr timeout, health turns
+    NOT_SERVING, and once the restarted cachemgr is attached the stack serves exactly again."""
+    stream = fault_stack.stub.Generate(greedy_request([3, 1, 4, 1, 5], 900), timeout=60)
+    next(stream)
+    cachemgr = fault_stack.child_pid("cachemgr")
+    killed = time.monotonic()
+    os.kill(cachemgr, signal.SIGKILL)
+    with pytest.raises(grpc.RpcError) as failed:
+        list(stream)
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert time.monotonic() - killed < 20
+    wait_for(lambda: fault_stack.health_status() == "NOT_SERVING", 20, "health never turned NOT_SERVING")
+    fault_stack.wait_serving(60)
+    assert fault_stack.child_pid("cachemgr") != cachemgr
+    prompt = [2, 7, 1, 8]
+    assert fault_stack.generate(greedy_request(prompt, 8))[0] == fault_stack.reference(prompt, 8)
+    fault_stack.assert_idle()

@@ -205,6 +205,9 @@ class WorkerServer:
                 log.error("cachemgr unavailable; failing requests", error=str(exc))
                 self._fail_all(f"KV cache manager unavailable: {exc}", "UNAVAILABLE")
                 self._detach()
+        # Drain again first: a long step (or a wait for the cachemgr) must not make the heartbeats
+        # that arrived meanwhile look missing.
+        self._drain()
         self._expire_gateways()
         self._send_status()
         self._flush()
