@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.stamp-install
 
-.PHONY: serve test test-slow bench lint model clean
+.PHONY: serve test test-slow soak bench lint model clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -31,6 +31,10 @@ test: model
 
 test-slow: model
 	$(BIN)/pytest -q -m slow
+
+# The long soak: thousands of mixed requests (normal, cancelled, expired, stop strings, bad).
+soak: model
+	CBSERVE_SOAK_REQUESTS=3000 $(BIN)/pytest -q -s tests/test_soak.py
 
 bench: model
 	$(BIN)/cbserve bench offline

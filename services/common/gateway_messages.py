@@ -68,6 +68,9 @@ class Load(msgspec.Struct, frozen=True):
     offloads: int = 0
     soft_resets: int = 0
     steps: int = 0
+    # Bookkeeping that must drain to zero when idle (checked by the soak test, exported as metrics).
+    worker_streams: int = 0  # requests the worker tracks on behalf of gateways
+    cache_requests: int = 0  # requests the cachemgr holds state for
 
 
 class WorkerFacts(msgspec.Struct, frozen=True):

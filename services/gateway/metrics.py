@@ -21,11 +21,16 @@ STEP_PHASES = ("schedule", "cache", "build", "forward", "sample", "emit")
 
 
 class _LoadCollector(Collector):
-    def __init__(self, load: Callable[[], Load], recovery: Callable[[], tuple[int, int]]) -> None:
+    def __init__(
+        self, load: Callable[[], Load], recovery: Callable[[], tuple[int, int]], streams: Callable[[], int]
+    ) -> None:
         self._load = load
         self._recovery = recovery
+        self._streams = streams
 
     def collect(self) -> Iterable[Metric]:
+        yield GaugeMetricFamily("cbserve:gateway_streams", "Generate streams the gateway holds.",
+                                value=self._streams())  # fmt: skip
         resubmitted, recomputed = self._recovery()
         yield CounterMetricFamily(
             "cbserve:resubmitted_requests",
@@ -45,6 +50,8 @@ class _LoadCollector(Collector):
             "cbserve:kv_cache_cached_blocks": ("KV blocks holding reclaimable cached prefixes.",
                                                load.kv_blocks_cached),
             "cbserve:kv_cache_total_blocks": ("KV blocks in the pool.", load.kv_blocks_total),
+            "cbserve:worker_streams": ("Requests the worker tracks for gateways.", load.worker_streams),
+            "cbserve:cache_requests": ("Requests the cachemgr holds state for.", load.cache_requests),
             "cbserve:swap_pool_usage_perc": ("Fraction of swap-pool slots in use.",
                                              load.swap_slots_used / max(load.swap_slots_total, 1)),
         }  # fmt: skip
@@ -65,10 +72,14 @@ class _LoadCollector(Collector):
 
 
 class GatewayMetrics:
-    """`load`: the worker's latest load; `recovery`: (requests re-submitted, tokens they recomputed)."""
+    """`load`: the worker's latest load; `recovery`: (requests re-submitted, tokens they recomputed);
+    `streams`: the gateway's open streams."""
 
     def __init__(
-        self, load: Callable[[], Load], recovery: Callable[[], tuple[int, int]] = lambda: (0, 0)
+        self,
+        load: Callable[[], Load],
+        recovery: Callable[[], tuple[int, int]] = lambda: (0, 0),
+        streams: Callable[[], int] = lambda: 0,
     ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -88,7 +99,7 @@ class GatewayMetrics:
                                 ["finished_reason"], registry=r)  # fmt: skip
         self.errors = Counter("cbserve:request_errors", "Requests ended by a gRPC error status.",
                               ["code"], registry=r)  # fmt: skip
-        r.register(_LoadCollector(load, recovery))
+        r.register(_LoadCollector(load, recovery, streams))
 
     def observe_step(self, times: StepTimes) -> None:
         for phase in STEP_PHASES:

@@ -336,7 +336,9 @@ async def serve(
         on_ready_change=on_ready_change,
         on_step=lambda times: metrics.observe_step(times),
     )
-    metrics = GatewayMetrics(lambda: client.load, lambda: (client.resubmitted, client.recomputed_tokens))
+    metrics = GatewayMetrics(
+        lambda: client.load, lambda: (client.resubmitted, client.recomputed_tokens), lambda: client.in_flight
+    )
     service = TextGenerationService(client, tokenizer, info, settings, metrics)
     server = grpc.aio.server(
         options=[

@@ -362,6 +362,8 @@ class WorkerServer:
             offloads=stats["offloads"],
             soft_resets=stats["soft_resets"],
             steps=stats["steps"],
+            worker_streams=len(self.tracked),
+            cache_requests=stats["requests_known"],
         )
 
     def _send_status(self) -> None:
