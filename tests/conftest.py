@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
+# Tests start stacks with Popen(preexec_fn=...), a plain fork, while gRPC channels are open; gRPC's
+# fork handlers then race with its pollers. The child execs at once and needs none of them.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
+
 from collections.abc import Callable, Iterator
 from pathlib import Path
 

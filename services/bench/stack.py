@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+
+# The stack is started with a plain fork (preexec_fn) while gRPC channels may be open in this
+# process; gRPC's fork handlers would race with its pollers, and the child execs at once anyway.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 import signal
 import socket
 import subprocess

@@ -72,7 +72,7 @@ class CacheServer:
         assert isinstance(message, StepPlan)
         try:
             return self.cache.step(message)
-        except (ValueError, KeyError) as exc:
+        except Exception as exc:  # a plan it cannot serve must not take the pool's owner down
             log.error("bad step plan", step=message.step, error=repr(exc))
             return Failure(f"bad step plan {message.step}: {exc!r}")
 

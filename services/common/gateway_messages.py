@@ -18,7 +18,7 @@ PROTOCOL_VERSION = 1
 
 class NewRequest(msgspec.Struct, frozen=True):
     request_id: str  # unique per gateway; the worker keys requests by (gateway, request_id)
-    prompt_ids: list[int]
+    prompt_ids: list[int]  # validated per request by the worker: one bad request fails alone
     params: SamplingParams
     priority: int = 0
     cache_salt: str = ""

@@ -8,13 +8,15 @@ anything else (garbage, truncated, foreign) fails to decode and is dropped.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 from services.common.tensor_handles import TensorHandle
 
 PROTOCOL_VERSION = 1
+# Token ids out of this range fail to decode, so they never reach the hashing code.
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 
 
 class PlanEntry(msgspec.Struct, array_like=True, frozen=True):
@@ -27,7 +29,7 @@ class PlanEntry(msgspec.Struct, array_like=True, frozen=True):
 
     request_id: str
     num_tokens: int
-    new_token_ids: list[int]
+    new_token_ids: list[TokenId]
     arrival: int
     cache_salt: str = ""
     max_total_tokens: int = 0  # prompt + max new tokens, for the fits-at-all check on first sight

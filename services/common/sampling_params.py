@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MAX_TOKENS = 2**31 - 1  # bounds every token count that crosses a process boundary
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -44,8 +46,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not 0.0 < self.repetition_penalty <= 10.0:
             raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens!r}")
+        if not 1 <= self.max_new_tokens <= MAX_TOKENS:
+            raise ValueError(f"max_new_tokens must be in [1, {MAX_TOKENS}], got {self.max_new_tokens!r}")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise ValueError(
                 f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "

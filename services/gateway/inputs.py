@@ -6,6 +6,7 @@ value, which the server turns into INVALID_ARGUMENT. Limits are explicit (see `L
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,8 @@ class Limits:
     max_stop_chars: int = 256  # per stop string
     max_stop_token_ids: int = 64
     default_max_tokens: int = 256
+    max_id_chars: int = 128  # request_id / x-request-id: printable ASCII (it goes back as metadata)
+    max_salt_chars: int = 256  # cache_salt travels with the request in every step plan
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,19 @@ def _chat_dicts(chat: Any, limits: Limits) -> list[dict[str, str]]:
     if size > limits.max_input_chars:
         raise InvalidRequest(f"chat contents hold {size} characters; the limit is {limits.max_input_chars}")
     return messages
+
+
+def request_id(given: str, metadata_id: str, limits: Limits) -> str:
+    """The request's id: `request_id`, else the x-request-id metadata, else a new one."""
+    value = given or metadata_id
+    if not value:
+        return uuid.uuid4().hex
+    if len(value) > limits.max_id_chars or not (value.isascii() and value.isprintable()):
+        raise InvalidRequest(
+            f"request id must be 1..{limits.max_id_chars} printable ASCII characters, got {value[:40]!r}"
+            f"{'...' if len(value) > 40 else ''}"
+        )
+    return value
 
 
 def tokenize_input(request: Any, tokenizer: Any, facts: WorkerFacts, limits: Limits) -> list[int]:
@@ -91,6 +107,9 @@ def prepare(request: Any, tokenizer: Any, facts: WorkerFacts, limits: Limits) ->
             f"prompt of {len(prompt)} tokens leaves no room to generate: a request holds at most "
             f"{facts.max_request_tokens} tokens"
         )
+    if len(request.cache_salt) > limits.max_salt_chars:
+        raise InvalidRequest(f"cache_salt holds {len(request.cache_salt)} characters; the limit is "
+                             f"{limits.max_salt_chars}")  # fmt: skip
     s, stop, out = request.sampling, request.stopping, request.output
     if stop.HasField("max_tokens"):
         max_tokens = stop.max_tokens

@@ -13,21 +13,21 @@ import asyncio
 import itertools
 import signal
 import time
-import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
 import structlog
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common.gateway_messages import NewRequest, RequestOutput
 from services.gateway.api import SERVICE_NAME, pb, pb_grpc
 from services.gateway.detokenizer import IncrementalDetokenizer
-from services.gateway.inputs import InvalidRequest, Limits, Prepared, prepare, tokenize_input
+from services.gateway.inputs import InvalidRequest, Limits, Prepared, prepare, request_id, tokenize_input
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.stop_strings import StopStringMatcher
 from services.gateway.worker_client import WorkerClient
@@ -96,8 +96,14 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         self, request: Any, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
         arrival = time.monotonic()
+        if request is None:
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "the request does not parse")
         metadata = dict(context.invocation_metadata() or ())
-        trace_id = request.request_id or str(metadata.get("x-request-id") or "") or uuid.uuid4().hex
+        try:
+            given = str(metadata.get("x-request-id") or "")
+            trace_id = request_id(request.request_id, given, self.settings.limits)
+        except InvalidRequest as exc:
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         await context.send_initial_metadata((("x-request-id", trace_id),))
         structlog.contextvars.bind_contextvars(request_id=trace_id)
         facts = await self._admit(context)
@@ -280,6 +286,47 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         return pb.TokenizeResponse(token_ids=ids)
 
 
+def _parse_or_none(message_class: Any) -> Callable[[bytes], Any]:
+    """A request deserializer that yields None instead of raising: grpc would answer UNKNOWN for a
+    message that does not parse (bad wire format, invalid UTF-8); the handler answers INVALID_ARGUMENT."""
+
+    def parse(data: bytes) -> Any:
+        try:
+            return message_class.FromString(data)
+        except DecodeError:
+            return None
+
+    return parse
+
+
+def _refuse_unparsed(method: Callable[[Any, Any], Awaitable[Any]]) -> Callable[[Any, Any], Awaitable[Any]]:
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if request is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the request does not parse")
+        return await method(request, context)
+
+    return handler
+
+
+def add_service(service: TextGenerationService, server: grpc.aio.Server) -> None:
+    """The generated registration, with deserializers that turn parse errors into INVALID_ARGUMENT."""
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["TextGeneration"].methods:
+        request_class = getattr(pb, method.input_type.name)
+        response_class = getattr(pb, method.output_type.name)
+        impl = getattr(service, method.name)
+        if method.server_streaming:  # Generate checks for None itself (it is a generator)
+            kind, handler = grpc.unary_stream_rpc_method_handler, impl
+        else:
+            kind, handler = grpc.unary_unary_rpc_method_handler, _refuse_unparsed(impl)
+        handlers[method.name] = kind(
+            handler,
+            request_deserializer=_parse_or_none(request_class),
+            response_serializer=response_class.SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
 def _model_info(model_dir: str, name: str | None) -> tuple[Any, dict[str, Any]]:
     """The tokenizer (None if the model has none) and ModelInfo's static fields."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -351,7 +398,7 @@ async def serve(
             ("grpc.http2.min_ping_interval_without_data_ms", 5000),
         ]
     )
-    pb_grpc.add_TextGenerationServicer_to_server(service, server)
+    add_service(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),

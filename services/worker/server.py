@@ -59,6 +59,12 @@ class Gateway:
     status: WorkerStatus | None = None
 
 
+def _key(gateway: Gateway, request_id: str) -> str:
+    """Engine request id: keyed by the ZMQ routing id, which a peer cannot forge (a gateway id it
+    can claim), so no other peer can reach a gateway's requests."""
+    return f"{gateway.routing_id.hex()}/{request_id}"
+
+
 @dataclass
 class Tracked:
     """Worker-side bookkeeping of one request: whose it is and what it has been sent."""
@@ -168,7 +174,12 @@ class WorkerServer:
         max_positions = int(getattr(text, "max_position_embeddings", 2**31 - 1))
         self.facts = WorkerFacts(
             vocab_size=self.engine.vocab_size,
-            max_request_tokens=min(max_positions, cache.max_request_tokens),
+            # A request's whole context must also fit one step's attention workspace (cache budget).
+            max_request_tokens=min(
+                max_positions,
+                cache.max_request_tokens,
+                cache.sizing.max_pages_per_step * cache.geometry.page_size,
+            ),
             page_size=self.config.page_size,
             total_blocks=cache.sizing.num_chunks - RESERVED_CHUNKS,  # what requests can be given
             prefix_caching=cache.prefix_caching,
@@ -247,15 +258,19 @@ class WorkerServer:
             self._pending_queries[routing_id] = message.load_query
 
     def _add(self, gateway: Gateway, new: NewRequest) -> None:
-        key = f"{gateway.gateway_id}/{new.request_id}"
-        engine = self.engine
-        if engine is None or self.facts is None:
+        key = _key(gateway, new.request_id)
+        engine, facts = self.engine, self.facts
+        if engine is None or facts is None:
             gateway.outputs.append(RequestOutput(new.request_id, [], finish="error", error="worker not ready",
                                                  code="UNAVAILABLE"))  # fmt: skip
             return
         try:
             if key in self.tracked:
                 raise ValueError(f"duplicate request_id {new.request_id!r}")
+            total = len(new.prompt_ids) + new.params.max_new_tokens
+            if total > facts.max_request_tokens:
+                raise ValueError(f"prompt + max_new_tokens = {total} tokens; a request holds at most "
+                                 f"{facts.max_request_tokens}")  # fmt: skip
             engine.add_request(
                 new.prompt_ids, new.params, request_id=key, priority=new.priority, cache_salt=new.cache_salt
             )
@@ -270,10 +285,11 @@ class WorkerServer:
                  max_tokens=new.params.max_new_tokens, priority=new.priority)  # fmt: skip
 
     def _abort(self, gateway: Gateway, request_id: str) -> None:
-        key = f"{gateway.gateway_id}/{request_id}"
-        tracked = self.tracked.pop(key, None)
-        if tracked is None:
+        key = _key(gateway, request_id)
+        tracked = self.tracked.get(key)
+        if tracked is None or tracked.gateway is not gateway:
             return  # finished already, or never known: aborts race with completions
+        del self.tracked[key]
         gateway.requests.discard(key)
         if self.engine is not None:
             self.engine.abort(key)
@@ -338,7 +354,7 @@ class WorkerServer:
             if now - gateway.last_seen <= self.gateway_timeout_s:
                 continue
             for key in list(gateway.requests):
-                self._abort(gateway, key.split("/", 1)[1])
+                self._abort(gateway, self.tracked[key].request_id)
             del self.gateways[routing_id]
             log.warning("gateway timed out; its requests were aborted", gateway_id=gateway.gateway_id)
 
