@@ -53,6 +53,19 @@ def cbserve_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "services.cli", *args]
 
 
+def stop_process(proc: subprocess.Popen[bytes], timeout_s: float) -> int:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout_s`; returns its exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            log.warning("process did not stop; killing it", pid=proc.pid)
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
 def die_with_parent() -> None:
     """`preexec_fn` of a child that must not outlive its parent, even one killed by SIGKILL: Linux
     sends the child SIGTERM when the parent dies (elsewhere a no-op)."""
@@ -108,14 +121,7 @@ class Supervisor:
             proc = child.process
             if proc is None or proc.poll() is not None:
                 continue
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(self.stop_timeout_s)
-            except subprocess.TimeoutExpired:
-                log.warning("child did not stop; killing it", child=child.name)
-                proc.kill()
-                proc.wait()
-            log.info("stopped", child=child.name, code=proc.returncode)
+            log.info("stopped", child=child.name, code=stop_process(proc, self.stop_timeout_s))
 
 
 def run_up(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from transformers import AutoModelForCausalLM
 
 from services.common.cli_args import settings_env
 from services.gateway.api import pb, pb_grpc
-from services.supervisor import die_with_parent
+from services.supervisor import die_with_parent, stop_process
 
 Metadata = tuple[tuple[str, str], ...]
 START_TIMEOUT_S = 240  # three processes importing torch on two busy cores
@@ -83,15 +82,9 @@ class Stack:
 
     def stop(self) -> int:
         self.channel.close()
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        code = stop_process(self.process, 60)
         self._log.close()
-        return self.process.returncode
+        return code
 
     def log_tail(self, lines: int = 60) -> str:
         self._log.flush()

@@ -14,7 +14,6 @@ import os
 # The stack is started with a plain fork (preexec_fn) while gRPC channels may be open in this
 # process; gRPC's fork handlers would race with its pollers, and the child execs at once anyway.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
-import signal
 import socket
 import subprocess
 import tempfile
@@ -27,7 +26,7 @@ import grpc
 
 from services.bench.workload import Workload
 from services.common.cli_args import settings_env
-from services.supervisor import cbserve_argv, die_with_parent
+from services.supervisor import cbserve_argv, die_with_parent, stop_process
 
 START_TIMEOUT_S = 300
 
@@ -103,11 +102,5 @@ class StackSystem:
         return wall, list(outputs), load
 
     def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process, 60)
         self._log.close()

@@ -41,6 +41,7 @@ from services.common.gateway_messages import (
     WorkerMessage,
     WorkerStatus,
 )
+from services.common.wire import decode_or_drop
 
 log = structlog.get_logger(__name__)
 
@@ -187,14 +188,8 @@ class WorkerClient:
 
     async def _receive(self) -> None:
         while True:
-            payload = await self._socket.recv()
-            try:
-                message = self._decoder.decode(payload)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                log.warning("dropped an undecodable worker message", size=len(payload), error=str(exc))
-                continue
-            if message.version != PROTOCOL_VERSION:
-                log.warning("dropped a worker message of another version", version=message.version)
+            message = decode_or_drop(self._decoder, await self._socket.recv(), "worker", PROTOCOL_VERSION)
+            if message is None:
                 continue
             if message.worker_id != self.worker_id:
                 if self.worker_id:

@@ -38,6 +38,7 @@ from services.common.gateway_messages import (
 )
 from services.common.kv_geometry import RESERVED_CHUNKS
 from services.common.sampling_params import SamplingParams
+from services.common.wire import decode_or_drop
 from services.worker.cache_client import CacheUnavailable, RemoteCache
 from services.worker.engine import Engine
 from services.worker.request import FinishReason, Request
@@ -233,15 +234,9 @@ class WorkerServer:
                 log.warning("dropped a gateway message with a wrong frame count", frames=len(frames))
                 continue
             routing_id, payload = frames
-            try:
-                message = self._decoder.decode(payload)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                log.warning("dropped an undecodable gateway message", size=len(payload), error=str(exc))
-                continue
-            if message.version != PROTOCOL_VERSION:
-                log.warning("dropped a gateway message of another version", version=message.version)
-                continue
-            self._handle(routing_id, message)
+            message = decode_or_drop(self._decoder, payload, "gateway", PROTOCOL_VERSION)
+            if message is not None:
+                self._handle(routing_id, message)
 
     def _handle(self, routing_id: bytes, message: GatewayMessage) -> None:
         gateway = self.gateways.get(routing_id)
