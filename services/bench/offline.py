@@ -24,6 +24,7 @@ greedy token whenever EOS would have been the argmax).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -195,10 +196,15 @@ def run_engine(model_path: Path, settings: dict[str, Any], workload: Workload) -
     try:
         engine.generate([_WARMUP_PROMPT], [_WARMUP_NEW_TOKENS], ignore_eos=True)
         stats_before = dict(engine.stats())
+        phases_before = dataclasses.replace(engine.phase_totals)
         start = time.perf_counter()
         outputs = engine.generate(workload.prompts, workload.max_new_tokens, ignore_eos=True)
         wall = time.perf_counter() - start
         stats_after = dict(engine.stats())
+        profile = {
+            name: getattr(engine.phase_totals, name) - getattr(phases_before, name)
+            for name in engine.phase_totals.PHASES
+        }
     finally:
         engine.close()
     return SystemResult(
@@ -206,7 +212,12 @@ def run_engine(model_path: Path, settings: dict[str, Any], workload: Workload) -
         wall_s=wall,
         outputs=[list(o) for o in outputs],
         prompt_tokens=workload.total_prompt_tokens,
-        extra={"settings": settings, "stats_before": stats_before, "stats": stats_after},
+        extra={
+            "settings": settings,
+            "stats_before": stats_before,
+            "stats": stats_after,
+            "step_profile_s": profile,
+        },
     )
 
 
@@ -455,6 +466,12 @@ def _print_engine_stats(result: SystemResult) -> None:
             delta = f" ({value - prior:+g} in the timed run)"
         parts.append(f"{key}={value}{delta}")
     print("engine stats: " + ", ".join(parts))
+    profile: dict[str, float] = result.extra["step_profile_s"]
+    steps = after["steps"] - before["steps"]
+    total = sum(profile.values()) or 1.0
+    per_step = (f"{k} {1000 * v / max(steps, 1):.1f} ms ({100 * v / total:.0f}%)" for k, v in profile.items())
+    phases = ", ".join(per_step)
+    print(f"engine step profile over {steps} timed steps, per step: {phases}")
 
 
 def _report(

@@ -53,6 +53,12 @@ class StepPhases:
     num_tokens: int = 0
     num_requests: int = 0
 
+    PHASES = ("schedule", "cache", "build", "forward", "sample")
+
+    def add(self, other: StepPhases) -> None:
+        for name in (*self.PHASES, "num_tokens", "num_requests"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
 
 def eos_ids_of(model: PreTrainedModel) -> tuple[int, ...]:
     eos = getattr(model.generation_config, "eos_token_id", None)
@@ -100,6 +106,7 @@ class Engine:
         self._ids = itertools.count()
         self.last_step_size = 0  # requests computed in the latest step (progress, for stall detection)
         self.last_step_times = StepPhases()
+        self.phase_totals = StepPhases()  # since start: the step profile summed
 
     @classmethod
     def from_pretrained(
@@ -178,6 +185,7 @@ class Engine:
             times.num_tokens = sum(s.num_tokens for s in batch.scheduled)
             times.num_requests = len(batch.scheduled)
         times.schedule += time.perf_counter() - t2 - times.build - times.forward - times.sample
+        self.phase_totals.add(times)
         return updated
 
     def _run(self, batch: StepBatch, times: StepPhases) -> list[int]:
