@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from functools import cache
@@ -23,23 +21,14 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoModelForCausalLM
 
+from services.bench.stack import free_port
 from services.common.cli_args import settings_env
 from services.gateway.api import pb, pb_grpc
-from services.supervisor import die_with_parent, stop_process
+from services.supervisor import cbserve_argv, die_with_parent, stop_process
 
 Metadata = tuple[tuple[str, str], ...]
 START_TIMEOUT_S = 240  # three processes importing torch on two busy cores
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def cbserve(*args: str) -> list[str]:
-    return [sys.executable, "-m", "services.cli", *args]
 
 
 class Stack:
@@ -50,7 +39,7 @@ class Stack:
         self.log_path = log_dir / f"stack-{self.port}.log"
         env = os.environ | settings_env({"worker_timeout": 30, "threads": 2} | settings)
         self._log = self.log_path.open("wb")
-        argv = cbserve("up", "--model", str(model_dir), "--port", str(self.port),
+        argv = cbserve_argv("up", "--model", str(model_dir), "--port", str(self.port),
                        "--metrics-port", str(self.metrics_port))  # fmt: skip
         self.process = subprocess.Popen(
             argv, env=env, cwd=REPO, stdout=self._log, stderr=self._log, preexec_fn=die_with_parent

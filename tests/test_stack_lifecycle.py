@@ -19,8 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.tensor_handles import SHM_PREFIX, shm_dir
 from services.gateway.api import SERVICE_NAME, pb, pb_grpc
-from services.supervisor import die_with_parent
-from tests.stack import REPO, START_TIMEOUT_S, Stack, cbserve, free_port, greedy_request
+from services.supervisor import cbserve_argv, die_with_parent
+from tests.stack import REPO, START_TIMEOUT_S, Stack, free_port, greedy_request
 
 SETTINGS = {"CBSERVE_PAGE_SIZE": "8", "CBSERVE_NUM_BLOCKS": "200", "CBSERVE_THREADS": "1"}
 
@@ -51,7 +51,7 @@ def spawn(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
         log = (tmp_path / f"{args[0]}.log").open("wb")
         env = os.environ | SETTINGS
         proc = subprocess.Popen(
-            cbserve(*args), env=env, cwd=REPO, stdout=log, stderr=log, preexec_fn=die_with_parent
+            cbserve_argv(*args), env=env, cwd=REPO, stdout=log, stderr=log, preexec_fn=die_with_parent
         )
         procs.append(proc)
         return proc

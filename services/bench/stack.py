@@ -31,7 +31,7 @@ from services.supervisor import cbserve_argv, die_with_parent, stop_process
 START_TIMEOUT_S = 300
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -39,7 +39,7 @@ def _free_port() -> int:
 
 class StackSystem:
     def __init__(self, model_path: Path, settings: dict[str, Any], threads: int) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.target = f"127.0.0.1:{self.port}"
         env = os.environ | settings_env(settings | {"threads": threads})
         self.log_path = Path(tempfile.mkstemp(prefix="cbserve-bench-stack-", suffix=".log")[1])
