@@ -10,6 +10,7 @@ the worker, then the cachemgr.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -22,6 +23,8 @@ from pathlib import Path
 from types import FrameType
 
 import structlog
+
+from services.common.wire import INTERNAL_KEY_ENV
 
 log = structlog.get_logger(__name__)
 
@@ -138,6 +141,8 @@ def run_up(
     cachemgr_address = f"ipc://{runtime}/cachemgr.sock"
     worker_address = f"ipc://{runtime}/worker.sock"
     env = os.environ | settings_env
+    # Only this stack's children know the key, so nothing else on the machine can attach or submit.
+    env.setdefault(INTERNAL_KEY_ENV, secrets.token_hex(16))
     env["CBSERVE_DEVICE"], env["CBSERVE_DTYPE"] = device, dtype
     if model is not None:
         env["CBSERVE_MODEL"] = model

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import time
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from transformers import AutoModelForCausalLM
 
 from services.bench.stack import free_port
 from services.common.cli_args import settings_env
+from services.common.wire import INTERNAL_KEY_ENV
 from services.gateway.api import pb, pb_grpc
 from services.supervisor import cbserve_argv, die_with_parent, stop_process
 
@@ -37,7 +39,9 @@ class Stack:
         self.port, self.metrics_port = free_port(), free_port()
         self.target = f"127.0.0.1:{self.port}"
         self.log_path = log_dir / f"stack-{self.port}.log"
+        self.internal_key = secrets.token_hex(16)  # tests that pose as one of the stack's peers need it
         env = os.environ | settings_env({"worker_timeout": 30, "threads": 2} | settings)
+        env[INTERNAL_KEY_ENV] = self.internal_key
         self._log = self.log_path.open("wb")
         argv = cbserve_argv("up", "--model", str(model_dir), "--port", str(self.port),
                        "--metrics-port", str(self.metrics_port))  # fmt: skip

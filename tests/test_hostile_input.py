@@ -6,9 +6,10 @@
    field must get INVALID_ARGUMENT, and no other code comes back (RESOURCE_EXHAUSTED only for gRPC's
    metadata size limit). Afterwards the stack is SERVING, idle, and exact for a normal request.
 2. Garbage and foreign messages on the internal ZMQ sockets (the cachemgr's and the worker's ROUTER)
-   are dropped with a "dropped ..." warning; well-formed but bad requests from a fake gateway are
-   refused one by one; no process dies. Nothing received is ever executed: no pickle anywhere.
-3. Findings kept as strict xfails (each names the bug): see the `BUG:` reasons below.
+   are dropped with a "dropped ..." warning; a peer without the stack's internal key is refused;
+   well-formed but bad requests from a fake gateway that holds the key (a buggy or compromised
+   one) are refused one by one; no process dies. Nothing received is ever executed: no pickle.
+3. The bugs this module found are fixed; each test below that names one guards against its return.
 
 Valid requests generate at most 4 tokens by construction, so the module stays fast.
 """
@@ -574,7 +575,7 @@ def test_garbage_and_bad_requests_on_the_worker_socket(
     }
     gateway_id = f"{FAKE}-gw-{time.monotonic_ns()}"
     ok = SamplingParams(max_new_tokens=2, ignore_eos=True)
-    real = encode(GatewayMessage(gateway_id, [NewRequest("t", [3, 4, 5], ok)]))
+    real = encode(GatewayMessage(gateway_id, [NewRequest("t", [3, 4, 5], ok)], key=stack.internal_key))
     wrong_type = msgspec.to_builtins(GatewayMessage(gateway_id, [NewRequest("w", [3, 4, 5], ok)]))
     wrong_type["adds"][0]["params"]["temperature"] = "hot"
     junk = [
@@ -587,7 +588,11 @@ def test_garbage_and_bad_requests_on_the_worker_socket(
         sock.send(payload)
     sock.send_multipart([b"one", b"two", b"three"])
     sock.send_multipart([b"", b""])
-    sock.send(encode(GatewayMessage(gateway_id, [NewRequest("v2", [3, 4, 5], ok)], version=2)))
+    sock.send(
+        encode(
+            GatewayMessage(gateway_id, [NewRequest("v2", [3, 4, 5], ok)], version=2, key=stack.internal_key)
+        )
+    )
 
     # Well-formed messages of a fake gateway with requests the worker must refuse one by one.
     nan = SamplingParams(temperature=math.nan, max_new_tokens=2)
@@ -605,7 +610,9 @@ def test_garbage_and_bad_requests_on_the_worker_socket(
         NewRequest("dup", [3, 4, 5], ok, priority=2**63 - 1),
         NewRequest("fine", [3, 4, 5], ok, trace_id="\x00" * 100),
     ]
-    sock.send(encode(GatewayMessage(gateway_id, adds, aborts=["nobody", "", "x" * 10_000])))
+    sock.send(
+        encode(GatewayMessage(gateway_id, adds, aborts=["nobody", "", "x" * 10_000], key=stack.internal_key))
+    )
     finals = _collect_finals(sock, len(adds))
     by_id: dict[str, list[Any]] = {}
     for out in finals:
@@ -678,7 +685,7 @@ def test_fuzzed_requests_of_a_fake_gateway_are_refused_or_served(
     def run(adds: list[NewRequest]) -> None:
         n = next(counter)
         adds = [msgspec.structs.replace(a, request_id=f"{n}.{i}.{a.request_id}") for i, a in enumerate(adds)]
-        sock.send(encode(GatewayMessage(gateway_id, adds)))
+        sock.send(encode(GatewayMessage(gateway_id, adds, key=stack.internal_key)))
         finals = _collect_finals(sock, len(adds))
         assert sorted(o.request_id for o in finals) == sorted(a.request_id for a in adds), finals
         for out in finals:
@@ -711,14 +718,18 @@ def test_no_pickle_or_eval_in_the_services() -> None:
 # ------------------------------------------------------------------ the cachemgr, fuzzed in-process
 
 
+CACHE_KEY = "in-process"
+
+
 @pytest.fixture(scope="module")
 def cache_server(tiny_models: Callable[[str], Path]) -> Iterator[CacheServer]:
     """A CacheServer exactly as the cachemgr runs it (shared memory), without the socket loop."""
     model_config = AutoConfig.from_pretrained(tiny_models("llama"))
     config = CBConfig(page_size=8, num_blocks=64, max_batch_tokens=24, cpu_offload_space=0.001)
     cache = KVCache(model_config, config, torch.float32, torch.device("cpu"), shared=True)
-    yield CacheServer(cache)
+    yield CacheServer(cache, key=CACHE_KEY)
     cache.close()
+
 
 
 RIDS = st.sampled_from(["a", "b", "c", ""])
@@ -752,7 +763,7 @@ def test_fuzzed_step_plans_of_an_attached_peer_never_raise(cache_server: CacheSe
     @given(plans=st.lists(PLANS, min_size=1, max_size=6))
     def run(plans: list[StepPlan]) -> None:
         assert isinstance(
-            cache_server.handle(b"peer", encode(Attach(f"{FAKE}-{time.monotonic_ns()}"))), Attached
+            cache_server.handle(b"peer", encode(Attach(f"{FAKE}-{time.monotonic_ns()}", CACHE_KEY))), Attached
         )
         for plan in plans:
             cache_server.handle(b"peer", encode(plan))
@@ -761,7 +772,7 @@ def test_fuzzed_step_plans_of_an_attached_peer_never_raise(cache_server: CacheSe
 
 
 def test_an_attached_peer_cannot_crash_the_cachemgr(cache_server: CacheServer) -> None:
-    assert isinstance(cache_server.handle(b"peer", encode(Attach(f"{FAKE}-overflow"))), Attached)
+    assert isinstance(cache_server.handle(b"peer", encode(Attach(f"{FAKE}-overflow", CACHE_KEY))), Attached)
     plan = StepPlan(1, [PlanEntry("big-ids", 16, [2**64 - 1] * 16, 0, "", 17)])
     reply = cache_server.handle(b"peer", encode(plan))
     assert reply is None or isinstance(reply, Failure), reply
@@ -791,26 +802,41 @@ def _stream_in_background(stack: Stack, max_tokens: int, timeout_s: float) -> tu
     return thread, result
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (design): services/cachemgr/server.py CacheServer._attach accepts an Attach from any "
-    "peer of the socket: it hands the stranger the KV/swap pool handles and releases the real worker's "
-    "requests, whose streams fail with UNAVAILABLE (the worker re-attaches at once)",
-)
 def test_a_foreign_attach_does_not_disturb_the_worker(tiny_stack: Stack, zmq_context: zmq.Context) -> None:
+    """Once a bug: any peer's Attach was handed the pool handles and dropped the worker's requests."""
     stack, before = tiny_stack, baseline(tiny_stack)
+    attached = len(events(stack, "worker attached"))
     thread, result = _stream_in_background(stack, max_tokens=60, timeout_s=60)
     sock = dealer(zmq_context, stack, "cachemgr.sock")
-    sock.send(encode(Attach(f"{FAKE}-intruder")))
-    reply = msgspec.msgpack.Decoder(FromCachemgr).decode(sock.recv()) if sock.poll(5000) else None
+    decoder = msgspec.msgpack.Decoder(FromCachemgr)
+    replies = []
+    for key in ("", "guess", stack.internal_key[:-1], stack.internal_key + "0"):
+        sock.send(encode(Attach(f"{FAKE}-intruder", key)))
+        replies.append(decoder.decode(sock.recv()) if sock.poll(5000) else None)
     thread.join(60)
     sock.close(linger=0)
     try:
-        assert not isinstance(reply, Attached), "a stranger was given the KV pool"
+        assert all(isinstance(r, Failure) and "internal key" in r.reason for r in replies), replies
+        assert len(events(stack, "worker attached")) == attached
         assert result.get("code") == OK, result.get("details")
         assert len(result["ids"]) == 60
     finally:
         recover(stack, before)
+
+
+def test_gateway_messages_without_the_key_are_dropped(tiny_stack: Stack, zmq_context: zmq.Context) -> None:
+    stack, before = tiny_stack, baseline(tiny_stack)
+    dropped = len(events(stack, "dropped a gateway message without the internal key"))
+    sock = dealer(zmq_context, stack, "worker.sock")
+    ok = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    for n, key in enumerate(("", "guess", stack.internal_key.upper())):
+        sock.send(encode(GatewayMessage(f"{FAKE}-keyless-{n}", [NewRequest("r", [3, 4, 5], ok)], load_query=1,
+                                        key=key)))  # fmt: skip
+    wait_events(stack, "dropped a gateway message without the internal key", dropped + 3)
+    assert not sock.poll(1000), "a peer without the key was answered"
+    assert stack.load().requests_running + stack.load().requests_waiting == 0
+    sock.close(linger=0)
+    assert_sound(stack, before)
 
 
 def _real_gateway_id(stack: Stack) -> str:
@@ -832,7 +858,7 @@ def test_a_stranger_cannot_abort_the_gateways_requests(tiny_stack: Stack, zmq_co
     # The gateway names its requests r0, r1, ... (one per admitted call): abort more than were admitted.
     admitted = len(events(stack, "request added"))
     aborts = [f"r{i}" for i in range(2 * admitted + 1_000)]
-    sock.send(encode(GatewayMessage(_real_gateway_id(stack), aborts=aborts)))
+    sock.send(encode(GatewayMessage(_real_gateway_id(stack), aborts=aborts, key=stack.internal_key)))
     thread.join(30)
     sock.close(linger=0)
     try:
@@ -851,10 +877,16 @@ def test_a_prompt_over_the_step_cache_budget_is_refused_not_queued_forever(
     sock = dealer(zmq_context, stack, "worker.sock")
     gateway_id = f"{FAKE}-budget-{time.monotonic_ns()}"
     params = SamplingParams(max_new_tokens=1, ignore_eos=True)
-    sock.send(encode(GatewayMessage(gateway_id, [NewRequest("long", [5] * prompt_len, params)])))
+    sock.send(
+        encode(
+            GatewayMessage(gateway_id, [NewRequest("long", [5] * prompt_len, params)], key=stack.internal_key)
+        )
+    )
     finals = _collect_finals(sock, 1, timeout_s=3)
     load = stack.load()
-    sock.send(encode(GatewayMessage(gateway_id, aborts=["long"])))  # clean up what never ended
+    sock.send(
+        encode(GatewayMessage(gateway_id, aborts=["long"], key=stack.internal_key))
+    )  # clean up what never ended
     time.sleep(0.5)
     sock.close(linger=0)
     try:
@@ -870,7 +902,13 @@ def test_a_fake_gateways_huge_max_tokens_does_not_crash_the_worker(
     stack, before = tiny_stack, baseline(tiny_stack)
     sock = dealer(zmq_context, stack, "worker.sock")
     params = SamplingParams(max_new_tokens=2**64 - 1)
-    sock.send(encode(GatewayMessage(f"{FAKE}-overflow", [NewRequest("huge", [3, 4, 5], params)])))
+    sock.send(
+        encode(
+            GatewayMessage(
+                f"{FAKE}-overflow", [NewRequest("huge", [3, 4, 5], params)], key=stack.internal_key
+            )
+        )
+    )
     finals = _collect_finals(sock, 1, timeout_s=10)
     sock.close(linger=0)
     time.sleep(1.0)  # the supervisor notices a death within 0.2 s

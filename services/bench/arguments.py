@@ -11,7 +11,6 @@ SYSTEMS = ("engine", "stack", "hf-cb", "hf-generate", "hf-static")
 DEFAULT_SYSTEMS = "engine,hf-cb,hf-generate"
 
 
-
 def add_offline_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2-135M)")
     parser.add_argument("--num-requests", type=int, default=48, help="requests in the W1 workload")

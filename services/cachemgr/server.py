@@ -2,7 +2,8 @@
 
 A ROUTER socket takes `Attach`, `StepPlan` and `StatsQuery` from one worker at a time. A worker that
 attaches with a new id replaces the previous one, whose requests are dropped (its full pages stay in
-the prefix cache); plans from any other peer are refused. Messages that do not decode are logged and
+the prefix cache); an attach without the stack's internal key, and plans from any peer but the
+attached one, are refused. Messages that do not decode are logged and
 dropped: nothing received is ever executed.
 """
 
@@ -31,6 +32,7 @@ from services.common.messages import (
     ToCachemgr,
 )
 from services.common.tensor_handles import remove_stale_shm
+from services.common.wire import internal_key, key_matches
 
 log = structlog.get_logger(__name__)
 
@@ -47,8 +49,9 @@ def weights_bytes(model_config: object, dtype: torch.dtype) -> int:
 
 
 class CacheServer:
-    def __init__(self, cache: KVCache) -> None:
+    def __init__(self, cache: KVCache, key: str = "") -> None:
         self.cache = cache
+        self.key = key
         self.cachemgr_id = uuid.uuid4().hex[:12]
         self.worker: bytes | None = None  # routing id of the attached worker
         self.worker_id = ""
@@ -76,7 +79,12 @@ class CacheServer:
             log.error("bad step plan", step=message.step, error=repr(exc))
             return Failure(f"bad step plan {message.step}: {exc!r}")
 
-    def _attach(self, peer: bytes, message: Attach) -> Attached:
+    def _attach(self, peer: bytes, message: Attach) -> Attached | Failure:
+        if not key_matches(self.key, message.key):
+            log.warning(
+                "refused an attach without the internal key", peer=peer.hex(), worker_id=message.worker_id
+            )
+            return Failure("attach refused: wrong internal key")
         released = 0
         if message.worker_id != self.worker_id:
             released = self.cache.release_all()
@@ -140,7 +148,7 @@ def run_cachemgr(model: str | None, address: str, config: CBConfig, device: str,
     reserve = weights_bytes(model_config, dtype) if dev.type == "cuda" else 0
     cache = KVCache(model_config, config, dtype, dev, shared=True, reserve_bytes=reserve)
     try:
-        CacheServer(cache).serve(address)
+        CacheServer(cache, internal_key()).serve(address)
     finally:
         cache.close()
     return 0

@@ -30,6 +30,7 @@ class GatewayMessage(msgspec.Struct, frozen=True):
     adds: list[NewRequest] = []
     aborts: list[str] = []
     load_query: int = 0  # nonzero: answer with a status carrying this id
+    key: str = ""  # the stack's internal key (common/wire.py); a message without it is dropped
     version: int = PROTOCOL_VERSION
 
 

@@ -80,6 +80,7 @@ class Attach(msgspec.Struct, frozen=True, tag="attach"):
     their full pages stay in the prefix cache, so re-submitted requests recompute little."""
 
     worker_id: str
+    key: str = ""  # the stack's internal key (common/wire.py): without it nobody is given the pools
     version: int = PROTOCOL_VERSION
 
 

@@ -1,7 +1,10 @@
-"""Reading ZMQ messages: decode into the link's typed structs or drop, never fail the reader."""
+"""Reading ZMQ messages: decode into the link's typed structs or drop, never fail the reader; and the
+internal key that tells this stack's peers from strangers."""
 
 from __future__ import annotations
 
+import hmac
+import os
 from typing import Any
 
 import msgspec
@@ -22,3 +25,23 @@ def decode_or_drop(decoder: msgspec.msgpack.Decoder[Any], payload: bytes, peer: 
         log.warning(f"dropped a {peer} message of another version", version=message.version)
         return None
     return message
+
+
+INTERNAL_KEY_ENV = "CBSERVE_INTERNAL_KEY"
+
+
+def internal_key() -> str:
+    """This stack's shared secret, which every connecting peer presents on the internal sockets.
+
+    The cachemgr and the worker bind sockets that anyone who reaches the address can connect to; a
+    stranger's `Attach` would be handed the KV pool. The key comes from the environment, never a flag,
+    so it does not show in `ps`. `cbserve up` makes a fresh one; empty means no check (warned)."""
+    key = os.environ.get(INTERNAL_KEY_ENV, "")
+    if not key:
+        log.warning(f"{INTERNAL_KEY_ENV} is not set: any peer that reaches the internal sockets is trusted")
+    return key
+
+
+def key_matches(expected: str, presented: str) -> bool:
+    # Constant time, so that the key cannot be guessed byte by byte from reply timings.
+    return not expected or hmac.compare_digest(expected.encode(), presented.encode())

@@ -25,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common.gateway_messages import NewRequest, RequestOutput
+from services.common.wire import internal_key
 from services.gateway.api import SERVICE_NAME, pb, pb_grpc
 from services.gateway.detokenizer import IncrementalDetokenizer
 from services.gateway.inputs import InvalidRequest, Limits, Prepared, prepare, request_id, tokenize_input
@@ -92,9 +93,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
 
     # ----------------------------------------------------------------------------------- Generate
 
-    async def Generate(
-        self, request: Any, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[Any]:
+    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         arrival = time.monotonic()
         if request is None:
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "the request does not parse")
@@ -380,6 +379,7 @@ async def serve(
         worker_address,
         worker_timeout_s=settings.worker_timeout_s,
         resubmit_timeout_s=settings.resubmit_timeout_s,
+        key=internal_key(),
         on_ready_change=on_ready_change,
         on_step=lambda times: metrics.observe_step(times),
     )

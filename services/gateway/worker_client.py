@@ -73,11 +73,13 @@ class WorkerClient:
         heartbeat_s: float = 0.5,
         worker_timeout_s: float = 10.0,
         resubmit_timeout_s: float = 60.0,
+        key: str = "",
         on_ready_change: Callable[[bool], None] | None = None,
         on_step: Callable[[StepTimes], None] | None = None,
     ) -> None:
         self.address = address
         self.gateway_id = uuid.uuid4().hex[:12]
+        self.key = key
         self.heartbeat_s = heartbeat_s
         self.worker_timeout_s = worker_timeout_s
         self.resubmit_timeout_s = resubmit_timeout_s
@@ -108,7 +110,7 @@ class WorkerClient:
 
     async def start(self) -> None:
         self._socket.connect(self.address)
-        self._send(GatewayMessage(self.gateway_id))
+        self._send(GatewayMessage(self.gateway_id, key=self.key))
         self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._heartbeat())]
 
     async def close(self) -> None:
@@ -145,7 +147,7 @@ class WorkerClient:
         query = next(self._query_ids)
         future: asyncio.Future[Load] = asyncio.get_running_loop().create_future()
         self._load_waiters[query] = future
-        self._send(GatewayMessage(self.gateway_id, load_query=query))
+        self._send(GatewayMessage(self.gateway_id, key=self.key, load_query=query))
         try:
             return await asyncio.wait_for(future, timeout_s)
         finally:
@@ -162,7 +164,7 @@ class WorkerClient:
         self._flush_scheduled = False
         adds, aborts, self._adds, self._aborts = self._adds, self._aborts, [], []
         if adds or aborts:
-            self._send(GatewayMessage(self.gateway_id, adds, aborts))
+            self._send(GatewayMessage(self.gateway_id, adds, aborts, key=self.key))
 
     def _send(self, message: GatewayMessage) -> None:
         # With IMMEDIATE set, no connected worker (or a full queue) means not writable: fail what
@@ -178,7 +180,7 @@ class WorkerClient:
     async def _heartbeat(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_s)
-            self._send(GatewayMessage(self.gateway_id))
+            self._send(GatewayMessage(self.gateway_id, key=self.key))
             if self.ready and time.monotonic() - self._last_status > self.worker_timeout_s:
                 log.error("worker silent; its requests wait for a worker", timeout_s=self.worker_timeout_s)
                 self._worker_lost()

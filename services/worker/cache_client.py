@@ -66,12 +66,14 @@ class RemoteCache:
         device: torch.device,
         *,
         worker_id: str | None = None,
+        key: str = "",
         timeout_s: float = 10.0,
         attach_timeout_s: float | None = None,
         context: zmq.Context | None = None,
     ) -> None:
         self.address = address
         self.worker_id = worker_id or uuid.uuid4().hex[:12]
+        self._key = key
         self.timeout_s = timeout_s
         self._context = context or zmq.Context.instance()
         self._encoder = msgspec.msgpack.Encoder()
@@ -112,7 +114,7 @@ class RemoteCache:
         while True:
             self._connect()
             try:
-                reply = self._call(Attach(self.worker_id), min(self.timeout_s, 2.0))
+                reply = self._call(Attach(self.worker_id, self._key), min(self.timeout_s, 2.0))
             except CacheUnavailable:
                 if deadline is not None and time.monotonic() > deadline:
                     raise

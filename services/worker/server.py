@@ -38,7 +38,7 @@ from services.common.gateway_messages import (
 )
 from services.common.kv_geometry import RESERVED_CHUNKS
 from services.common.sampling_params import SamplingParams
-from services.common.wire import decode_or_drop
+from services.common.wire import decode_or_drop, internal_key, key_matches
 from services.worker.cache_client import CacheUnavailable, RemoteCache
 from services.worker.engine import Engine
 from services.worker.request import FinishReason, Request
@@ -97,8 +97,10 @@ class WorkerServer:
         cachemgr_address: str,
         cachemgr_timeout_s: float = 10.0,
         gateway_timeout_s: float = 15.0,
+        key: str = "",
     ) -> None:
         self.model = model
+        self.key = key
         self.config = config
         self.address = address
         self.cachemgr_address = cachemgr_address
@@ -153,6 +155,7 @@ class WorkerServer:
                 self.cachemgr_address,
                 self.model.device,
                 worker_id=f"{self.worker_id}.{uuid.uuid4().hex[:6]}",
+                key=self.key,
                 timeout_s=self.cachemgr_timeout_s,
                 attach_timeout_s=1.0,
                 context=self._context,
@@ -235,8 +238,14 @@ class WorkerServer:
                 continue
             routing_id, payload = frames
             message = decode_or_drop(self._decoder, payload, "gateway", PROTOCOL_VERSION)
-            if message is not None:
-                self._handle(routing_id, message)
+            if message is None:
+                continue
+            if not key_matches(self.key, message.key):
+                log.warning(
+                    "dropped a gateway message without the internal key", gateway_id=message.gateway_id
+                )
+                continue
+            self._handle(routing_id, message)
 
     def _handle(self, routing_id: bytes, message: GatewayMessage) -> None:
         gateway = self.gateways.get(routing_id)
@@ -440,5 +449,6 @@ def run_worker(
         cachemgr_address=cachemgr_address,
         cachemgr_timeout_s=cachemgr_timeout_s,
         gateway_timeout_s=gateway_timeout_s,
+        key=internal_key(),
     ).run()
     return 0
