@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import subprocess
 import time
@@ -173,3 +174,8 @@ def _hf_greedy(model_dir: Path, prompt: tuple[int, ...], max_new_tokens: int, eo
 def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int, eos: bool = False) -> list[int]:
     """transformers' greedy `generate` (fp32): the reference every stream must equal."""
     return list(_hf_greedy(model_dir, tuple(prompt), max_new_tokens, eos))
+
+
+def rss_kib(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"VmRSS:\s+(\d+)", status).group(1))  # type: ignore[union-attr]

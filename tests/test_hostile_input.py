@@ -731,7 +731,6 @@ def cache_server(tiny_models: Callable[[str], Path]) -> Iterator[CacheServer]:
     cache.close()
 
 
-
 RIDS = st.sampled_from(["a", "b", "c", ""])
 ENTRY_INTS = st.one_of(st.integers(-3, 40), I64, st.integers(2**63, 2**64 - 1))
 PLANS = st.builds(

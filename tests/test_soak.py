@@ -10,19 +10,17 @@ from __future__ import annotations
 
 import os
 import random
-import re
 import threading
 import time
 import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 from transformers import AutoTokenizer
 
 from services.gateway.api import pb
-from tests.stack import Stack, hf_greedy
+from tests.stack import Stack, hf_greedy, rss_kib
 
 REQUESTS = int(os.environ.get("CBSERVE_SOAK_REQUESTS", "120"))
 CONCURRENCY = 16
@@ -34,11 +32,6 @@ EXPECTED_ERRORS = {
     "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
     "cancel": grpc.StatusCode.CANCELLED,
 }
-
-
-def rss_kib(pid: int) -> int:
-    status = Path(f"/proc/{pid}/status").read_text()
-    return int(re.search(r"VmRSS:\s+(\d+)", status).group(1))  # type: ignore[union-attr]
 
 
 def metrics(stack: Stack) -> dict[str, float]:

@@ -8,8 +8,10 @@ import os
 import random
 import signal
 import subprocess
+import threading
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -20,9 +22,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common.tensor_handles import SHM_PREFIX, shm_dir
 from services.gateway.api import SERVICE_NAME, pb, pb_grpc
 from services.supervisor import cbserve_argv, die_with_parent
-from tests.stack import REPO, START_TIMEOUT_S, Stack, free_port, greedy_request
+from tests.stack import REPO, START_TIMEOUT_S, Stack, free_port, greedy_request, rss_kib
 
-SETTINGS = {"CBSERVE_PAGE_SIZE": "8", "CBSERVE_NUM_BLOCKS": "200", "CBSERVE_THREADS": "1"}
+# As compose runs them: tcp:// sockets, the internal key shared through the environment.
+SETTINGS = {"CBSERVE_PAGE_SIZE": "8", "CBSERVE_NUM_BLOCKS": "200", "CBSERVE_THREADS": "1",
+            "CBSERVE_INTERNAL_KEY": "lifecycle-test-key"}  # fmt: skip
 
 
 def health(channel: grpc.Channel, service: str = "") -> str:
@@ -176,6 +180,67 @@ def test_queue_overflow_is_refused_at_once(fault_stack: Stack) -> None:
             codes.append(exc.code())
     assert set(codes) == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
     fault_stack.assert_idle()
+
+
+FLOOD_CLIENTS = 32  # channels, each its own HTTP/2 connection
+FLOOD_CALLS = 20  # concurrent calls per client
+
+
+def _flood(stack: Stack, seed: int) -> tuple[Counter[str], dict[str, int]]:
+    """FLOOD_CLIENTS x FLOOD_CALLS calls at once, 256-token prompts; the peak RSS of each process."""
+    pids = {name: stack.child_pid(name) for name in ("cachemgr", "worker", "gateway")}
+    peak = {name: rss_kib(pid) for name, pid in pids.items()}
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.05):
+            for name, pid in pids.items():
+                peak[name] = max(peak[name], rss_kib(pid))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    rng = random.Random(seed)
+    vocab = int(stack.info.vocab_size)
+    channels = [grpc.insecure_channel(stack.target) for _ in range(FLOOD_CLIENTS)]
+    calls = [
+        pb_grpc.TextGenerationStub(channel).Generate(
+            greedy_request([rng.randrange(vocab) for _ in range(256)], 4), timeout=120
+        )
+        for channel in channels
+        for _ in range(FLOOD_CALLS)
+    ]
+    outcomes: Counter[str] = Counter()
+    for call in calls:
+        try:
+            list(call)
+            outcomes["OK"] += 1
+        except grpc.RpcError as exc:
+            outcomes[exc.code().name] += 1
+    done.set()
+    sampler.join()
+    for channel in channels:
+        channel.close()
+    return outcomes, peak
+
+
+def test_a_flood_from_many_clients_is_refused_and_memory_stays_bounded(fault_stack: Stack) -> None:
+    """Beyond the queue, calls are refused at once and hold nothing: after the third flood every
+    process holds what it held after the first (memory does not grow with the calls refused)."""
+    names = ("cachemgr", "worker", "gateway")
+    idle = {name: rss_kib(fault_stack.child_pid(name)) for name in names}
+    settled = []
+    for seed in range(3):
+        outcomes, peak = _flood(fault_stack, seed)
+        fault_stack.assert_idle()
+        settled.append({name: rss_kib(fault_stack.child_pid(name)) for name in names})
+        mib, idle_mib = ({k: round(v / 1024) for k, v in d.items()} for d in (peak, idle))
+        print(f"\nflood {seed}: {FLOOD_CLIENTS} clients x {FLOOD_CALLS} calls: {dict(outcomes)}; "
+              f"peak RSS MiB {mib}, idle before {idle_mib}")  # fmt: skip
+        assert set(outcomes) <= {"OK", "RESOURCE_EXHAUSTED"}, outcomes
+        assert outcomes["RESOURCE_EXHAUSTED"] > 0 and outcomes["OK"] > 0, outcomes
+    growth = {name: settled[2][name] / settled[0][name] - 1 for name in names}
+    print(f"RSS growth from the first flood to the third: { ({k: f'{v:+.1%}' for k, v in growth.items()}) }")
+    assert all(g < 0.10 for g in growth.values()), growth
 
 
 def test_a_killed_gateway_loses_nothing(fault_stack: Stack) -> None:
