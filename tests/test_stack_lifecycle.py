@@ -14,6 +14,7 @@ import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -160,10 +161,10 @@ def scrape_metrics(stack: Stack) -> dict[str, float]:
 def fault_stack(
     tiny_models: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
-    """Short timeouts so that crashes are noticed in seconds, and a queue of 4."""
+    """Short timeouts so that crashes and silences are noticed in seconds, and a queue of 4."""
     stack = Stack(
         tiny_models("llama"), tmp_path_factory.mktemp("faults"), page_size=8, num_blocks=400,
-        cachemgr_timeout=3, gateway_timeout=3, max_queue_size=4,
+        cachemgr_timeout=3, gateway_timeout=3, max_queue_size=4, worker_timeout=4, resubmit_timeout=10,
     )  # fmt: skip
     yield stack
     stack.stop()
@@ -241,6 +242,51 @@ def test_a_flood_from_many_clients_is_refused_and_memory_stays_bounded(fault_sta
     growth = {name: settled[2][name] / settled[0][name] - 1 for name in names}
     print(f"RSS growth from the first flood to the third: { ({k: f'{v:+.1%}' for k, v in growth.items()}) }")
     assert all(g < 0.10 for g in growth.values()), growth
+
+
+def _token_ids(stream: Any) -> list[int]:
+    return [t for response in stream if response.HasField("chunk") for t in response.chunk.token_ids]
+
+
+def test_a_worker_silent_for_a_while_keeps_its_streams(fault_stack: Stack) -> None:
+    """A worker silent past --worker-timeout (one very long step; here SIGSTOP) that speaks again with
+    the same id still holds its requests: the gateway stops admitting, then carries on, with nothing
+    re-submitted twice (once a bug: every stream came back INVALID_ARGUMENT "duplicate request_id")."""
+    prompt = [8, 6, 7, 5, 3, 1, 9]
+    stream = fault_stack.stub.Generate(greedy_request(prompt, 300), timeout=60)
+    first = next(stream)
+    worker = fault_stack.child_pid("worker")
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        wait_for(lambda: fault_stack.health_status() == "NOT_SERVING", 20, "a silent worker stayed SERVING")
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    ids = [*first.chunk.token_ids, *_token_ids(stream)]
+    assert ids == fault_stack.reference(prompt, 300)
+    fault_stack.wait_serving(30)
+    assert fault_stack.child_pid("worker") == worker
+    fault_stack.assert_idle()
+
+
+def test_a_hung_worker_fails_its_streams_and_frees_their_blocks(fault_stack: Stack) -> None:
+    """Silent past --resubmit-timeout: the streams fail UNAVAILABLE; when the worker wakes, the
+    gateway's aborts give their blocks back."""
+    stream = fault_stack.stub.Generate(greedy_request([2, 4, 6, 8], 900), timeout=60)
+    next(stream)
+    worker = fault_stack.child_pid("worker")
+    os.kill(worker, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        with pytest.raises(grpc.RpcError) as failed:
+            list(stream)
+        failed_after = time.monotonic() - stopped
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value.details()
+    fault_stack.wait_serving(30)
+    print(f"\nrecovery: a hung worker's stream failed UNAVAILABLE {failed_after:.1f} s after SIGSTOP "
+          f"(--resubmit-timeout 10); SERVING {time.monotonic() - stopped:.1f} s after")  # fmt: skip
+    fault_stack.assert_idle()
 
 
 def test_a_killed_gateway_loses_nothing(fault_stack: Stack) -> None:

@@ -5,13 +5,15 @@ queued in one event-loop turn leaves as one `GatewayMessage`. A heartbeat (an em
 every `heartbeat_s` so the worker knows this gateway lives. The worker's periodic status tells
 readiness and load.
 
-No status for `worker_timeout_s`, or a new worker id (it restarted), means the worker's requests are
-gone. Their streams are not failed: once a worker is ready again, each is re-submitted as its prompt
-plus the tokens it already streamed, with its token limits reduced by as many, so the client sees
-the stream continue with no token repeated or missing (greedy output equals an uninterrupted run).
-Full pages of the lost requests stay in the cachemgr's prefix cache, so the re-prefill recomputes
-little; how much is counted (`recomputed_tokens`). A stream that no worker takes back within
-`resubmit_timeout_s` fails UNAVAILABLE.
+No status for `worker_timeout_s` makes the worker not ready (no new calls; health NOT_SERVING), but
+its requests stand: a worker busy with one long step (a huge unchunked prefill) speaks again with
+the same id and its streams carry on. A new worker id means it restarted and its requests are gone.
+Their streams are not failed: once the new worker is ready, each is re-submitted as its prompt plus
+the tokens it already streamed, with its token limits reduced by as many, so the client sees the
+stream continue with no token repeated or missing (greedy output equals an uninterrupted run). Full
+pages of the lost requests stay in the cachemgr's prefix cache, so the re-prefill recomputes little;
+how much is counted (`recomputed_tokens`). A stream that gets no news for `resubmit_timeout_s` after
+its worker went silent or was replaced fails UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -181,10 +183,12 @@ class WorkerClient:
         while True:
             await asyncio.sleep(self.heartbeat_s)
             self._send(GatewayMessage(self.gateway_id, key=self.key))
-            if self.ready and time.monotonic() - self._last_status > self.worker_timeout_s:
-                log.error("worker silent; its requests wait for a worker", timeout_s=self.worker_timeout_s)
-                self._worker_lost()
-            self._expire_lost()
+            now = time.monotonic()
+            if self.ready and now - self._last_status > self.worker_timeout_s:
+                log.error("worker silent; no new calls until it speaks", timeout_s=self.worker_timeout_s)
+                self._set_ready(False)
+            silent_for = now - self._last_status
+            self._expire_lost(silent_for if silent_for > self.worker_timeout_s else 0.0)
 
     # ------------------------------------------------------------------------------------ receiving
 
@@ -265,13 +269,20 @@ class WorkerClient:
             log.warning("re-submitted requests of a lost worker", requests=len(lost))
             self._schedule_flush()
 
-    def _expire_lost(self) -> None:
+    def _expire_lost(self, silent_for: float) -> None:
+        """Fail the streams that waited `resubmit_timeout_s` for a new worker, or all of them once the
+        worker has been silent that long (hung, or dead with nothing restarting it)."""
         now = time.monotonic()
         for rid, stream in list(self._streams.items()):
-            if stream.lost_at is not None and now - stream.lost_at > self.resubmit_timeout_s:
+            waited = now - stream.lost_at if stream.lost_at is not None else silent_for
+            if waited > self.resubmit_timeout_s:
+                if stream.lost_at is None:
+                    self._aborts.append(rid)  # a hung worker that ever wakes frees its blocks
                 stream.lost_at = None
-                error = f"no worker took the request back in {self.resubmit_timeout_s:.0f} s"
+                error = f"no worker served the request for {self.resubmit_timeout_s:.0f} s"
                 self._deliver(RequestOutput(rid, [], finish="error", error=error, code="UNAVAILABLE"))
+        if self._aborts:
+            self._schedule_flush()
 
 
 def _log_send_failure(sent: asyncio.Future[None]) -> None:
