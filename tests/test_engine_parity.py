@@ -28,7 +28,8 @@ TIGHT_BLOCKS = {"llama": 16, "qwen2": 16, "qwen3": 16, "mistral": 10, "gemma2": 
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "roomy": {"num_blocks": 256},
-    "chunked": {"num_blocks": 256, "max_batch_tokens": 16},
+    # Several prompts in flight at once, each capped at 7 tokens a step: ragged chunks of every size.
+    "chunked": {"num_blocks": 256, "max_batch_tokens": 16, "long_prefill_token_threshold": 7},
     "prefill_first": {"num_blocks": 256, "max_batch_tokens": 24, "scheduler_type": "prefill_first"},
     "padded": {"num_blocks": 256, "q_padding_interval_size": 16, "kv_padding_interval_size": 8},
     "swap": {"page_size": 8, "cpu_offload_space": 0.01},

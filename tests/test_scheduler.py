@@ -47,6 +47,15 @@ def test_long_prompt_is_chunked_and_decodes_interleave() -> None:
     assert sched.requests["b"].status is RequestStatus.DECODING
 
 
+def test_long_prefill_token_threshold_leaves_budget_to_later_prompts() -> None:
+    sched, bm = make(CBConfig(max_batch_tokens=16, long_prefill_token_threshold=6))
+    sched.add(request("long", 40))
+    sched.add(request("short", 5))
+    assert step(sched, bm) == [("long", 0, 6), ("short", 0, 5)]
+    # The short one decodes; the long one still gets 6, not the 15 left of the budget.
+    assert step(sched, bm) == [("short", 5, 1), ("long", 6, 6)]
+
+
 def test_prefill_first_finishes_chunked_prefills_before_decodes() -> None:
     sched, bm = make(CBConfig(max_batch_tokens=8, scheduler_type="prefill_first"))
     sched.add(request("a", 3))

@@ -19,6 +19,7 @@ CB_SETTINGS: tuple[tuple[str, Any, str], ...] = (
     ("page_size", int, "tokens per KV page"),
     ("num_blocks", int, "KV blocks (overrides memory-based sizing)"),
     ("max_batch_tokens", int, "tokens computed per step"),
+    ("long_prefill_token_threshold", int, "most prompt tokens one request computes per step (0: no cap)"),
     ("max_memory_percent", float, "fraction of free memory for the KV cache"),
     ("max_requests_per_batch", int, "rows of logits (sampling requests) per step"),
     ("allow_block_sharing", bool, "prefix caching"),

@@ -28,6 +28,9 @@ class CBConfig:
     page_size: int = 32
     num_blocks: int | None = None
     max_batch_tokens: int = 512
+    # Caps one request's prefill chunk per step (vLLM's name and meaning), so that a very long prompt
+    # leaves part of the token budget to the prompts that arrive behind it. 0: no cap.
+    long_prefill_token_threshold: int = 0
     max_memory_percent: float = 0.9
     max_requests_per_batch: int = 64
     allow_block_sharing: bool = True
@@ -56,7 +59,7 @@ class CBConfig:
             raise ValueError(f"safety_margin must be in [0, 1), got {self.safety_margin!r}")
         if self.cpu_offload_space < 0:
             raise ValueError(f"cpu_offload_space must be >= 0 GiB, got {self.cpu_offload_space!r}")
-        for name in ("q_padding_interval_size", "kv_padding_interval_size"):
+        for name in ("long_prefill_token_threshold", "q_padding_interval_size", "kv_padding_interval_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")

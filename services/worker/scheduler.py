@@ -1,10 +1,10 @@
 """Scheduler: the worker's pure policy core (no I/O, no tensors).
 
 Per step: `plan()` orders candidates by policy and gives each the tokens it would compute under
-`max_batch_tokens` and `max_requests_per_batch`; the BlockManager answers which ones got blocks;
-`apply(grant)` turns the answer into the step's batch; `postprocess` appends sampled tokens and
-decides which requests finished. Finished and aborted requests are released in the next plan, before
-anything is allocated.
+`max_batch_tokens`, `long_prefill_token_threshold` (per request) and `max_requests_per_batch`; the
+BlockManager answers which ones got blocks; `apply(grant)` turns the answer into the step's batch;
+`postprocess` appends sampled tokens and decides which requests finished. Finished and aborted
+requests are released in the next plan, before anything is allocated.
 
 Policies (higher `priority` first within each class, ties by arrival):
 - `fifo`: running decodes, running prefills, offloaded (restores), then pending;
@@ -119,7 +119,7 @@ class Scheduler:
         for req in sorted(self.requests.values(), key=self._policy_key):
             if tokens_left == 0:
                 break
-            n = min(req.num_remaining, tokens_left)
+            n = min(req.num_remaining, tokens_left, cfg.long_prefill_token_threshold or tokens_left)
             samples = n == req.num_remaining
             if samples and rows_left == 0:
                 continue  # a chunk that stops short of sampling needs no logits row
