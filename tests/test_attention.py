@@ -1,4 +1,5 @@
-"""The native decode kernel agrees with the gather + SDPA path, and the engine is exact either way."""
+"""The native kernels (decode attention, packed linears) agree with torch's paths, and the engine is
+exact either way."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 
 from services.worker import kernels
 from services.worker.engine import Engine
+from services.worker.packed_linear import PackedLinear, pack_linears
 from tests.test_engine_parity import CONFIGS, make_prompts, reference, reference_attn
 
 
@@ -18,8 +20,10 @@ from tests.test_engine_parity import CONFIGS, make_prompts, reference, reference
 def kernels_off(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setenv(kernels.SWITCH, "0")
     kernels.paged_decode_kernel.cache_clear()
+    kernels.packed_linear_ops.cache_clear()
     yield
     kernels.paged_decode_kernel.cache_clear()
+    kernels.packed_linear_ops.cache_clear()
 
 
 def gather_sdpa(
@@ -79,6 +83,37 @@ def test_fallback_path_is_exact(
     prompts = make_prompts(seed=9)
     with Engine.from_pretrained(model_dir, **CONFIGS[config_name]) as engine:
         assert engine.runner.builder.decode_kernel is None
+        assert not any(isinstance(m, PackedLinear) for m in engine.model.modules())
         assert engine.generate(prompts, 20, ignore_eos=True) == reference(
             model_dir, reference_attn(family), prompts
         )
+
+
+@pytest.mark.parametrize("rows", [0, 1, 7, 38, 600])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_torch(rows: int, bias: bool) -> None:
+    if kernels.packed_linear_ops() is None:
+        pytest.skip("no MKL or C++ toolchain: linears stay torch's (the fallback test covers it)")
+    gen = torch.Generator().manual_seed(rows)
+    linear = torch.nn.Linear(96, 200, bias=bias)
+    torch.nn.init.normal_(linear.weight, generator=gen)
+    x = torch.randn(1, rows, 96, generator=gen)  # the engine's packed batch axis
+    packed = PackedLinear(linear, kernels.packed_linear_ops())
+    torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-4)
+    assert packed.weight is linear.weight
+
+
+def test_pack_linears_keeps_tied_weights(tiny_models: Callable[[str], Path]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_models("llama"))
+    linears = sum(type(m) is torch.nn.Linear for m in model.modules())
+    swapped = pack_linears(model)
+    if kernels.packed_linear_ops() is None:
+        assert swapped == 0
+        return
+    assert swapped == linears > 0
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    if model.config.tie_word_embeddings:
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert pack_linears(model) == 0  # already packed

@@ -2,8 +2,8 @@
 `$CBSERVE_HOME/kernels`).
 
 One switch: `CBSERVE_NATIVE_KERNELS=0` turns them off. Without the switch, without a compiler, or off
-the CPU/float32 path, attention falls back to gather + SDPA, which gives the same results up to fp32
-rounding; the tests run both.
+the CPU/float32 path, attention falls back to gather + SDPA and linears to torch's GEMM, which give
+the same results up to fp32 rounding; the tests run both.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
@@ -22,7 +23,7 @@ from services.common.model_source import cbserve_home
 
 log = structlog.get_logger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+_CSRC = Path(__file__).parent / "csrc"
 SWITCH = "CBSERVE_NATIVE_KERNELS"
 STALE_LOCK_S = 600
 
@@ -42,16 +43,15 @@ def _cpu_tag() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:10]
 
 
-@functools.cache
-def paged_decode_kernel() -> PagedDecode | None:
-    """`paged_decode(q [B, kv, group, D], k_cache [S, kv, D], v_cache, slots [B, L], lengths [B],
-    scale, softcap)`: attention of one query token per request over its first `lengths[b]` slots."""
+def _build(stem: str) -> Any:
+    """Compile (once per CPU and source) and import `csrc/<stem>.cpp`; None when that fails."""
     if not native_kernels_enabled():
         return None
+    source = _CSRC / f"{stem}.cpp"
     try:
         from torch.utils.cpp_extension import load
 
-        name = f"cbserve_paged_decode_{_cpu_tag()}"
+        name = f"cbserve_{stem}_{_cpu_tag()}"
         build_dir = cbserve_home() / "kernels" / name
         build_dir.mkdir(parents=True, exist_ok=True)
         # torch serialises builds with a lock file; one left by a build that was killed would make
@@ -59,15 +59,32 @@ def paged_decode_kernel() -> PagedDecode | None:
         lock = build_dir / "lock"
         if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
             lock.unlink(missing_ok=True)
-        module = load(
+        return load(
             name=name,
-            sources=[str(_SOURCE)],
+            sources=[str(source)],
             extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffast-math"],
             extra_ldflags=["-lmvec"],
             build_directory=str(build_dir),
             verbose=False,
         )
-    except Exception as exc:  # no compiler, no ninja, odd platform: the fallback is exact too
-        log.warning("native paged decode kernel unavailable, using gather + SDPA", error=str(exc))
+    except Exception as exc:  # no compiler, no ninja, odd platform: the fallbacks are exact too
+        log.warning("native kernel unavailable, using torch's", kernel=stem, error=str(exc))
         return None
-    return module.paged_decode
+
+
+@functools.cache
+def paged_decode_kernel() -> PagedDecode | None:
+    """`paged_decode(q [B, kv, group, D], k_cache [S, kv, D], v_cache, slots [B, L], lengths [B],
+    scale, softcap)`: attention of one query token per request over its first `lengths[b]` slots.
+    Without it, attention gathers the context and calls SDPA."""
+    module = _build("paged_decode")
+    return None if module is None else module.paged_decode
+
+
+@functools.cache
+def packed_linear_ops() -> Any:
+    """`pack_weight(w [N, K], rows_hint)` and `packed_linear(x, packed, N, bias)` (MKL's packed GEMM),
+    or None without MKL or a compiler: then linears run torch's own GEMM."""
+    if not torch.backends.mkl.is_available():
+        return None
+    return _build("packed_linear")

@@ -12,6 +12,7 @@ from services.common.kv_geometry import KVGeometry
 from services.worker.attention import ATTENTION_NAME
 from services.worker.batch import BatchBuilder, BatchItem, ForwardBatch
 from services.worker.kernels import paged_decode_kernel
+from services.worker.packed_linear import pack_linears
 
 
 class ModelRunner:
@@ -35,6 +36,7 @@ class ModelRunner:
         self.swap_pool = swap_pool
         self.device = kv_pool.device
         model.set_attn_implementation(ATTENTION_NAME)
+        pack_linears(model)
         text = getattr(model.config, "text_config", None) or model.config
         num_chunks, page = kv_pool.shape[2], geometry.page_size
         flat = (num_chunks * page, geometry.num_kv_heads, geometry.head_dim)

@@ -1,0 +1,56 @@
+"""Linears with their weights packed once for MKL's GEMM (CPU, float32).
+
+torch re-packs a weight matrix on every product; for the few dozen rows of a decode step that costs
+as much as the product (csrc/packed_linear.cpp). `pack_linears` swaps every `nn.Linear` of a CPU
+float32 model for a `PackedLinear` that keeps the original parameters (tied weights, `.weight`
+readers and checkpoints see no change) plus the packed copy. Results equal torch's GEMM up to fp32
+summation order, as any change of batch shape does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from services.worker.kernels import packed_linear_ops
+
+# MKL's packing is tuned for this row count; products of any row count use it.
+ROWS_HINT = 512
+
+
+class PackedLinear(nn.Module):
+    def __init__(self, linear: nn.Linear, ops: object) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight  # the same Parameter: ties and state dicts are unchanged
+        self.bias = linear.bias
+        self._ops = ops
+        with torch.no_grad():
+            self.register_buffer(
+                "packed", ops.pack_weight(linear.weight.detach().contiguous(), ROWS_HINT), persistent=False
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._ops.packed_linear(x, self.packed, self.out_features, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed=True"
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Swap the model's CPU float32 linears for packed ones, in place; how many were swapped (0 when
+    MKL or the compiler is missing, the kernels are switched off, or the model is elsewhere)."""
+    ops = packed_linear_ops()
+    if ops is None:
+        return 0
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear
+        and child.weight.device.type == "cpu"
+        and child.weight.dtype == torch.float32
+    ]
+    for parent, name, child in targets:
+        setattr(parent, name, PackedLinear(child, ops))
+    return len(targets)
