@@ -117,3 +117,17 @@ def test_pack_linears_keeps_tied_weights(tiny_models: Callable[[str], Path]) -> 
     if model.config.tie_word_embeddings:
         assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     assert pack_linears(model) == 0  # already packed
+
+
+def test_prefill_groups_bound_padding() -> None:
+    from services.worker.batch import MAX_PADDING_WASTE, prefill_groups
+
+    queries = [300, 1, 60, 290, 64, 8]
+    keys = [300, 301, 460, 290, 64, 520]
+    groups = prefill_groups([0, 2, 3, 4, 5], queries, keys)
+    assert sorted(i for g in groups for i in g) == [0, 2, 3, 4, 5]
+    assert [0, 3] in groups  # two prompts of nearly one shape share a group
+    for g in groups:
+        padded = len(g) * max(queries[i] for i in g) * max(keys[i] for i in g)
+        assert padded <= MAX_PADDING_WASTE * sum(queries[i] * keys[i] for i in g)
+    assert prefill_groups([], queries, keys) == []
