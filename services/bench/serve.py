@@ -33,11 +33,15 @@ and p99, and the ratio of the p99 during the prefill to the median otherwise (th
 most 2 with chunking). Chunking is a server setting, so the contrast takes two stacks and two runs of
 the same command (same seed, so the same requests):
 
-    cbserve up --port 50777 --metrics-port 9777 --max-batch-tokens 256    # prompts chunked by 256
+    cbserve up --port 50777 --metrics-port 9777 --max-batch-tokens 32     # small steps: decodes + a chunk
     cbserve bench serve --target 127.0.0.1:50777 --workload long-prompt --request-rate 2 \\
         --num-requests 24 --input-len 64 --output-len 64 --long-prompt-len 4000
     cbserve up --port 50777 --metrics-port 9777 --max-batch-tokens 4096   # the long prompt in one step
     (the same bench command)
+
+On a 2-core CPU a step's time follows its tokens, so the budget is the latency knob: 32 tokens (about
+18 decodes plus a 14-token chunk) keep a chunked step within 2x a decode step. Adding
+`--long-prefill-token-threshold` lets prompts that arrive behind the long one start sooner.
 
 Reported per phase: request, output-token and total-token throughput; TTFT, ITL and E2E latency (mean,
 p50, p90, p99); completed, failed (by status code) and cancelled counts; peak KV usage (GetLoad sampled
