@@ -9,6 +9,8 @@ summation order, as any change of batch shape does.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -19,7 +21,7 @@ ROWS_HINT = 512
 
 
 class PackedLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, ops: object) -> None:
+    def __init__(self, linear: nn.Linear, ops: Any) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # the same Parameter: ties and state dicts are unchanged
