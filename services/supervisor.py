@@ -142,7 +142,8 @@ def run_up(
     worker_address = f"ipc://{runtime}/worker.sock"
     env = os.environ | settings_env
     # Only this stack's children know the key, so nothing else on the machine can attach or submit.
-    env.setdefault(INTERNAL_KEY_ENV, secrets.token_hex(16))
+    if not env.get(INTERNAL_KEY_ENV):
+        env[INTERNAL_KEY_ENV] = secrets.token_hex(16)
     env["CBSERVE_DEVICE"], env["CBSERVE_DTYPE"] = device, dtype
     if model is not None:
         env["CBSERVE_MODEL"] = model
