@@ -69,6 +69,12 @@ NASTY_FLOATS = [math.nan, math.inf, -math.inf, -0.0, 0.0, 1e30, -1e30, 1e-45, -1
 
 encode = msgspec.msgpack.Encoder().encode
 
+
+def keyed(stack: Stack, *args: Any, **fields: Any) -> bytes:
+    """A `GatewayMessage` from a peer holding the stack's internal key: a buggy or rogue gateway."""
+    return encode(GatewayMessage(*args, key=stack.internal_key, **fields))
+
+
 # ---------------------------------------------------------------------------------- stack helpers
 
 
@@ -575,7 +581,7 @@ def test_garbage_and_bad_requests_on_the_worker_socket(
     }
     gateway_id = f"{FAKE}-gw-{time.monotonic_ns()}"
     ok = SamplingParams(max_new_tokens=2, ignore_eos=True)
-    real = encode(GatewayMessage(gateway_id, [NewRequest("t", [3, 4, 5], ok)], key=stack.internal_key))
+    real = keyed(stack, gateway_id, [NewRequest("t", [3, 4, 5], ok)])
     wrong_type = msgspec.to_builtins(GatewayMessage(gateway_id, [NewRequest("w", [3, 4, 5], ok)]))
     wrong_type["adds"][0]["params"]["temperature"] = "hot"
     junk = [
@@ -588,11 +594,7 @@ def test_garbage_and_bad_requests_on_the_worker_socket(
         sock.send(payload)
     sock.send_multipart([b"one", b"two", b"three"])
     sock.send_multipart([b"", b""])
-    sock.send(
-        encode(
-            GatewayMessage(gateway_id, [NewRequest("v2", [3, 4, 5], ok)], version=2, key=stack.internal_key)
-        )
-    )
+    sock.send(keyed(stack, gateway_id, [NewRequest("v2", [3, 4, 5], ok)], version=2))
 
     # Well-formed messages of a fake gateway with requests the worker must refuse one by one.
     nan = SamplingParams(temperature=math.nan, max_new_tokens=2)
@@ -610,9 +612,7 @@ def test_garbage_and_bad_requests_on_the_worker_socket(
         NewRequest("dup", [3, 4, 5], ok, priority=2**63 - 1),
         NewRequest("fine", [3, 4, 5], ok, trace_id="\x00" * 100),
     ]
-    sock.send(
-        encode(GatewayMessage(gateway_id, adds, aborts=["nobody", "", "x" * 10_000], key=stack.internal_key))
-    )
+    sock.send(keyed(stack, gateway_id, adds, aborts=["nobody", "", "x" * 10_000]))
     finals = _collect_finals(sock, len(adds))
     by_id: dict[str, list[Any]] = {}
     for out in finals:
@@ -685,7 +685,7 @@ def test_fuzzed_requests_of_a_fake_gateway_are_refused_or_served(
     def run(adds: list[NewRequest]) -> None:
         n = next(counter)
         adds = [msgspec.structs.replace(a, request_id=f"{n}.{i}.{a.request_id}") for i, a in enumerate(adds)]
-        sock.send(encode(GatewayMessage(gateway_id, adds, key=stack.internal_key)))
+        sock.send(keyed(stack, gateway_id, adds))
         finals = _collect_finals(sock, len(adds))
         assert sorted(o.request_id for o in finals) == sorted(a.request_id for a in adds), finals
         for out in finals:
@@ -857,7 +857,7 @@ def test_a_stranger_cannot_abort_the_gateways_requests(tiny_stack: Stack, zmq_co
     # The gateway names its requests r0, r1, ... (one per admitted call): abort more than were admitted.
     admitted = len(events(stack, "request added"))
     aborts = [f"r{i}" for i in range(2 * admitted + 1_000)]
-    sock.send(encode(GatewayMessage(_real_gateway_id(stack), aborts=aborts, key=stack.internal_key)))
+    sock.send(keyed(stack, _real_gateway_id(stack), aborts=aborts))
     thread.join(30)
     sock.close(linger=0)
     try:
@@ -876,16 +876,10 @@ def test_a_prompt_over_the_step_cache_budget_is_refused_not_queued_forever(
     sock = dealer(zmq_context, stack, "worker.sock")
     gateway_id = f"{FAKE}-budget-{time.monotonic_ns()}"
     params = SamplingParams(max_new_tokens=1, ignore_eos=True)
-    sock.send(
-        encode(
-            GatewayMessage(gateway_id, [NewRequest("long", [5] * prompt_len, params)], key=stack.internal_key)
-        )
-    )
+    sock.send(keyed(stack, gateway_id, [NewRequest("long", [5] * prompt_len, params)]))
     finals = _collect_finals(sock, 1, timeout_s=3)
     load = stack.load()
-    sock.send(
-        encode(GatewayMessage(gateway_id, aborts=["long"], key=stack.internal_key))
-    )  # clean up what never ended
+    sock.send(keyed(stack, gateway_id, aborts=["long"]))  # clean up what never ended
     time.sleep(0.5)
     sock.close(linger=0)
     try:
@@ -901,13 +895,7 @@ def test_a_fake_gateways_huge_max_tokens_does_not_crash_the_worker(
     stack, before = tiny_stack, baseline(tiny_stack)
     sock = dealer(zmq_context, stack, "worker.sock")
     params = SamplingParams(max_new_tokens=2**64 - 1)
-    sock.send(
-        encode(
-            GatewayMessage(
-                f"{FAKE}-overflow", [NewRequest("huge", [3, 4, 5], params)], key=stack.internal_key
-            )
-        )
-    )
+    sock.send(keyed(stack, f"{FAKE}-overflow", [NewRequest("huge", [3, 4, 5], params)]))
     finals = _collect_finals(sock, 1, timeout_s=10)
     sock.close(linger=0)
     time.sleep(1.0)  # the supervisor notices a death within 0.2 s

@@ -112,7 +112,7 @@ class WorkerClient:
 
     async def start(self) -> None:
         self._socket.connect(self.address)
-        self._send(GatewayMessage(self.gateway_id, key=self.key))
+        self._send()
         self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._heartbeat())]
 
     async def close(self) -> None:
@@ -149,7 +149,7 @@ class WorkerClient:
         query = next(self._query_ids)
         future: asyncio.Future[Load] = asyncio.get_running_loop().create_future()
         self._load_waiters[query] = future
-        self._send(GatewayMessage(self.gateway_id, key=self.key, load_query=query))
+        self._send(load_query=query)
         try:
             return await asyncio.wait_for(future, timeout_s)
         finally:
@@ -166,9 +166,13 @@ class WorkerClient:
         self._flush_scheduled = False
         adds, aborts, self._adds, self._aborts = self._adds, self._aborts, [], []
         if adds or aborts:
-            self._send(GatewayMessage(self.gateway_id, adds, aborts, key=self.key))
+            self._send(adds, aborts)
 
-    def _send(self, message: GatewayMessage) -> None:
+    def _send(
+        self, adds: list[NewRequest] | None = None, aborts: list[str] | None = None, load_query: int = 0
+    ) -> None:
+        """Send one `GatewayMessage` (no arguments: a heartbeat) carrying the internal key."""
+        message = GatewayMessage(self.gateway_id, adds or [], aborts or [], load_query, key=self.key)
         # With IMMEDIATE set, no connected worker (or a full queue) means not writable: fail what
         # cannot be sent now rather than let it wait for a worker that may never read it.
         if not self._socket.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
@@ -182,7 +186,7 @@ class WorkerClient:
     async def _heartbeat(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_s)
-            self._send(GatewayMessage(self.gateway_id, key=self.key))
+            self._send()
             now = time.monotonic()
             if self.ready and now - self._last_status > self.worker_timeout_s:
                 log.error("worker silent; no new calls until it speaks", timeout_s=self.worker_timeout_s)
