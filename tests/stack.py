@@ -19,12 +19,15 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import msgspec
 import torch
+import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoModelForCausalLM
 
 from services.bench.stack import free_port
 from services.common.cli_args import settings_env
+from services.common.gateway_messages import GatewayMessage, WorkerMessage
 from services.common.wire import INTERNAL_KEY_ENV
 from services.gateway.api import pb, pb_grpc
 from services.supervisor import cbserve_argv, die_with_parent, stop_process
@@ -92,6 +95,13 @@ class Stack:
                     yield json.loads(line)
                 except json.JSONDecodeError:
                     continue
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        return [e for e in self.log_events() if e.get("event") == name]
+
+    def runtime_dir(self) -> Path:
+        """The supervisor's private folder holding the ipc:// sockets."""
+        return Path(self.events("stack starting")[-1]["runtime"])
 
     def child_pid(self, name: str) -> int:
         """PID of the latest start of child `name` (cachemgr, worker, gateway)."""
@@ -174,6 +184,35 @@ def _hf_greedy(model_dir: Path, prompt: tuple[int, ...], max_new_tokens: int, eo
 def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int, eos: bool = False) -> list[int]:
     """transformers' greedy `generate` (fp32): the reference every stream must equal."""
     return list(_hf_greedy(model_dir, tuple(prompt), max_new_tokens, eos))
+
+
+# ------------------------------------------------------------------- posing as one of the stack's peers
+
+_encode = msgspec.msgpack.Encoder().encode
+
+
+def keyed(stack: Stack, *args: Any, **fields: Any) -> bytes:
+    """A `GatewayMessage` from a peer holding the stack's internal key: a buggy or rogue gateway."""
+    return _encode(GatewayMessage(*args, key=stack.internal_key, **fields))
+
+
+def dealer(context: zmq.Context, stack: Stack, name: str) -> zmq.Socket:
+    """A DEALER on one of the stack's ipc sockets (`worker.sock`, `cachemgr.sock`)."""
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"ipc://{stack.runtime_dir() / name}")
+    return sock
+
+
+def collect_finals(sock: zmq.Socket, expected: int, timeout_s: float = 30.0) -> list[Any]:
+    """The final outputs a fake gateway receives (statuses and progress are skipped)."""
+    decoder = msgspec.msgpack.Decoder(WorkerMessage)
+    finals: list[Any] = []
+    deadline = time.monotonic() + timeout_s
+    while len(finals) < expected and time.monotonic() < deadline:
+        if sock.poll(100):
+            finals += [o for o in decoder.decode(sock.recv()).outputs if o.finish]
+    return finals
 
 
 def rss_kib(pid: int) -> int:

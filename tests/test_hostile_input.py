@@ -37,7 +37,7 @@ from transformers import AutoConfig
 from services.cachemgr.kv_cache import KVCache
 from services.cachemgr.server import CacheServer
 from services.common.config import CBConfig
-from services.common.gateway_messages import GatewayMessage, NewRequest, WorkerMessage
+from services.common.gateway_messages import GatewayMessage, NewRequest
 from services.common.messages import (
     Attach,
     Attached,
@@ -49,7 +49,7 @@ from services.common.messages import (
 )
 from services.common.sampling_params import SamplingParams
 from services.gateway.api import pb
-from tests.stack import REPO, Stack, greedy_request
+from tests.stack import REPO, Stack, collect_finals, dealer, greedy_request, keyed
 
 CALL_TIMEOUT_S = 30.0
 OK, INVALID, EXHAUSTED = (
@@ -70,21 +70,7 @@ NASTY_FLOATS = [math.nan, math.inf, -math.inf, -0.0, 0.0, 1e30, -1e30, 1e-45, -1
 encode = msgspec.msgpack.Encoder().encode
 
 
-def keyed(stack: Stack, *args: Any, **fields: Any) -> bytes:
-    """A `GatewayMessage` from a peer holding the stack's internal key: a buggy or rogue gateway."""
-    return encode(GatewayMessage(*args, key=stack.internal_key, **fields))
-
-
 # ---------------------------------------------------------------------------------- stack helpers
-
-
-def events(stack: Stack, name: str) -> list[dict[str, Any]]:
-    return [e for e in stack.log_events() if e.get("event") == name]
-
-
-def runtime_dir(stack: Stack) -> Path:
-    """The supervisor's private folder holding the ipc:// sockets."""
-    return Path(events(stack, "stack starting")[-1]["runtime"])
 
 
 @dataclass(frozen=True)
@@ -94,12 +80,12 @@ class Baseline:
 
 
 def baseline(stack: Stack) -> Baseline:
-    return Baseline({n: stack.child_pid(n) for n in CHILDREN}, len(events(stack, "child died; restarting")))
+    return Baseline({n: stack.child_pid(n) for n in CHILDREN}, len(stack.events("child died; restarting")))
 
 
 def wait_events(stack: Stack, name: str, at_least: int, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while len(events(stack, name)) < at_least:
+    while len(stack.events(name)) < at_least:
         assert time.monotonic() < deadline, f"fewer than {at_least} {name!r} events:\n{stack.log_tail()}"
         time.sleep(0.05)
 
@@ -112,7 +98,7 @@ def assert_exact(stack: Stack) -> None:
 
 def assert_sound(stack: Stack, before: Baseline) -> None:
     """No process died or restarted, SERVING, every block back, and a normal request exact."""
-    assert len(events(stack, "child died; restarting")) == before.deaths, stack.log_tail()
+    assert len(stack.events("child died; restarting")) == before.deaths, stack.log_tail()
     assert {n: stack.child_pid(n) for n in CHILDREN} == before.pids
     assert stack.health_status() == "SERVING"
     stack.assert_idle()
@@ -145,13 +131,6 @@ def recover(stack: Stack, before: Baseline, timeout_s: float = 120.0) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
-
-
-def dealer(context: zmq.Context, stack: Stack, name: str) -> zmq.Socket:
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(f"ipc://{runtime_dir(stack) / name}")
-    return sock
 
 
 @pytest.fixture
@@ -522,9 +501,9 @@ def test_garbage_on_the_cachemgr_socket_is_dropped(
     tiny_stack: Stack, zmq_context: zmq.Context, tmp_path: Path
 ) -> None:
     stack, before = tiny_stack, baseline(tiny_stack)
-    dropped = len(events(stack, "dropped an undecodable message"))
-    frames = len(events(stack, "dropped a message with a wrong frame count"))
-    attached = len(events(stack, "worker attached"))
+    dropped = len(stack.events("dropped an undecodable message"))
+    frames = len(stack.events("dropped a message with a wrong frame count"))
+    attached = len(stack.events("worker attached"))
     executable = tmp_path / "executed"
     plan = encode(StepPlan(7, [PlanEntry(f"{FAKE}-a", 8, list(range(8)), 0, "", 16)], ["x"], ["y"]))
     junk = _undecodable(plan, executable)
@@ -551,20 +530,9 @@ def test_garbage_on_the_cachemgr_socket_is_dropped(
     assert not sock.poll(300), "a reply to something that should have been dropped"
     wait_events(stack, "dropped an undecodable message", dropped + len(junk))
     wait_events(stack, "dropped a message with a wrong frame count", frames + 2)
-    assert len(events(stack, "worker attached")) == attached
+    assert len(stack.events("worker attached")) == attached
     assert not executable.exists()
     assert_sound(stack, before)
-
-
-def _collect_finals(sock: zmq.Socket, expected: int, timeout_s: float = 30.0) -> list[Any]:
-    """The final outputs a fake gateway receives (statuses and progress are skipped)."""
-    decoder = msgspec.msgpack.Decoder(WorkerMessage)
-    finals: list[Any] = []
-    deadline = time.monotonic() + timeout_s
-    while len(finals) < expected and time.monotonic() < deadline:
-        if sock.poll(100):
-            finals += [o for o in decoder.decode(sock.recv()).outputs if o.finish]
-    return finals
 
 
 def test_garbage_and_bad_requests_on_the_worker_socket(
@@ -572,7 +540,7 @@ def test_garbage_and_bad_requests_on_the_worker_socket(
 ) -> None:
     stack, before = tiny_stack, baseline(tiny_stack)
     counts = {
-        name: len(events(stack, name))
+        name: len(stack.events(name))
         for name in (
             "dropped an undecodable gateway message",
             "dropped a gateway message with a wrong frame count",
@@ -613,7 +581,7 @@ def test_garbage_and_bad_requests_on_the_worker_socket(
         NewRequest("fine", [3, 4, 5], ok, trace_id="\x00" * 100),
     ]
     sock.send(keyed(stack, gateway_id, adds, aborts=["nobody", "", "x" * 10_000]))
-    finals = _collect_finals(sock, len(adds))
+    finals = collect_finals(sock, len(adds))
     by_id: dict[str, list[Any]] = {}
     for out in finals:
         by_id.setdefault(out.request_id, []).append(out)
@@ -686,7 +654,7 @@ def test_fuzzed_requests_of_a_fake_gateway_are_refused_or_served(
         n = next(counter)
         adds = [msgspec.structs.replace(a, request_id=f"{n}.{i}.{a.request_id}") for i, a in enumerate(adds)]
         sock.send(keyed(stack, gateway_id, adds))
-        finals = _collect_finals(sock, len(adds))
+        finals = collect_finals(sock, len(adds))
         assert sorted(o.request_id for o in finals) == sorted(a.request_id for a in adds), finals
         for out in finals:
             assert (out.finish, out.code) in {("error", "INVALID_ARGUMENT"), ("length", ""), ("eos", ""),
@@ -804,7 +772,7 @@ def _stream_in_background(stack: Stack, max_tokens: int, timeout_s: float) -> tu
 def test_a_foreign_attach_does_not_disturb_the_worker(tiny_stack: Stack, zmq_context: zmq.Context) -> None:
     """Once a bug: any peer's Attach was handed the pool handles and dropped the worker's requests."""
     stack, before = tiny_stack, baseline(tiny_stack)
-    attached = len(events(stack, "worker attached"))
+    attached = len(stack.events("worker attached"))
     thread, result = _stream_in_background(stack, max_tokens=60, timeout_s=60)
     sock = dealer(zmq_context, stack, "cachemgr.sock")
     decoder = msgspec.msgpack.Decoder(FromCachemgr)
@@ -816,7 +784,7 @@ def test_a_foreign_attach_does_not_disturb_the_worker(tiny_stack: Stack, zmq_con
     sock.close(linger=0)
     try:
         assert all(isinstance(r, Failure) and "internal key" in r.reason for r in replies), replies
-        assert len(events(stack, "worker attached")) == attached
+        assert len(stack.events("worker attached")) == attached
         assert result.get("code") == OK, result.get("details")
         assert len(result["ids"]) == 60
     finally:
@@ -825,7 +793,7 @@ def test_a_foreign_attach_does_not_disturb_the_worker(tiny_stack: Stack, zmq_con
 
 def test_gateway_messages_without_the_key_are_dropped(tiny_stack: Stack, zmq_context: zmq.Context) -> None:
     stack, before = tiny_stack, baseline(tiny_stack)
-    dropped = len(events(stack, "dropped a gateway message without the internal key"))
+    dropped = len(stack.events("dropped a gateway message without the internal key"))
     sock = dealer(zmq_context, stack, "worker.sock")
     ok = SamplingParams(max_new_tokens=2, ignore_eos=True)
     for n, key in enumerate(("", "guess", stack.internal_key.upper())):
@@ -855,7 +823,7 @@ def test_a_stranger_cannot_abort_the_gateways_requests(tiny_stack: Stack, zmq_co
     thread, result = _stream_in_background(stack, max_tokens=30, timeout_s=5)
     sock = dealer(zmq_context, stack, "worker.sock")
     # The gateway names its requests r0, r1, ... (one per admitted call): abort more than were admitted.
-    admitted = len(events(stack, "request added"))
+    admitted = len(stack.events("request added"))
     aborts = [f"r{i}" for i in range(2 * admitted + 1_000)]
     sock.send(keyed(stack, _real_gateway_id(stack), aborts=aborts))
     thread.join(30)
@@ -871,13 +839,13 @@ def test_a_prompt_over_the_step_cache_budget_is_refused_not_queued_forever(
     tiny_stack: Stack, zmq_context: zmq.Context
 ) -> None:
     stack, before = tiny_stack, baseline(tiny_stack)
-    sizing = events(stack, "kv cache sized")[-1]
+    sizing = stack.events("kv cache sized")[-1]
     prompt_len = sizing["max_pages_per_step"] * int(stack.info.page_size) + 8  # over the budget
     sock = dealer(zmq_context, stack, "worker.sock")
     gateway_id = f"{FAKE}-budget-{time.monotonic_ns()}"
     params = SamplingParams(max_new_tokens=1, ignore_eos=True)
     sock.send(keyed(stack, gateway_id, [NewRequest("long", [5] * prompt_len, params)]))
-    finals = _collect_finals(sock, 1, timeout_s=3)
+    finals = collect_finals(sock, 1, timeout_s=3)
     load = stack.load()
     sock.send(keyed(stack, gateway_id, aborts=["long"]))  # clean up what never ended
     time.sleep(0.5)
@@ -896,11 +864,11 @@ def test_a_fake_gateways_huge_max_tokens_does_not_crash_the_worker(
     sock = dealer(zmq_context, stack, "worker.sock")
     params = SamplingParams(max_new_tokens=2**64 - 1)
     sock.send(keyed(stack, f"{FAKE}-overflow", [NewRequest("huge", [3, 4, 5], params)]))
-    finals = _collect_finals(sock, 1, timeout_s=10)
+    finals = collect_finals(sock, 1, timeout_s=10)
     sock.close(linger=0)
     time.sleep(1.0)  # the supervisor notices a death within 0.2 s
     try:
         assert [(o.finish, o.code) for o in finals] == [("error", "INVALID_ARGUMENT")], finals
-        assert len(events(stack, "child died; restarting")) == before.deaths, "the worker died"
+        assert len(stack.events("child died; restarting")) == before.deaths, "the worker died"
     finally:
         recover(stack, before)

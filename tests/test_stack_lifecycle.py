@@ -18,12 +18,25 @@ from typing import Any
 
 import grpc
 import pytest
+import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.gateway_messages import NewRequest
+from services.common.sampling_params import SamplingParams
 from services.common.tensor_handles import SHM_PREFIX, shm_dir
 from services.gateway.api import SERVICE_NAME, pb, pb_grpc
 from services.supervisor import cbserve_argv, die_with_parent
-from tests.stack import REPO, START_TIMEOUT_S, Stack, free_port, greedy_request, rss_kib
+from tests.stack import (
+    REPO,
+    START_TIMEOUT_S,
+    Stack,
+    collect_finals,
+    dealer,
+    free_port,
+    greedy_request,
+    keyed,
+    rss_kib,
+)
 
 # As compose runs them: tcp:// sockets, the internal key shared through the environment.
 SETTINGS = {"CBSERVE_PAGE_SIZE": "8", "CBSERVE_NUM_BLOCKS": "200", "CBSERVE_THREADS": "1",
@@ -265,6 +278,28 @@ def test_a_worker_silent_for_a_while_keeps_its_streams(fault_stack: Stack) -> No
     assert ids == fault_stack.reference(prompt, 300)
     fault_stack.wait_serving(30)
     assert fault_stack.child_pid("worker") == worker
+    fault_stack.assert_idle()
+
+
+def test_a_gateway_presumed_dead_is_told_its_requests_are_gone(fault_stack: Stack) -> None:
+    """A gateway that stops sending heartbeats but still reads (a stalled event loop) gets its
+    requests back as UNAVAILABLE when the worker gives up on it, rather than streams that never end."""
+    # 1000 new tokens each: the pool (400 blocks of 8) runs three at a time, so the tiny model takes
+    # many times --gateway-timeout 3 for all of them, and some are still there when it expires.
+    params = SamplingParams(max_new_tokens=1000, ignore_eos=True)
+    adds = [NewRequest(f"silent-{i}", [3, 1, 4, i], params) for i in range(24)]
+    context = zmq.Context()
+    sock = dealer(context, fault_stack, "worker.sock")
+    try:
+        sock.send(keyed(fault_stack, "silent-gateway", adds))
+        finals = collect_finals(sock, len(adds), timeout_s=60)
+    finally:
+        sock.close(linger=0)
+        context.term()
+    ends = Counter((o.finish, o.code) for o in finals)
+    print(f"\na silent gateway's {len(adds)} requests ended: {dict(ends)}")
+    assert set(ends) <= {("length", ""), ("error", "UNAVAILABLE")}, finals
+    assert ends[("error", "UNAVAILABLE")] > 0 and len(finals) == len(adds), ends
     fault_stack.assert_idle()
 
 

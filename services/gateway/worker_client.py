@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from services.common.awake_clock import AwakeClock
 from services.common.gateway_messages import (
     PROTOCOL_VERSION,
     GatewayMessage,
@@ -99,7 +99,9 @@ class WorkerClient:
         self._load_waiters: dict[int, asyncio.Future[Load]] = {}
         self._query_ids = itertools.count(1)
         self._flush_scheduled = False
-        self._last_status = 0.0
+        # The worker's silence, in awake time: the heartbeat task reads it every heartbeat_s.
+        self._clock = AwakeClock(grace_s=max(1.0, 2 * heartbeat_s))
+        self._last_status = self._clock.now()
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(WorkerMessage)
         self._context = zmq.asyncio.Context()
@@ -187,7 +189,7 @@ class WorkerClient:
         while True:
             await asyncio.sleep(self.heartbeat_s)
             self._send()
-            now = time.monotonic()
+            now = self._clock.now()
             if self.ready and now - self._last_status > self.worker_timeout_s:
                 log.error("worker silent; no new calls until it speaks", timeout_s=self.worker_timeout_s)
                 self._set_ready(False)
@@ -230,7 +232,7 @@ class WorkerClient:
             del self._streams[output.request_id]
 
     def _on_status(self, status: WorkerStatus) -> None:
-        self._last_status = time.monotonic()
+        self._last_status = self._clock.now()
         self.load = status.load
         if status.facts is not None:
             self.facts = status.facts
@@ -251,7 +253,7 @@ class WorkerClient:
 
     def _worker_lost(self) -> None:
         self._set_ready(False)
-        now = time.monotonic()
+        now = self._clock.now()
         for stream in self._streams.values():
             if stream.lost_at is None:
                 stream.lost_at = now
@@ -276,7 +278,7 @@ class WorkerClient:
     def _expire_lost(self, silent_for: float) -> None:
         """Fail the streams that waited `resubmit_timeout_s` for a new worker, or all of them once the
         worker has been silent that long (hung, or dead with nothing restarting it)."""
-        now = time.monotonic()
+        now = self._clock.now()
         for rid, stream in list(self._streams.items()):
             waited = now - stream.lost_at if stream.lost_at is not None else silent_for
             if waited > self.resubmit_timeout_s:

@@ -19,6 +19,7 @@ import zmq
 
 from services.cachemgr.pool_memory import PoolHandles, PoolMemory, attach_pool_memory
 from services.cachemgr.sizing import CacheSizing
+from services.common.awake_clock import poll_awake
 from services.common.kv_geometry import KVGeometry
 from services.common.messages import (
     PROTOCOL_VERSION,
@@ -128,7 +129,7 @@ class RemoteCache:
         sock = self._socket
         assert sock is not None
         sock.send(self._encoder.encode(message))
-        if not sock.poll(int(timeout_s * 1000)):
+        if not poll_awake(sock, timeout_s):
             # A late reply would pair with the next request: start over on a fresh socket.
             self._connect()
             raise CacheUnavailable(f"no answer from the cachemgr at {self.address} in {timeout_s:.1f} s")

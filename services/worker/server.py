@@ -23,6 +23,7 @@ import structlog
 import torch
 import zmq
 
+from services.common.awake_clock import AwakeClock
 from services.common.config import CBConfig
 from services.common.gateway_messages import (
     PROTOCOL_VERSION,
@@ -119,6 +120,7 @@ class WorkerServer:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished gateway's messages are dropped
         self._last_status = 0.0
+        self._clock = AwakeClock()  # for gateways' silence: read every turn, before and after the step
         self._pending_queries: dict[bytes, int] = {}
         self._profile: StepTimes | None = None  # the latest step's, sent with this turn's messages
 
@@ -250,10 +252,10 @@ class WorkerServer:
     def _handle(self, routing_id: bytes, message: GatewayMessage) -> None:
         gateway = self.gateways.get(routing_id)
         if gateway is None or gateway.gateway_id != message.gateway_id:
-            gateway = self.gateways[routing_id] = Gateway(routing_id, message.gateway_id, time.monotonic())
+            gateway = self.gateways[routing_id] = Gateway(routing_id, message.gateway_id, self._clock.now())
             log.info("gateway connected", gateway_id=message.gateway_id)
             self._last_status = 0.0
-        gateway.last_seen = time.monotonic()
+        gateway.last_seen = self._clock.now()
         for rid in message.aborts:
             self._abort(gateway, rid)
         for new in message.adds:
@@ -353,12 +355,20 @@ class WorkerServer:
         self.tracked.clear()
 
     def _expire_gateways(self) -> None:
-        now = time.monotonic()
+        """A gateway silent for `gateway_timeout_s` (of awake time: see AwakeClock) is presumed dead.
+        It is told its requests are gone, in case it lives after all, so no stream waits forever."""
+        now = self._clock.now()
         for routing_id, gateway in list(self.gateways.items()):
             if now - gateway.last_seen <= self.gateway_timeout_s:
                 continue
             for key in list(gateway.requests):
-                self._abort(gateway, self.tracked[key].request_id)
+                request_id = self.tracked[key].request_id
+                self._abort(gateway, request_id)
+                gateway.outputs.append(RequestOutput(
+                    request_id, [], finish="error", error="the worker presumed this gateway dead",
+                    code="UNAVAILABLE",
+                ))  # fmt: skip
+            self._send(gateway, WorkerMessage(self.worker_id, gateway.outputs, None, None))
             del self.gateways[routing_id]
             log.warning("gateway timed out; its requests were aborted", gateway_id=gateway.gateway_id)
 
