@@ -224,6 +224,8 @@ class WorkerClient:
             if output.cached_tokens >= 0:
                 prompt = len(stream.request.prompt_ids) + len(stream.tokens)
                 self.recomputed_tokens += prompt - output.cached_tokens
+                log.info("re-submitted request resumed", request_id=output.request_id, prompt_tokens=prompt,
+                         cached_tokens=output.cached_tokens)  # fmt: skip
             # The client's usage and timings describe the request as it first ran.
             output = msgspec.structs.replace(output, cached_tokens=-1, queue_seconds=-1.0)
         stream.tokens += output.token_ids

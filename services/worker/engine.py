@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,14 +163,21 @@ class Engine:
 
     # ----------------------------------------------------------------------------------------- step
 
-    def step(self) -> list[Request]:
-        """One continuous-batching step. Returns requests that got a token or finished this step."""
+    def step(self, on_committed: Callable[[], None] | None = None) -> list[Request]:
+        """One continuous-batching step. Returns requests that got a token or finished this step.
+
+        `on_committed` runs once the cache manager has taken this step's plan, which commits the KV
+        the previous step computed (its full pages enter the prefix cache). A server streams the
+        previous step's tokens from there: should this process die, whatever a client has seen is
+        cached, and a re-submission recomputes at most one partial page."""
         times = self.last_step_times = StepPhases()
         t0 = time.perf_counter()
         plan = self.scheduler.plan()
         t1 = time.perf_counter()
         grant: StepGrant = self.cache.step(plan)
         t2 = time.perf_counter()
+        if on_committed is not None:
+            on_committed()
         batch = self.scheduler.apply(grant)
         self.runner.copy_swap(batch.swap_out, batch.swap_in)
         times.schedule, times.cache = t1 - t0, t2 - t1

@@ -1,8 +1,10 @@
 """The worker process: the engine loop between gateways (ZMQ ROUTER) and the cachemgr (DEALER).
 
 Each turn: drain every gateway message (new requests, aborts, load queries, heartbeats), run one
-engine step, and send each gateway one `WorkerMessage` with all of its requests' news. Gateways are
-peers of a ROUTER socket, so several may share one worker; a gateway silent for
+engine step, and send each gateway one `WorkerMessage` with all of its requests' news. A step's
+news leaves once the cachemgr has committed that step's KV (the next step's plan does), so what
+clients have seen of a worker that dies is in the prefix cache, but for the last partial page.
+Gateways are peers of a ROUTER socket, so several may share one worker; a gateway silent for
 `gateway_timeout_s` is presumed dead and its requests are aborted (their blocks return).
 
 The KV memory belongs to the cachemgr. When it stops answering, every request fails with
@@ -227,7 +229,8 @@ class WorkerServer:
         self._drain()
         self._expire_gateways()
         self._send_status()
-        self._flush()
+        if self.engine is None or not self.engine.has_work:
+            self._flush()  # else the next step sends this news once its plan has committed the KV
 
     def _drain(self) -> None:
         while True:
@@ -302,7 +305,7 @@ class WorkerServer:
         log.info("request aborted by gateway", request_id=tracked.trace_id, internal_id=tracked.request_id)
 
     def _step(self, engine: Engine) -> None:
-        updated = engine.step()
+        updated = engine.step(on_committed=self._flush)
         t_emit = time.perf_counter()
         for req in updated:
             self._emit(req)
