@@ -1,10 +1,11 @@
-"""The native kernels (decode attention, packed linears) agree with torch's paths, and the engine is
-exact either way."""
+"""The native kernels (decode attention, packed linears, the fused layer passes) agree with torch's
+paths, and the engine is exact either way."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,11 +20,12 @@ from tests.test_engine_parity import CONFIGS, make_prompts, reference, reference
 @pytest.fixture
 def kernels_off(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setenv(kernels.SWITCH, "0")
-    kernels.paged_decode_kernel.cache_clear()
-    kernels.packed_linear_ops.cache_clear()
+    caches = (kernels.paged_decode_kernel, kernels.packed_linear_ops, kernels.fused_ops)
+    for kernel in caches:
+        kernel.cache_clear()
     yield
-    kernels.paged_decode_kernel.cache_clear()
-    kernels.packed_linear_ops.cache_clear()
+    for kernel in caches:
+        kernel.cache_clear()
 
 
 def gather_sdpa(
@@ -83,6 +85,7 @@ def test_fallback_path_is_exact(
     prompts = make_prompts(seed=9)
     with Engine.from_pretrained(model_dir, **CONFIGS[config_name]) as engine:
         assert engine.runner.builder.decode_kernel is None
+        assert engine.runner.fused is None
         assert not any(isinstance(m, PackedLinear) for m in engine.model.modules())
         assert engine.generate(prompts, 20, ignore_eos=True) == reference(
             model_dir, reference_attn(family), prompts
@@ -131,3 +134,70 @@ def test_prefill_groups_bound_padding() -> None:
         padded = len(g) * max(queries[i] for i in g) * max(keys[i] for i in g)
         assert padded <= MAX_PADDING_WASTE * sum(queries[i] * keys[i] for i in g)
     assert prefill_groups([], queries, keys) == []
+
+
+def _fused_ops() -> Any:
+    ops = kernels.fused_ops()
+    if ops is None:
+        pytest.skip("no C++ toolchain: the model runs transformers' forward (the fallback test covers it)")
+    return ops
+
+
+def test_fused_norms_match_torch() -> None:
+    ops = _fused_ops()
+    gen = torch.Generator().manual_seed(3)
+    wide = torch.randn(37, 700, generator=gen)
+    x = wide[:, 100:676]  # strided rows, as a slice of a fused projection
+    residual = torch.randn(37, 576, generator=gen)
+    weight = torch.randn(576, generator=gen)
+    eps = 1e-5
+
+    def norm(t: torch.Tensor) -> torch.Tensor:
+        return weight * (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps))
+
+    torch.testing.assert_close(ops.rms_norm(x, weight, eps), norm(x), rtol=1e-5, atol=1e-5)
+    summed = residual + x
+    torch.testing.assert_close(ops.add_rms_norm(x, residual, weight, eps), norm(summed), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(residual, summed)  # the skip connection, in place
+
+
+def test_fused_rotary_and_silu_match_transformers() -> None:
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    ops = _fused_ops()
+    gen = torch.Generator().manual_seed(4)
+    t, heads, kv_heads, d = 11, 9, 3, 64
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=gen)
+    table = torch.randn(50, d // 2, generator=gen)
+    cos, sin = torch.cat([table.cos()] * 2, -1), torch.cat([table.sin()] * 2, -1)
+    positions = torch.randint(0, 50, (t,), generator=gen)
+    q = qkv[:, : heads * d].view(t, heads, d).transpose(0, 1)
+    k = qkv[:, heads * d : (heads + kv_heads) * d].view(t, kv_heads, d).transpose(0, 1)
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos[positions], sin[positions], unsqueeze_dim=0)
+    v_before = qkv[:, (heads + kv_heads) * d :].clone()
+    ops.rotary_(qkv, heads + kv_heads, d, cos, sin, positions)
+    torch.testing.assert_close(q, want_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k, want_k, rtol=1e-5, atol=1e-5)
+    assert torch.equal(qkv[:, (heads + kv_heads) * d :], v_before)  # values are not rotated
+    with pytest.raises(RuntimeError, match="position 50 outside the rotary table of 50"):
+        ops.rotary_(qkv, heads + kv_heads, d, cos, sin, torch.full((t,), 50))
+
+    gate_up = torch.randn(t, 2 * 96, generator=gen)
+    torch.testing.assert_close(
+        ops.silu_mul(gate_up), F.silu(gate_up[:, :96]) * gate_up[:, 96:], rtol=1e-5, atol=1e-6
+    )
+
+
+FUSED_FAMILIES = [("llama", True), ("qwen2", True), ("mistral", True), ("qwen3", False), ("gemma2", False)]
+
+
+@pytest.mark.parametrize(("family", "fused"), FUSED_FAMILIES)
+def test_llama_shaped_families_run_the_fused_forward(
+    family: str, fused: bool, tiny_models: Callable[[str], Path]
+) -> None:
+    """The engine parity tests run these families; this pins which forward they exercise."""
+    _fused_ops()
+    with Engine.from_pretrained(tiny_models(family)) as engine:
+        assert (engine.runner.fused is not None) == fused
+        # Fused models keep transformers' linears (the fused forward packs its own concatenations).
+        assert any(isinstance(m, PackedLinear) for m in engine.model.modules()) != fused

@@ -74,31 +74,24 @@ def _attend(
     return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
-def paged_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
+def attend_paged(
+    batch: AttentionBatch,
+    layer: int,
+    q: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
+    scale: float,
     softcap: float | None = None,
-    cb_batch: AttentionBatch | None = None,
-    **kwargs: object,
-) -> tuple[torch.Tensor, None]:
-    if cb_batch is None:
-        raise RuntimeError(f"{ATTENTION_NAME} attention needs the step's AttentionBatch (cb_batch=)")
-    batch = cb_batch
-    layer = module.layer_idx
+) -> torch.Tensor:
+    """One layer's attention for the packed tokens: `q [T, H, D]`, `key`/`value [T, kv_heads, D]`
+    (rows may be strided) -> `[T, H, D]`. Writes the new K/V into the pool first."""
     view = batch.views_of_layer[layer]
     k_cache, v_cache = batch.kv_of_layer[layer]
-    q = query[0].transpose(0, 1)  # [T, H, D]
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = key.shape[1]
     group = num_heads // kv_heads
-    scale = scaling if scaling is not None else head_dim**-0.5
-    k_cache.index_copy_(0, batch.write_slots[view], key[0].transpose(0, 1))
-    v_cache.index_copy_(0, batch.write_slots[view], value[0].transpose(0, 1))
+    k_cache.index_copy_(0, batch.write_slots[view], key)
+    v_cache.index_copy_(0, batch.write_slots[view], value)
 
     out = q.new_zeros(q.shape)
     for rg in batch.groups[view[0]]:
@@ -129,6 +122,29 @@ def paged_attention(
             out.index_copy_(0, rg.rows, res)
         else:
             out.index_copy_(0, rg.rows[rg.valid], res[rg.valid])
+    return out
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    softcap: float | None = None,
+    cb_batch: AttentionBatch | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface: `query [1, H, T, D]` -> `[1, T, H, D]`."""
+    if cb_batch is None:
+        raise RuntimeError(f"{ATTENTION_NAME} attention needs the step's AttentionBatch (cb_batch=)")
+    q = query[0].transpose(0, 1)
+    scale = scaling if scaling is not None else q.shape[2] ** -0.5
+    out = attend_paged(
+        cb_batch, module.layer_idx, q, key[0].transpose(0, 1), value[0].transpose(0, 1), scale, softcap
+    )
     return out.unsqueeze(0), None
 
 

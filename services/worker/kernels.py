@@ -88,3 +88,10 @@ def packed_linear_ops() -> Any:
     if not torch.backends.mkl.is_available():
         return None
     return _build("packed_linear")
+
+
+@functools.cache
+def fused_ops() -> Any:
+    """`rms_norm`, `add_rms_norm`, `rotary_` and `silu_mul` (csrc/fused_ops.cpp), or None: then the
+    model runs transformers' own forward."""
+    return _build("fused_ops")

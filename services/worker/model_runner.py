@@ -11,6 +11,7 @@ from services.common.config import CBConfig
 from services.common.kv_geometry import KVGeometry
 from services.worker.attention import ATTENTION_NAME
 from services.worker.batch import BatchBuilder, BatchItem, ForwardBatch
+from services.worker.fused_llama import FusedLlama
 from services.worker.kernels import paged_decode_kernel
 from services.worker.packed_linear import pack_linears
 
@@ -36,7 +37,9 @@ class ModelRunner:
         self.swap_pool = swap_pool
         self.device = kv_pool.device
         model.set_attn_implementation(ATTENTION_NAME)
-        pack_linears(model)
+        self.fused = FusedLlama.build(model)
+        if self.fused is None:
+            pack_linears(model)
         text = getattr(model.config, "text_config", None) or model.config
         num_chunks, page = kv_pool.shape[2], geometry.page_size
         flat = (num_chunks * page, geometry.num_kv_heads, geometry.head_dim)
@@ -77,6 +80,9 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits `[R, vocab]` (float32) for the batch's sampling items, in order."""
+        if self.fused is not None:
+            ids, positions = batch.input_ids[0], batch.position_ids[0]
+            return self.fused(ids, positions, batch.logits_indices, batch.attention)
         out = self.model(
             input_ids=batch.input_ids,
             position_ids=batch.position_ids,

@@ -1,0 +1,146 @@
+"""Our own forward for Llama-shaped decoders (Llama, Mistral, Qwen2) on the CPU, float32.
+
+transformers' forward spends a third of a W1 step outside the matrix products: per layer it runs
+about forty small kernels (RMSNorm as six, rotary as sixteen, SiLU and the product, three residual
+adds), three separate projections where one would do, and module and mask bookkeeping. Here a layer
+is four packed GEMMs (q|k|v, o, gate|up, down), the paged attention, and four fused passes
+(csrc/fused_ops.cpp): norm, rotary in place on the q|k|v rows, SiLU-times-up, add-and-norm. Weights
+are the model's own, concatenated and packed once for MKL; the final norm and the LM head run only
+on the rows that sample.
+
+Results equal transformers' up to fp32 summation order; `FusedLlama.build` returns None (the model
+then runs transformers' forward) for anything else: another architecture, a rotary embedding that
+changes with the sequence length, biases on the MLP, another activation, or no native kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.worker.attention import AttentionBatch, attend_paged
+from services.worker.kernels import fused_ops, packed_linear_ops
+from services.worker.packed_linear import ROWS_HINT
+
+SUPPORTED_TYPES = frozenset({"llama", "mistral", "qwen2"})
+STATIC_ROPE = frozenset({"default", "linear", "llama3"})  # inv_freq fixed at load time
+
+
+@dataclass
+class _Linear:
+    """A packed weight (or several, concatenated along the outputs) and its bias."""
+
+    packed: torch.Tensor
+    out_features: int
+    bias: torch.Tensor | None
+
+    @classmethod
+    def of(cls, ops: Any, *linears: nn.Module) -> _Linear:
+        weight = torch.cat([lin.weight.detach() for lin in linears]).contiguous()
+        biases = [lin.bias for lin in linears]
+        bias = None if all(b is None for b in biases) else torch.cat([
+            b.detach() if b is not None else torch.zeros(lin.out_features)
+            for b, lin in zip(biases, linears, strict=True)
+        ])  # fmt: skip
+        return cls(ops.pack_weight(weight, ROWS_HINT), weight.shape[0], bias)
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: _Linear
+    o: _Linear
+    gate_up: _Linear
+    down: _Linear
+
+
+def _supported(model: nn.Module) -> bool:
+    config = model.config
+    inner = getattr(model, "model", None)
+    rotary = getattr(inner, "rotary_emb", None)
+    return (
+        config.model_type in SUPPORTED_TYPES
+        and rotary is not None
+        and getattr(rotary, "rope_type", "default") in STATIC_ROPE
+        and getattr(config, "hidden_act", "silu") == "silu"
+        and not getattr(config, "mlp_bias", False)
+        and model.lm_head.bias is None
+        and next(model.parameters()).device.type == "cpu"
+        and next(model.parameters()).dtype == torch.float32
+    )
+
+
+class FusedLlama:
+    def __init__(self, model: nn.Module, ops: Any, linear_ops: Any) -> None:
+        inner = model.model
+        config = model.config
+        self.ops, self.linear_ops = ops, linear_ops
+        self.eps = float(config.rms_norm_eps)
+        self.embed = inner.embed_tokens.weight
+        self.final_norm = inner.norm.weight
+        self.lm_head = _Linear.of(linear_ops, model.lm_head)
+        attn0 = inner.layers[0].self_attn
+        self.head_dim = int(attn0.head_dim)
+        self.num_heads = int(config.num_attention_heads)
+        self.kv_heads = int(config.num_key_value_heads)
+        self.scale = float(attn0.scaling)
+        self.layers = []
+        for layer in inner.layers[: config.num_hidden_layers]:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append(_Layer(
+                input_norm=layer.input_layernorm.weight.detach(),
+                post_norm=layer.post_attention_layernorm.weight.detach(),
+                qkv=_Linear.of(linear_ops, attn.q_proj, attn.k_proj, attn.v_proj),
+                o=_Linear.of(linear_ops, attn.o_proj),
+                gate_up=_Linear.of(linear_ops, mlp.gate_proj, mlp.up_proj),
+                down=_Linear.of(linear_ops, mlp.down_proj),
+            ))  # fmt: skip
+        # transformers' own cos/sin for every position, computed once (the same products per position).
+        positions = torch.arange(config.max_position_embeddings).unsqueeze(0)
+        with torch.no_grad():
+            cos, sin = inner.rotary_emb(self.embed[:1].unsqueeze(0), positions)
+        self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
+
+    @classmethod
+    def build(cls, model: nn.Module) -> FusedLlama | None:
+        if not _supported(model):
+            return None
+        ops, linear_ops = fused_ops(), packed_linear_ops()
+        if ops is None or linear_ops is None:
+            return None
+        return cls(model, ops, linear_ops)
+
+    def _linear(self, x: torch.Tensor, linear: _Linear) -> torch.Tensor:
+        return self.linear_ops.packed_linear(x, linear.packed, linear.out_features, linear.bias)
+
+    @torch.inference_mode()
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, batch: AttentionBatch
+    ) -> torch.Tensor:
+        """`input_ids`, `positions` `[T]` -> logits `[R, vocab]` of the packed rows `rows`."""
+        ops, eps = self.ops, self.eps
+        t, hd = input_ids.shape[0], self.head_dim
+        q_width, kv_width = self.num_heads * hd, self.kv_heads * hd
+        residual = F.embedding(input_ids, self.embed)
+        hidden = ops.rms_norm(residual, self.layers[0].input_norm, eps)
+        for i, layer in enumerate(self.layers):
+            qkv = self._linear(hidden, layer.qkv)
+            ops.rotary_(qkv, self.num_heads + self.kv_heads, hd, self.cos, self.sin, positions)
+            q = qkv[:, :q_width].view(t, self.num_heads, hd)
+            k = qkv[:, q_width : q_width + kv_width].view(t, self.kv_heads, hd)
+            v = qkv[:, q_width + kv_width :].view(t, self.kv_heads, hd)
+            attn = attend_paged(batch, i, q, k, v, self.scale)
+            out = self._linear(attn.view(t, q_width), layer.o)
+            hidden = ops.add_rms_norm(out, residual, layer.post_norm, eps)
+            mlp = self._linear(ops.silu_mul(self._linear(hidden, layer.gate_up)), layer.down)
+            if i + 1 < len(self.layers):
+                hidden = ops.add_rms_norm(mlp, residual, self.layers[i + 1].input_norm, eps)
+            else:
+                residual += mlp
+        last = ops.rms_norm(residual.index_select(0, rows), self.final_norm, eps)
+        return self._linear(last, self.lm_head)
