@@ -245,7 +245,9 @@ def test_random_workload_against_the_tiny_stack(
     metrics_url = f"http://127.0.0.1:{tiny_stack.metrics_port}/metrics"
     code, report = _bench(tiny_stack, tmp_path, "--workload", "random", "--num-requests", "12",
                           "--input-len", "16", "--output-len", "8", "--request-rate", "inf",
-                          "--concurrency", "4", "--metrics-url", metrics_url)  # fmt: skip
+                          "--concurrency", "4", "--metrics-url", metrics_url,
+                          # The run lasts about 0.1 s on the tiny model: sample the load often enough.
+                          "--load-interval", "0.005")  # fmt: skip
     assert code == 0
     [phase] = report["phases"]
     assert phase["requests"]["completed"] == 12 and phase["requests"]["failed"] == {}
