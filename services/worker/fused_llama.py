@@ -24,39 +24,20 @@ from torch import nn
 
 from services.worker.attention import AttentionBatch, attend_paged
 from services.worker.kernels import fused_ops, packed_linear_ops
-from services.worker.packed_linear import ROWS_HINT
+from services.worker.packed_linear import PackedWeight
 
 SUPPORTED_TYPES = frozenset({"llama", "mistral", "qwen2"})
 STATIC_ROPE = frozenset({"default", "linear", "llama3"})  # inv_freq fixed at load time
 
 
 @dataclass
-class _Linear:
-    """A packed weight (or several, concatenated along the outputs) and its bias."""
-
-    packed: torch.Tensor
-    out_features: int
-    bias: torch.Tensor | None
-
-    @classmethod
-    def of(cls, ops: Any, *linears: nn.Module) -> _Linear:
-        weight = torch.cat([lin.weight.detach() for lin in linears]).contiguous()
-        biases = [lin.bias for lin in linears]
-        bias = None if all(b is None for b in biases) else torch.cat([
-            b.detach() if b is not None else torch.zeros(lin.out_features)
-            for b, lin in zip(biases, linears, strict=True)
-        ])  # fmt: skip
-        return cls(ops.pack_weight(weight, ROWS_HINT), weight.shape[0], bias)
-
-
-@dataclass
 class _Layer:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: _Linear
-    o: _Linear
-    gate_up: _Linear
-    down: _Linear
+    qkv: PackedWeight
+    o: PackedWeight
+    gate_up: PackedWeight
+    down: PackedWeight
 
 
 def _supported(model: nn.Module) -> bool:
@@ -79,11 +60,11 @@ class FusedLlama:
     def __init__(self, model: nn.Module, ops: Any, linear_ops: Any) -> None:
         inner = model.model
         config = model.config
-        self.ops, self.linear_ops = ops, linear_ops
+        self.ops = ops
         self.eps = float(config.rms_norm_eps)
         self.embed = inner.embed_tokens.weight
         self.final_norm = inner.norm.weight
-        self.lm_head = _Linear.of(linear_ops, model.lm_head)
+        self.lm_head = PackedWeight.of(linear_ops, model.lm_head)
         attn0 = inner.layers[0].self_attn
         self.head_dim = int(attn0.head_dim)
         self.num_heads = int(config.num_attention_heads)
@@ -95,10 +76,10 @@ class FusedLlama:
             self.layers.append(_Layer(
                 input_norm=layer.input_layernorm.weight.detach(),
                 post_norm=layer.post_attention_layernorm.weight.detach(),
-                qkv=_Linear.of(linear_ops, attn.q_proj, attn.k_proj, attn.v_proj),
-                o=_Linear.of(linear_ops, attn.o_proj),
-                gate_up=_Linear.of(linear_ops, mlp.gate_proj, mlp.up_proj),
-                down=_Linear.of(linear_ops, mlp.down_proj),
+                qkv=PackedWeight.of(linear_ops, attn.q_proj, attn.k_proj, attn.v_proj),
+                o=PackedWeight.of(linear_ops, attn.o_proj),
+                gate_up=PackedWeight.of(linear_ops, mlp.gate_proj, mlp.up_proj),
+                down=PackedWeight.of(linear_ops, mlp.down_proj),
             ))  # fmt: skip
         # transformers' own cos/sin for every position, computed once (the same products per position).
         positions = torch.arange(config.max_position_embeddings).unsqueeze(0)
@@ -115,9 +96,6 @@ class FusedLlama:
             return None
         return cls(model, ops, linear_ops)
 
-    def _linear(self, x: torch.Tensor, linear: _Linear) -> torch.Tensor:
-        return self.linear_ops.packed_linear(x, linear.packed, linear.out_features, linear.bias)
-
     @torch.inference_mode()
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, batch: AttentionBatch
@@ -129,18 +107,18 @@ class FusedLlama:
         residual = F.embedding(input_ids, self.embed)
         hidden = ops.rms_norm(residual, self.layers[0].input_norm, eps)
         for i, layer in enumerate(self.layers):
-            qkv = self._linear(hidden, layer.qkv)
+            qkv = layer.qkv(hidden)
             ops.rotary_(qkv, self.num_heads + self.kv_heads, hd, self.cos, self.sin, positions)
             q = qkv[:, :q_width].view(t, self.num_heads, hd)
             k = qkv[:, q_width : q_width + kv_width].view(t, self.kv_heads, hd)
             v = qkv[:, q_width + kv_width :].view(t, self.kv_heads, hd)
             attn = attend_paged(batch, i, q, k, v, self.scale)
-            out = self._linear(attn.view(t, q_width), layer.o)
+            out = layer.o(attn.view(t, q_width))
             hidden = ops.add_rms_norm(out, residual, layer.post_norm, eps)
-            mlp = self._linear(ops.silu_mul(self._linear(hidden, layer.gate_up)), layer.down)
+            mlp = layer.down(ops.silu_mul(layer.gate_up(hidden)))
             if i + 1 < len(self.layers):
                 hidden = ops.add_rms_norm(mlp, residual, self.layers[i + 1].input_norm, eps)
             else:
                 residual += mlp
         last = ops.rms_norm(residual.index_select(0, rows), self.final_norm, eps)
-        return self._linear(last, self.lm_head)
+        return self.lm_head(last)

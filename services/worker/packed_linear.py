@@ -9,6 +9,7 @@ summation order, as any change of batch shape does.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,20 +21,41 @@ from services.worker.kernels import packed_linear_ops
 ROWS_HINT = 512
 
 
+@dataclass
+class PackedWeight:
+    """One or several linears' weights, concatenated along the outputs and packed once, and their bias:
+    `x [..., K] -> [..., N]`."""
+
+    ops: Any
+    packed: torch.Tensor
+    out_features: int
+    bias: torch.Tensor | None
+
+    @classmethod
+    def of(cls, ops: Any, *linears: nn.Module) -> PackedWeight:
+        with torch.no_grad():
+            weight = torch.cat([lin.weight.detach() for lin in linears]).contiguous()
+            biases = [lin.bias for lin in linears]
+            bias = None if all(b is None for b in biases) else torch.cat([
+                b.detach() if b is not None else torch.zeros(lin.out_features)
+                for b, lin in zip(biases, linears, strict=True)
+            ])  # fmt: skip
+            return cls(ops, ops.pack_weight(weight, ROWS_HINT), weight.shape[0], bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.packed_linear(x, self.packed, self.out_features, self.bias)
+
+
 class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear, ops: Any) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # the same Parameter: ties and state dicts are unchanged
         self.bias = linear.bias
-        self._ops = ops
-        with torch.no_grad():
-            self.register_buffer(
-                "packed", ops.pack_weight(linear.weight.detach().contiguous(), ROWS_HINT), persistent=False
-            )
+        self.packed = PackedWeight.of(ops, linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._ops.packed_linear(x, self.packed, self.out_features, self.bias)
+        return self.packed(x)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=True"
