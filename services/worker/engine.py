@@ -177,7 +177,8 @@ class Engine:
         grant: StepGrant = self.cache.step(plan)
         t2 = time.perf_counter()
         if on_committed is not None:
-            on_committed()
+            on_committed()  # the caller's work: no phase of this step counts it
+        t3 = time.perf_counter()
         batch = self.scheduler.apply(grant)
         self.runner.copy_swap(batch.swap_out, batch.swap_in)
         times.schedule, times.cache = t1 - t0, t2 - t1
@@ -191,7 +192,7 @@ class Engine:
             updated += self.scheduler.postprocess(batch, sampled)
             times.num_tokens = sum(s.num_tokens for s in batch.scheduled)
             times.num_requests = len(batch.scheduled)
-        times.schedule += time.perf_counter() - t2 - times.build - times.forward - times.sample
+        times.schedule += time.perf_counter() - t3 - times.build - times.forward - times.sample
         self.phase_totals.add(times)
         return updated
 
