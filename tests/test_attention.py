@@ -51,13 +51,23 @@ def gather_sdpa(
 
 
 @pytest.mark.parametrize("softcap", [0.0, 20.0])
-@pytest.mark.parametrize(("kv", "group", "d"), [(2, 2, 16), (3, 3, 64), (1, 4, 32)])
-def test_native_decode_matches_reference(kv: int, group: int, d: int, softcap: float) -> None:
+@pytest.mark.parametrize(
+    ("kv", "group", "d", "b"),
+    [
+        (2, 2, 16, 7),
+        (3, 3, 64, 7),  # SmolLM2's shape
+        (1, 4, 32, 7),
+        (1, 5, 128, 2),  # few requests: one task per head; five queries exceed one register pass
+        (2, 3, 24, 1),  # a head size off the vector path
+        (4, 1, 80, 9),
+    ],
+)
+def test_native_decode_matches_reference(kv: int, group: int, d: int, b: int, softcap: float) -> None:
     kernel = kernels.paged_decode_kernel()
     if kernel is None:
         pytest.skip("no C++ toolchain: the engine runs the fallback path (tested below)")
     gen = torch.Generator().manual_seed(0)
-    b, length, num_slots = 7, 45, 400
+    length, num_slots = 45, 400
     k_cache = torch.randn(num_slots, kv, d, generator=gen)
     v_cache = torch.randn(num_slots, kv, d, generator=gen)
     slots = torch.randint(0, num_slots, (b, length), generator=gen)

@@ -59,11 +59,13 @@ def _build(stem: str) -> Any:
         lock = build_dir / "lock"
         if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
             lock.unlink(missing_ok=True)
+        # -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers, serial without it. The
+        # extension's libgomp.so.1 resolves to the one torch already loaded, so both share one pool.
         return load(
             name=name,
             sources=[str(source)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffast-math"],
-            extra_ldflags=["-lmvec"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+            extra_ldflags=["-lmvec", "-fopenmp"],
             build_directory=str(build_dir),
             verbose=False,
         )
