@@ -19,6 +19,7 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
+#include <algorithm>
 #include <atomic>
 #include <cfloat>
 #include <cmath>
@@ -83,7 +84,7 @@ inline void weighted_sum(const Task& t, const float* w, int64_t head_off, const 
   for (int g = 0; g < GB; ++g)
     for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < t.n; ++j) {
-    if (j + kPrefetchKeys < t.n) __builtin_prefetch(t.v + t.slot[j + kPrefetchKeys] * t.stride + head_off);
+    if (j + kPrefetchKeys < t.n) prefetch_row(t.v + t.slot[j + kPrefetchKeys] * t.stride + head_off, t.D * 4);
     const float* vr = t.v + t.slot[j] * t.stride + head_off;
     __m512 v[NC];
     for (int c = 0; c < NC; ++c) v[c] = _mm512_loadu_ps(vr + 16 * c);
@@ -114,7 +115,7 @@ inline void weighted_sums(const Task& t, const float* w, int64_t head_off, const
 }
 #endif
 
-// Portable fallbacks of the two above, one key at a time.
+// Portable fallbacks of the AVX-512 pair above, one key at a time.
 inline void dots_generic(const Task& t, const float* q, int64_t head_off, int64_t j0, int64_t count, float* dst) {
   for (int64_t i = 0; i < count; ++i) {
     const float* kr = t.k + t.slot[j0 + i] * t.stride + head_off;
