@@ -305,16 +305,21 @@ class WorkerServer:
         log.info("request aborted by gateway", request_id=tracked.trace_id, internal_id=tracked.request_id)
 
     def _step(self, engine: Engine) -> None:
-        t_step = time.perf_counter()
-        updated = engine.step(on_committed=self._flush)
+        flush_s = 0.0
+
+        def flush() -> None:  # the previous step's news, sent from inside engine.step
+            nonlocal flush_s
+            t = time.perf_counter()
+            self._flush()
+            flush_s = time.perf_counter() - t
+
+        updated = engine.step(on_committed=flush)
         t_emit = time.perf_counter()
         for req in updated:
             self._emit(req)
         times = engine.last_step_times
         if times.num_requests:
-            phases = times.schedule + times.cache + times.build + times.forward + times.sample
-            # Emission: this step's news, and the flush of the previous step's inside engine.step.
-            emit = time.perf_counter() - t_emit + max(0.0, t_emit - t_step - phases)
+            emit = time.perf_counter() - t_emit + flush_s
             self._profile = StepTimes(
                 times.schedule, times.cache, times.build, times.forward, times.sample,
                 emit, times.num_tokens, times.num_requests,
