@@ -243,21 +243,24 @@ def test_random_workload_against_the_tiny_stack(
     tiny_stack: Stack, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     metrics_url = f"http://127.0.0.1:{tiny_stack.metrics_port}/metrics"
-    code, report = _bench(tiny_stack, tmp_path, "--workload", "random", "--num-requests", "12",
+    # The load is sampled, so the run must outlast many samples: 48 requests take about 0.4 s on
+    # the tiny model here, and a GetLoad 2-30 ms on two busy cores (12 requests once gave 6 samples,
+    # none of them while a request ran).
+    n = 48
+    code, report = _bench(tiny_stack, tmp_path, "--workload", "random", "--num-requests", str(n),
                           "--input-len", "16", "--output-len", "8", "--request-rate", "inf",
                           "--concurrency", "4", "--metrics-url", metrics_url,
-                          # The run lasts about 0.1 s on the tiny model: sample the load often enough.
                           "--load-interval", "0.005")  # fmt: skip
     assert code == 0
     [phase] = report["phases"]
-    assert phase["requests"]["completed"] == 12 and phase["requests"]["failed"] == {}
-    assert [r["output_tokens"] for r in phase["records"]] == [8] * 12
-    assert [r["prompt_tokens"] for r in phase["records"]] == [16] * 12
-    assert phase["tokens"] == {"prompt": 12 * 16, "output": 12 * 8}
+    assert phase["requests"]["completed"] == n and phase["requests"]["failed"] == {}
+    assert [r["output_tokens"] for r in phase["records"]] == [8] * n
+    assert [r["prompt_tokens"] for r in phase["records"]] == [16] * n
+    assert phase["tokens"] == {"prompt": n * 16, "output": n * 8}
     for name in ("ttft", "itl", "e2e"):
         stats = phase["latency_s"][name]
         assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"], (name, stats)
-    assert phase["latency_s"]["itl"]["count"] == 12 * 7
+    assert phase["latency_s"]["itl"]["count"] == n * 7
     assert phase["kv"]["peak_blocks_used"] > 0 and phase["kv"]["peak_running"] <= 4
     profile = {r["phase"]: r for r in phase["step_profile"]}
     assert set(profile) >= {"schedule", "cache", "build", "forward", "sample", "emit", "total"}
