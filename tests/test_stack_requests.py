@@ -18,6 +18,7 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -411,6 +412,14 @@ def scrape(stack: Stack) -> str:
 
 def successes(text: str) -> float:
     return sum(float(v) for v in re.findall(r"^cbserve:request_success_total\{[^}]*\} (\S+)$", text, re.M))
+
+
+def test_concurrent_load_queries_are_all_answered(tiny_stack: Stack) -> None:
+    # The worker reads several queries of one gateway in one turn and answers the newest; each
+    # earlier call used to wait out its 5 s and fail UNAVAILABLE.
+    with ThreadPoolExecutor(16) as pool:
+        loads = list(pool.map(lambda _: tiny_stack.load(), range(64)))
+    assert all(load.kv_blocks_total == 256 for load in loads)
 
 
 def test_metrics_after_requests(tiny_stack: Stack) -> None:

@@ -239,9 +239,12 @@ class WorkerClient:
         if status.facts is not None:
             self.facts = status.facts
         if status.load_query:
-            waiter = self._load_waiters.get(status.load_query)
-            if waiter is not None and not waiter.done():
-                waiter.set_result(status.load)
+            # The worker answers only the newest query it read in a turn. Queries are numbered in
+            # sending order and one socket keeps that order, so this load was taken after every
+            # earlier query had arrived: it answers them all.
+            for query, waiter in self._load_waiters.items():
+                if query <= status.load_query and not waiter.done():
+                    waiter.set_result(status.load)
         self._set_ready(status.ready and status.facts is not None)
         if self.ready:
             self._resubmit()
