@@ -1,0 +1,68 @@
+"""Settings on the command line and in CBSERVE_* variables: a bad one ends the command with exit
+status 2 and one line naming it, not a traceback, and before any process or model is started."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.cli import build_parser, main
+from services.common.cli_args import cb_config
+from services.common.config import CBConfig
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["up", "--page-size", "0"], "page_size must be a positive int, got 0"),
+        (["up", "--safety-margin", "1.5"], "safety_margin must be in [0, 1), got 1.5"),
+        (["worker", "--use-cuda-graph"], "use_cuda_graph is not implemented yet"),
+        (["bench", "offline", "--use-async-batching"], "use_async_batching is not implemented yet"),
+    ],
+)
+def test_a_bad_setting_is_a_usage_error(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"cbserve: error: {message}") and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("CBSERVE_PAGE_SIZE", "abc", "CBSERVE_PAGE_SIZE='abc': invalid literal for int()"),
+        (
+            "CBSERVE_ALLOW_BLOCK_SHARING",
+            "maybe",
+            "CBSERVE_ALLOW_BLOCK_SHARING='maybe': not a boolean: 'maybe'",
+        ),
+    ],
+)
+def test_a_bad_variable_is_a_usage_error(
+    name: str, value: str, message: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser()
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.startswith(f"cbserve: error: {message}")
+
+
+def test_variables_set_defaults_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CBSERVE_PAGE_SIZE", "16")
+    monkeypatch.setenv("CBSERVE_ALLOW_BLOCK_SHARING", "off")
+    config = cb_config(build_parser().parse_args(["worker", "--max-batch-tokens", "64"]))
+    assert (config.page_size, config.allow_block_sharing, config.max_batch_tokens) == (16, False, 64)
+    assert cb_config(build_parser().parse_args(["worker", "--page-size", "8"])).page_size == 8
+
+
+def test_the_unbuilt_switches_may_be_named_off() -> None:
+    # Configurations that spell out the defaults stay valid; only asking for the feature is refused.
+    config = cb_config(
+        build_parser().parse_args(["worker", "--no-use-cuda-graph", "--no-use-async-batching"])
+    )
+    assert config.use_cuda_graph is False and config.use_async_batching is False
+    with pytest.raises(ValueError, match="use_async_batching is not implemented yet"):
+        CBConfig(use_async_batching=True)
