@@ -38,7 +38,7 @@ import torch
 
 from services.bench.arguments import SYSTEMS
 from services.bench.workload import Workload, reference_workload
-from services.common.cli_args import cb_settings
+from services.common.cli_args import cb_config, cb_settings
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -84,10 +84,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--check needs hf-generate among --systems (it is the reference)")
     engine_settings = cb_settings(args)
     if "engine" in systems:
-        # Validate before minutes of model loading and baseline runs, not after.
-        from services.common.config import CBConfig
-
-        CBConfig.from_kwargs(**engine_settings)
+        cb_config(args)  # validate before minutes of model loading and baseline runs, not after
 
     threads = args.threads or _usable_cores()
     torch.set_num_threads(threads)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -28,8 +29,8 @@ CB_SETTINGS: tuple[tuple[str, Any, str], ...] = (
     ("cpu_offload_space", float, "GiB of CPU swap pool (0: offloading falls back to soft reset)"),
     ("q_padding_interval_size", int, "query length padding (CUDA graphs)"),
     ("kv_padding_interval_size", int, "KV length padding (CUDA graphs)"),
-    ("use_cuda_graph", bool, "CUDA graph capture (default: automatic)"),
-    ("use_async_batching", bool, "overlap batch preparation with the forward (needs CUDA graphs)"),
+    ("use_cuda_graph", bool, "CUDA graph capture: not implemented yet, --use-cuda-graph is refused"),
+    ("use_async_batching", bool, "async batching: not implemented yet, --use-async-batching is refused"),
 )
 CB_SETTING_NAMES = tuple(name for name, _, _ in CB_SETTINGS)
 
@@ -62,12 +63,13 @@ def add_env_argument(
     env = os.environ.get(env_name(dest))
     if type is bool:
         kwargs["action"] = argparse.BooleanOptionalAction
-        if env is not None:
-            default = parse_bool(env)
     else:
         kwargs["type"] = type
-        if env is not None:
-            default = type(env)
+    if env is not None:
+        try:
+            default = parse_bool(env) if type is bool else type(env)
+        except ValueError as exc:
+            raise usage_error(f"{env_name(dest)}={env!r}: {exc}") from None
     parser.add_argument(flag, default=default, help=f"{help} [{env_name(dest)}]", **kwargs)
 
 
@@ -88,5 +90,14 @@ def settings_env(settings: dict[str, Any]) -> dict[str, str]:
     return {env_name(k): str(v).lower() if isinstance(v, bool) else str(v) for k, v in settings.items()}
 
 
+def usage_error(message: str) -> SystemExit:
+    """What a command raises for a bad flag or variable: argparse's form and exit status, no traceback."""
+    print(f"cbserve: error: {message}", file=sys.stderr)
+    return SystemExit(2)
+
+
 def cb_config(args: argparse.Namespace) -> CBConfig:
-    return CBConfig.from_kwargs(**cb_settings(args))
+    try:
+        return CBConfig.from_kwargs(**cb_settings(args))
+    except (TypeError, ValueError) as exc:
+        raise usage_error(str(exc)) from None

@@ -21,8 +21,8 @@ DEFAULT_SAFETY_MARGIN: dict[str, float] = {"fifo": 0.15, "prefill_first": 0.0}
 class CBConfig:
     """Continuous-batching configuration.
 
-    Invariants checked in `__post_init__`: positive sizes, a known scheduler type, and a margin in
-    [0, 1). `safety_margin=None` means the policy's default.
+    Invariants checked in `__post_init__`: positive sizes, a known scheduler type, a margin in
+    [0, 1), and neither unbuilt switch on. `safety_margin=None` means the policy's default.
     """
 
     page_size: int = 32
@@ -39,7 +39,10 @@ class CBConfig:
     cpu_offload_space: float = 0.0  # GiB of swap pool; 0 means offloading falls back to soft reset
     q_padding_interval_size: int = 0  # 0: no padding of the packed query length
     kv_padding_interval_size: int = 0  # 0: no padding of per-request KV lengths
-    use_cuda_graph: bool | None = None  # None: automatic (on where supported)
+    # DESIGN.md's CUDA graph replay and async batching are not built yet: the forward runs eagerly.
+    # The settings exist so that configurations naming them stay valid; asking for either is refused
+    # rather than silently ignored.
+    use_cuda_graph: bool | None = None  # None: automatic, i.e. off until graph capture exists
     use_async_batching: bool = False
 
     def __post_init__(self) -> None:
@@ -63,6 +66,9 @@ class CBConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        for name in ("use_cuda_graph", "use_async_batching"):
+            if getattr(self, name):
+                raise ValueError(f"{name} is not implemented yet (the forward runs eagerly), got True")
 
     @property
     def effective_safety_margin(self) -> float:
