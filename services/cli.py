@@ -162,35 +162,47 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_worker_arguments(parser: argparse.ArgumentParser) -> None:
-    from services.common.cli_args import add_env_argument
+    from services.common.cli_args import add_env_argument, bounded
 
-    add_env_argument(parser, "--threads", type=int, help="worker torch threads (default: usable cores)")
-    add_env_argument(parser, "--cachemgr-timeout", type=float, default=10.0,
+    add_env_argument(
+        parser, "--threads", type=bounded(int, 1), help="worker torch threads (default: usable cores)"
+    )
+    add_env_argument(parser, "--cachemgr-timeout", type=bounded(float, 0, strict=True), default=10.0,
                      help="seconds to wait for the cachemgr's answer before failing requests")  # fmt: skip
-    add_env_argument(parser, "--gateway-timeout", type=float, default=15.0,
+    add_env_argument(parser, "--gateway-timeout", type=bounded(float, 0, strict=True), default=15.0,
                      help="seconds of gateway silence before its requests are aborted")  # fmt: skip
 
 
 def _add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
-    from services.common.cli_args import add_env_argument
+    from services.common.cli_args import PORT, add_env_argument, bounded
 
     add_env_argument(parser, "--host", default="127.0.0.1", help="gRPC and metrics listen address")
-    add_env_argument(parser, "--port", type=int, default=50051, help="gRPC port")
-    add_env_argument(parser, "--metrics-port", type=int, default=9090, help="Prometheus port (0: off)")
-    add_env_argument(parser, "--max-queue-size", type=int, default=1024,
+    add_env_argument(parser, "--port", type=PORT, default=50051, help="gRPC port")
+    add_env_argument(parser, "--metrics-port", type=PORT, default=9090, help="Prometheus port (0: off)")
+    add_env_argument(parser, "--max-queue-size", type=bounded(int, 1), default=1024,
                      help="streams waiting for their first token before RESOURCE_EXHAUSTED")  # fmt: skip
-    add_env_argument(parser, "--drain-grace", type=float, default=30.0,
+    add_env_argument(parser, "--drain-grace", type=bounded(float, 0), default=30.0,
                      help="seconds in-flight streams may take to finish after SIGTERM")  # fmt: skip
-    add_env_argument(parser, "--default-max-tokens", type=int, default=256,
+    add_env_argument(parser, "--default-max-tokens", type=bounded(int, 1), default=256,
                      help="max_tokens of requests that set none")  # fmt: skip
-    add_env_argument(parser, "--max-stop-strings", type=int, default=16, help="stop strings per request")
-    add_env_argument(parser, "--max-message-bytes", type=int, default=16 << 20, help="gRPC message limit")
-    add_env_argument(parser, "--max-concurrent-streams", type=int, default=1024,
+    add_env_argument(
+        parser, "--max-stop-strings", type=bounded(int, 0), default=16, help="stop strings per request"
+    )
+    add_env_argument(
+        parser, "--max-message-bytes", type=bounded(int, 1), default=16 << 20, help="gRPC message limit"
+    )
+    add_env_argument(parser, "--max-concurrent-streams", type=bounded(int, 1), default=1024,
                      help="concurrent streams per HTTP/2 connection")  # fmt: skip
-    add_env_argument(parser, "--keepalive-time", type=float, default=30.0, help="seconds between pings")
-    add_env_argument(parser, "--worker-timeout", type=float, default=10.0,
+    add_env_argument(
+        parser,
+        "--keepalive-time",
+        type=bounded(float, 0, strict=True),
+        default=30.0,
+        help="seconds between pings",
+    )
+    add_env_argument(parser, "--worker-timeout", type=bounded(float, 0, strict=True), default=10.0,
                      help="seconds without a worker status before it is presumed dead")  # fmt: skip
-    add_env_argument(parser, "--resubmit-timeout", type=float, default=60.0,
+    add_env_argument(parser, "--resubmit-timeout", type=bounded(float, 0), default=60.0,
                      help="seconds streams of a lost worker wait for a new one")  # fmt: skip
 
 

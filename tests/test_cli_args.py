@@ -30,6 +30,25 @@ def test_a_bad_setting_is_a_usage_error(
 
 
 @pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["up", "--port", "99999"], "argument --port: must be in [0, 65535], got '99999'"),
+        (["gateway", "--max-queue-size", "-5"], "argument --max-queue-size: must be >= 1, got '-5'"),
+        (["worker", "--gateway-timeout", "0"], "argument --gateway-timeout: must be > 0, got '0'"),
+        (["up", "--drain-grace", "nan"], "argument --drain-grace: must be >= 0, got 'nan'"),
+        (["up", "--threads", "two"], "argument --threads: not an int: 'two'"),
+    ],
+)
+def test_a_flag_out_of_range_is_a_usage_error(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"cbserve {argv[0]}: error: {message}"
+
+
+@pytest.mark.parametrize(
     ("name", "value", "message"),
     [
         ("CBSERVE_PAGE_SIZE", "abc", "CBSERVE_PAGE_SIZE='abc': invalid literal for int()"),
@@ -38,6 +57,7 @@ def test_a_bad_setting_is_a_usage_error(
             "maybe",
             "CBSERVE_ALLOW_BLOCK_SHARING='maybe': not a boolean: 'maybe'",
         ),
+        ("CBSERVE_METRICS_PORT", "70000", "CBSERVE_METRICS_PORT='70000': must be in [0, 65535], got '70000'"),
     ],
 )
 def test_a_bad_variable_is_a_usage_error(

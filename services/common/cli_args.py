@@ -49,6 +49,31 @@ def parse_bool(text: str) -> bool:
     raise ValueError(f"not a boolean: {text!r}")
 
 
+def bounded(
+    kind: Callable[[str], Any], low: float, high: float | None = None, *, strict: bool = False
+) -> Callable[[str], Any]:
+    """An argparse type: `kind(text)` that is at least `low` (above it when `strict`) and at most
+    `high`; otherwise a usage error that names the bound and the value (a port of 99999 used to
+    wrap around to 34463, a negative queue size to refuse every request)."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            what = "an int" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+        too_low = value <= low if strict else value < low
+        if too_low or (high is not None and value > high) or value != value:  # NaN equals nothing
+            bound = f"> {low}" if strict else f"in [{low}, {high}]" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text!r}")
+        return value
+
+    return parse
+
+
+PORT = bounded(int, 0, 65535)
+
+
 def add_env_argument(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup,
     flag: str,
@@ -68,7 +93,7 @@ def add_env_argument(
     if env is not None:
         try:
             default = parse_bool(env) if type is bool else type(env)
-        except ValueError as exc:
+        except (ValueError, argparse.ArgumentTypeError) as exc:
             raise usage_error(f"{env_name(dest)}={env!r}: {exc}") from None
     parser.add_argument(flag, default=default, help=f"{help} [{env_name(dest)}]", **kwargs)
 
