@@ -55,20 +55,22 @@ def _dtype(name: str) -> torch.dtype:
 
 def _cachemgr(args: argparse.Namespace) -> int:
     from services.cachemgr.server import run_cachemgr
-    from services.common.cli_args import cb_config
+    from services.common.cli_args import cb_config, model_dir
 
-    return run_cachemgr(args.model, args.cachemgr_address, cb_config(args), args.device, _dtype(args.dtype))
+    config = cb_config(args)
+    return run_cachemgr(model_dir(args.model), args.cachemgr_address, config, args.device, _dtype(args.dtype))
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from services.common.cli_args import cb_config
+    from services.common.cli_args import cb_config, model_dir
     from services.worker.server import run_worker
 
+    config = cb_config(args)
     return run_worker(
-        args.model,
+        model_dir(args.model),
         args.worker_address,
         args.cachemgr_address,
-        cb_config(args),
+        config,
         args.device,
         _dtype(args.dtype),
         threads=args.threads,
@@ -96,19 +98,22 @@ def _gateway_settings(args: argparse.Namespace) -> GatewaySettings:
 def _gateway(args: argparse.Namespace) -> int:
     import asyncio
 
+    from services.common.cli_args import model_dir
     from services.gateway.server import serve
 
     settings = _gateway_settings(args)
     metrics_port = args.metrics_port or None
+    model_dir(args.model)  # refused here if bad; the name itself is what GetModelInfo reports
     asyncio.run(serve(args.model, args.worker_address, args.host, args.port, metrics_port, settings))
     return 0
 
 
 def _up(args: argparse.Namespace) -> int:
-    from services.common.cli_args import cb_config, cb_settings, settings_env
+    from services.common.cli_args import cb_config, cb_settings, model_dir, settings_env
     from services.supervisor import run_up
 
     cb_config(args)  # refuse bad settings here, not in three children
+    model_dir(args.model)  # refused (or the default prepared) once here, not in three children
     settings = cb_settings(args)
     for name in SERVICE_SETTINGS:
         if getattr(args, name, None) is not None:

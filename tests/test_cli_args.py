@@ -3,6 +3,8 @@ status 2 and one line naming it, not a traceback, and before any process or mode
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from services.cli import build_parser, main
@@ -86,3 +88,18 @@ def test_the_unbuilt_switches_may_be_named_off() -> None:
     assert config.use_cuda_graph is False and config.use_async_batching is False
     with pytest.raises(ValueError, match="use_async_batching is not implemented yet"):
         CBConfig(use_async_batching=True)
+
+
+@pytest.mark.parametrize("command", [["up"], ["cachemgr"], ["worker"], ["gateway"], ["bench", "offline"]])
+def test_a_bad_model_is_a_usage_error_before_anything_starts(
+    command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `up` used to start its three children on it, and restart each as it died, for ever.
+    for model, message in [
+        ("/nonexistent", "unknown model '/nonexistent': expected 'smollm2' or an existing local model"),
+        (str(tmp_path), f"model directory {str(tmp_path)!r} has no config.json"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main([*command, "--model", model])
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err.startswith(f"cbserve: error: {message}")

@@ -38,7 +38,7 @@ import torch
 
 from services.bench.arguments import SYSTEMS
 from services.bench.workload import Workload, reference_workload
-from services.common.cli_args import cb_config, cb_settings
+from services.common.cli_args import cb_config, cb_settings, model_dir
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -89,9 +89,9 @@ def run(args: argparse.Namespace) -> int:
     threads = args.threads or _usable_cores()
     torch.set_num_threads(threads)
 
-    from services.common.model_source import load_model, resolve_model
+    from services.common.model_source import load_model
 
-    model_path = resolve_model(args.model)
+    model_path = Path(model_dir(args.model))
     workload = reference_workload(num_requests=args.num_requests, seed=args.seed)
     print(
         f"workload: {workload.num_requests} requests, {workload.total_prompt_tokens} prompt tokens, "

@@ -121,6 +121,17 @@ def usage_error(message: str) -> SystemExit:
     return SystemExit(2)
 
 
+def model_dir(model: str | None) -> str:
+    """`--model` resolved to a local directory before anything starts (the default is prepared
+    here), so that a bad one is a usage error, not a traceback or children crash-looping on it."""
+    from services.common.model_source import resolve_model
+
+    try:
+        return str(resolve_model(model))
+    except ValueError as exc:
+        raise usage_error(str(exc)) from None
+
+
 def cb_config(args: argparse.Namespace) -> CBConfig:
     try:
         return CBConfig.from_kwargs(**cb_settings(args))
