@@ -32,9 +32,10 @@ def _bench_offline(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace) -> int:
+    from services.common.cli_args import model_dir
     from services.worker.chat import chat_loop
 
-    return chat_loop(args.model, args.max_new_tokens, args.temperature)
+    return chat_loop(model_dir(args.model), args.max_new_tokens, args.temperature)
 
 
 DEFAULT_CACHEMGR_ADDRESS = "tcp://127.0.0.1:5557"

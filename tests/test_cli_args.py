@@ -90,7 +90,9 @@ def test_the_unbuilt_switches_may_be_named_off() -> None:
         CBConfig(use_async_batching=True)
 
 
-@pytest.mark.parametrize("command", [["up"], ["cachemgr"], ["worker"], ["gateway"], ["bench", "offline"]])
+@pytest.mark.parametrize(
+    "command", [["up"], ["cachemgr"], ["worker"], ["gateway"], ["bench", "offline"], ["chat"]]
+)
 def test_a_bad_model_is_a_usage_error_before_anything_starts(
     command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
