@@ -39,6 +39,8 @@ def test_a_bad_setting_is_a_usage_error(
         (["worker", "--gateway-timeout", "0"], "argument --gateway-timeout: must be > 0, got '0'"),
         (["up", "--drain-grace", "nan"], "argument --drain-grace: must be >= 0, got 'nan'"),
         (["up", "--threads", "two"], "argument --threads: not an int: 'two'"),
+        (["bench", "offline", "--num-requests", "0"], "argument --num-requests: must be >= 1, got '0'"),
+        (["bench", "offline", "--repeat", "0"], "argument --repeat: must be >= 1, got '0'"),
     ],
 )
 def test_a_flag_out_of_range_is_a_usage_error(
@@ -47,7 +49,8 @@ def test_a_flag_out_of_range_is_a_usage_error(
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err.splitlines()[-1] == f"cbserve {argv[0]}: error: {message}"
+    prog = " ".join(["cbserve", *argv[: 2 if argv[0] == "bench" else 1]])
+    assert capsys.readouterr().err.splitlines()[-1] == f"{prog}: error: {message}"
 
 
 @pytest.mark.parametrize(

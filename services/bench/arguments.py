@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from services.common.cli_args import add_cb_arguments
+from services.common.cli_args import add_cb_arguments, bounded
 
 SYSTEMS = ("engine", "stack", "hf-cb", "hf-generate", "hf-static")
 DEFAULT_SYSTEMS = "engine,hf-cb,hf-generate"
@@ -13,7 +13,9 @@ DEFAULT_SYSTEMS = "engine,hf-cb,hf-generate"
 
 def add_offline_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2-135M)")
-    parser.add_argument("--num-requests", type=int, default=48, help="requests in the W1 workload")
+    parser.add_argument(
+        "--num-requests", type=bounded(int, 1), default=48, help="requests in the W1 workload"
+    )
     parser.add_argument("--seed", type=int, default=0, help="W1 seed")
     parser.add_argument(
         "--systems",
@@ -21,7 +23,11 @@ def add_offline_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated, run in this order; from {','.join(SYSTEMS)} (default {DEFAULT_SYSTEMS})",
     )
     parser.add_argument(
-        "--static-batch", type=int, default=None, metavar="N", help="add hf-static with batches of N"
+        "--static-batch",
+        type=bounded(int, 1),
+        default=None,
+        metavar="N",
+        help="add hf-static with batches of N",
     )
     parser.add_argument(
         "--stack",
@@ -29,9 +35,15 @@ def add_offline_arguments(parser: argparse.ArgumentParser) -> None:
         help="add the `stack` system: the whole gRPC service (cbserve up) with the same engine settings",
     )
     parser.add_argument(
-        "--repeat", type=int, default=1, metavar="N", help="rounds of all systems in turn; medians reported"
+        "--repeat",
+        type=bounded(int, 1),
+        default=1,
+        metavar="N",
+        help="rounds of all systems in turn; medians reported",
     )
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: usable cores)")
+    parser.add_argument(
+        "--threads", type=bounded(int, 1), default=None, help="torch threads (default: usable cores)"
+    )
     parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the results here")
     parser.add_argument(
         "--check",

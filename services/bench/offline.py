@@ -522,11 +522,8 @@ def _parse_systems(value: str, static_batch: int | None, stack: bool = False) ->
     unknown = sorted(set(systems) - set(SYSTEMS))
     if unknown:
         raise SystemExit(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
-    if static_batch is not None:
-        if static_batch <= 0:
-            raise SystemExit("--static-batch must be positive")
-        if "hf-static" not in systems:
-            systems.append("hf-static")
+    if static_batch is not None and "hf-static" not in systems:
+        systems.append("hf-static")
     return list(dict.fromkeys(systems))  # drop repeats, keep order
 
 
