@@ -3,6 +3,8 @@ paths, and the engine is exact either way."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -11,9 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from services.common.model_source import cbserve_home
 from services.worker import kernels
 from services.worker.engine import Engine
 from services.worker.packed_linear import PackedLinear, pack_linears
+from tests.stack import REPO
 from tests.test_engine_parity import CONFIGS, make_prompts, reference, reference_attn
 
 
@@ -211,3 +215,20 @@ def test_llama_shaped_families_run_the_fused_forward(
         assert (engine.runner.fused is not None) == fused
         # Fused models keep transformers' linears (the fused forward packs its own concatenations).
         assert any(isinstance(m, PackedLinear) for m in engine.model.modules()) != fused
+
+
+def test_a_lock_left_by_a_killed_load_does_not_hold_up_the_next() -> None:
+    """torch leaves its lock file behind when a process dies inside `load()` (a worker stopped while
+    it starts); the next worker waited on it for ever and never became ready."""
+    if kernels.fused_ops() is None:
+        pytest.skip("no native kernels here")
+    lock = cbserve_home() / "kernels" / f"cbserve_fused_ops_{kernels._cpu_tag()}" / "lock"
+    lock.touch()  # as the killed process left it
+    load = "from services.worker.kernels import fused_ops; print(fused_ops() is not None)"
+    try:
+        loaded = subprocess.run(
+            [sys.executable, "-c", load], capture_output=True, text=True, timeout=120, cwd=REPO
+        )
+    finally:
+        lock.unlink(missing_ok=True)
+    assert loaded.stdout.strip() == "True", loaded.stderr[-2000:]

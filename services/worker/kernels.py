@@ -8,10 +8,10 @@ the same results up to fp32 rounding; the tests run both.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,6 @@ log = structlog.get_logger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 SWITCH = "CBSERVE_NATIVE_KERNELS"
-STALE_LOCK_S = 600
 
 PagedDecode = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float], torch.Tensor
@@ -54,21 +53,23 @@ def _build(stem: str) -> Any:
         name = f"cbserve_{stem}_{_cpu_tag()}"
         build_dir = cbserve_home() / "kernels" / name
         build_dir.mkdir(parents=True, exist_ok=True)
-        # torch serialises builds with a lock file; one left by a build that was killed would make
-        # every later start wait forever. A real build takes well under STALE_LOCK_S.
-        lock = build_dir / "lock"
-        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-            lock.unlink(missing_ok=True)
-        # -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers, serial without it. The
-        # extension's libgomp.so.1 resolves to the one torch already loaded, so both share one pool.
-        return load(
-            name=name,
-            sources=[str(source)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
-            extra_ldflags=["-lmvec", "-fopenmp"],
-            build_directory=str(build_dir),
-            verbose=False,
-        )
+        # torch takes a lock file on every load, even with nothing to build, and a process killed
+        # meanwhile (a worker stopped while it starts) leaves it behind: every later load then
+        # waits on it for ever. Our loads hold an flock instead, which dies with its holder, so
+        # under it a torch lock file can only be such a leftover.
+        with open(build_dir / "load.flock", "w") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            (build_dir / "lock").unlink(missing_ok=True)
+            # -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers, serial without it.
+            # The extension's libgomp.so.1 resolves to the one torch already loaded: one pool.
+            return load(
+                name=name,
+                sources=[str(source)],
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+                extra_ldflags=["-lmvec", "-fopenmp"],
+                build_directory=str(build_dir),
+                verbose=False,
+            )
     except Exception as exc:  # no compiler, no ninja, odd platform: the fallbacks are exact too
         log.warning("native kernel unavailable, using torch's", kernel=stem, error=str(exc))
         return None
