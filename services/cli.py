@@ -120,7 +120,7 @@ def _up(args: argparse.Namespace) -> int:
         if getattr(args, name, None) is not None:
             settings[name] = getattr(args, name)
     return run_up(
-        args.model, args.device, args.dtype, args.port, args.metrics_port or None, args.host,
+        args.model, args.device, args.dtype, args.port, args.metrics_port, args.host,
         settings_env(settings), drain_grace_s=args.drain_grace,
     )  # fmt: skip
 

@@ -3,8 +3,9 @@
 The cachemgr, worker and gateway run as child processes (`cbserve cachemgr|worker|gateway`) on
 `ipc://` sockets in a private runtime folder. Their JSON logs go straight to this terminal (they
 inherit stderr). A child that dies is started again (the worker re-attaches to the cachemgr, whose
-KV pool outlived it). SIGTERM or Ctrl-C stops the gateway first, so that it drains its streams, then
-the worker, then the cachemgr.
+KV pool outlived it), unless it exited with the configuration-error status (a port in use, a bad
+setting): then it would fail again, and the whole stack stops with that status. SIGTERM or Ctrl-C
+stops the gateway first, so that it drains its streams, then the worker, then the cachemgr.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from types import FrameType
 
 import structlog
 
+from services.common.cli_args import CONFIG_ERROR_EXIT
 from services.common.wire import INTERNAL_KEY_ENV
 
 log = structlog.get_logger(__name__)
@@ -85,6 +87,7 @@ class Supervisor:
         self.env = env
         self.stop_timeout_s = stop_timeout_s
         self.stopping = False
+        self.exit_code = 0
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._stop)
@@ -97,7 +100,7 @@ class Supervisor:
                 self._watch()
         finally:
             self._shutdown()
-        return 0
+        return self.exit_code
 
     def _stop(self, signum: int, frame: FrameType | None) -> None:
         self.stopping = True
@@ -107,6 +110,10 @@ class Supervisor:
         for child in self.children:
             proc = child.process
             if proc is not None and proc.poll() is not None:
+                if proc.returncode == CONFIG_ERROR_EXIT:  # it would fail the same way again
+                    log.error("child failed on its configuration; stopping the stack", child=child.name)
+                    self.stopping, self.exit_code = True, CONFIG_ERROR_EXIT
+                    return
                 # Back off when a child keeps dying young; a long healthy run resets the count.
                 if now - child.started_at > 60:
                     child.restarts = 0
@@ -132,7 +139,7 @@ def run_up(
     device: str,
     dtype: str,
     port: int,
-    metrics_port: int | None,
+    metrics_port: int,  # 0: off
     host: str,
     settings_env: dict[str, str],
     drain_grace_s: float,
@@ -147,9 +154,8 @@ def run_up(
     env["CBSERVE_DEVICE"], env["CBSERVE_DTYPE"] = device, dtype
     if model is not None:
         env["CBSERVE_MODEL"] = model
-    gateway = ["gateway", "--worker-address", worker_address, "--host", host, "--port", str(port)]
-    if metrics_port is not None:
-        gateway += ["--metrics-port", str(metrics_port)]
+    gateway = ["gateway", "--worker-address", worker_address, "--host", host, "--port", str(port),
+               "--metrics-port", str(metrics_port)]  # fmt: skip
     children = [
         Child("cachemgr", cbserve_argv("cachemgr", "--cachemgr-address", cachemgr_address)),
         Child("worker", cbserve_argv("worker", "--worker-address", worker_address,

@@ -4,9 +4,11 @@ started by hand with tcp:// addresses, as containers run them."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -163,6 +165,25 @@ def test_streams_survive_a_killed_worker(tiny_models: Callable[[str], Path], tmp
         stack.assert_idle()
     finally:
         stack.stop()
+
+
+def test_a_port_in_use_stops_the_stack_with_the_configuration_status(
+    tiny_models: Callable[[str], Path],
+) -> None:
+    """A gateway that cannot listen exits 2; `cbserve up` stops the stack with it instead of
+    restarting the gateway for ever. `--metrics-port 0` reaches the gateway as off."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = cbserve_argv("up", "--model", str(tiny_models("llama")), "--port", str(port),
+                            "--metrics-port", "0", "--num-blocks", "64")  # fmt: skip
+        done = subprocess.run(argv, capture_output=True, timeout=START_TIMEOUT_S, preexec_fn=die_with_parent)
+    log = done.stderr.decode(errors="replace")
+    assert done.returncode == 2, log[-3000:]
+    [cannot] = [json.loads(line) for line in log.splitlines() if '"cannot listen"' in line]
+    assert cannot["port"] == port and cannot["metrics_port"] is None
+    assert "stopping the stack" in log and "child died; restarting" not in log
 
 
 def scrape_metrics(stack: Stack) -> dict[str, float]:

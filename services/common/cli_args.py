@@ -115,10 +115,15 @@ def settings_env(settings: dict[str, Any]) -> dict[str, str]:
     return {env_name(k): str(v).lower() if isinstance(v, bool) else str(v) for k, v in settings.items()}
 
 
+# argparse's exit status for a bad command line, used for every configuration error: a process
+# that exits with it will fail the same way when started again (`cbserve up` does not restart it).
+CONFIG_ERROR_EXIT = 2
+
+
 def usage_error(message: str) -> SystemExit:
     """What a command raises for a bad flag or variable: argparse's form and exit status, no traceback."""
     print(f"cbserve: error: {message}", file=sys.stderr)
-    return SystemExit(2)
+    return SystemExit(CONFIG_ERROR_EXIT)
 
 
 def model_dir(model: str | None) -> str:

@@ -24,6 +24,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.cli_args import CONFIG_ERROR_EXIT
 from services.common.gateway_messages import NewRequest, RequestOutput
 from services.common.wire import internal_key
 from services.gateway.api import SERVICE_NAME, pb, pb_grpc
@@ -404,13 +405,19 @@ async def serve(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise OSError(f"cannot listen on {host}:{port}")
+        if metrics_port is not None:
+            metrics.serve(metrics_port, host)
+    except (RuntimeError, OSError) as exc:
+        # A port in use (or not ours to bind) stays so: exit as a configuration error, which a
+        # supervisor does not answer with a restart.
+        log.error("cannot listen", host=host, port=port, metrics_port=metrics_port, error=str(exc))
+        raise SystemExit(CONFIG_ERROR_EXIT) from None
     await server.start()
     await client.start()
-    if metrics_port is not None:
-        metrics.serve(metrics_port, host)
     log.info("gateway serving", host=host, port=bound, metrics_port=metrics_port, worker=worker_address)
 
     stop = asyncio.Event()
