@@ -12,6 +12,14 @@ from services.common.cli_args import cb_config
 from services.common.config import CBConfig
 
 
+def usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """Run `cbserve argv`, which must end with exit status 2; returns what it wrote on stderr."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -24,10 +32,7 @@ from services.common.config import CBConfig
 def test_a_bad_setting_is_a_usage_error(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
+    err = usage_error(argv, capsys)
     assert err.startswith(f"cbserve: error: {message}") and "Traceback" not in err
 
 
@@ -46,11 +51,8 @@ def test_a_bad_setting_is_a_usage_error(
 def test_a_flag_out_of_range_is_a_usage_error(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    assert exit_info.value.code == 2
     prog = " ".join(["cbserve", *argv[: 2 if argv[0] == "bench" else 1]])
-    assert capsys.readouterr().err.splitlines()[-1] == f"{prog}: error: {message}"
+    assert usage_error(argv, capsys).splitlines()[-1] == f"{prog}: error: {message}"
 
 
 @pytest.mark.parametrize(
@@ -69,10 +71,7 @@ def test_a_bad_variable_is_a_usage_error(
     name: str, value: str, message: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv(name, value)
-    with pytest.raises(SystemExit) as exit_info:
-        build_parser()
-    assert exit_info.value.code == 2
-    assert capsys.readouterr().err.startswith(f"cbserve: error: {message}")
+    assert usage_error(["up"], capsys).startswith(f"cbserve: error: {message}")
 
 
 def test_variables_set_defaults_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -104,7 +103,4 @@ def test_a_bad_model_is_a_usage_error_before_anything_starts(
         ("/nonexistent", "unknown model '/nonexistent': expected 'smollm2' or an existing local model"),
         (str(tmp_path), f"model directory {str(tmp_path)!r} has no config.json"),
     ]:
-        with pytest.raises(SystemExit) as exit_info:
-            main([*command, "--model", model])
-        assert exit_info.value.code == 2
-        assert capsys.readouterr().err.startswith(f"cbserve: error: {message}")
+        assert usage_error([*command, "--model", model], capsys).startswith(f"cbserve: error: {message}")
