@@ -84,13 +84,31 @@ def paged_decode_kernel() -> PagedDecode | None:
     return None if module is None else module.paged_decode
 
 
+class OneDnnLinear:
+    """Linears through oneDNN with weights reordered once into its blocked layout (what OpenVINO and
+    vLLM-CPU run). Measured on SmolLM2's shapes against MKL's packed GEMM on this AMD CPU, where MKL
+    does not take its AVX-512 paths: 1.7x on gate|up and 2.3x on the LM head at 48 rows, equal or
+    better at every row count from 1 to 512."""
+
+    # oneDNN picks the blocked layout for this row count; measured: any count runs well on it.
+    ROWS_HINT = 512
+
+    @staticmethod
+    def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, OneDnnLinear.ROWS_HINT)
+
+    @staticmethod
+    def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 @functools.cache
-def packed_linear_ops() -> Any:
-    """`pack_weight(w [N, K], rows_hint)` and `packed_linear(x, packed, N, bias)` (MKL's packed GEMM),
-    or None without MKL or a compiler: then linears run torch's own GEMM."""
-    if not torch.backends.mkl.is_available():
+def packed_linear_ops() -> type[OneDnnLinear] | None:
+    """oneDNN's packed linears, or None (switched off, or a torch built without oneDNN): then linears
+    run torch's own GEMM."""
+    if not native_kernels_enabled() or not torch.backends.mkldnn.is_available():
         return None
-    return _build("packed_linear")
+    return OneDnnLinear
 
 
 @functools.cache
