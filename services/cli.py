@@ -31,6 +31,16 @@ def _bench_offline(args: argparse.Namespace) -> int:
     return offline.run(args)
 
 
+def _setup_peers(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from services.bench import peers
+    from services.common.cli_args import model_dir
+
+    names = args.peers or list(peers.PEERS)
+    return peers.setup([peers.PEERS[name] for name in names], model=Path(model_dir(args.model)))
+
+
 def _chat(args: argparse.Namespace) -> int:
     from services.common.cli_args import model_dir
     from services.worker.chat import chat_loop
@@ -213,7 +223,7 @@ def _add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from services.bench.arguments import add_offline_arguments
+    from services.bench.arguments import PEER_NAMES, add_offline_arguments
     from services.common.cli_args import add_cb_arguments, add_env_argument
 
     parser = argparse.ArgumentParser(prog="cbserve", description="Continuous-batching LLM inference server.")
@@ -281,6 +291,16 @@ def build_parser() -> argparse.ArgumentParser:
     offline = benchmarks.add_parser("offline", help="offline throughput: engine vs transformers, same run")
     add_offline_arguments(offline)
     offline.set_defaults(handler=_bench_offline)
+    setup_peers = benchmarks.add_parser(
+        "setup-peers",
+        help="install the CPU peers (vLLM-CPU, OpenVINO GenAI, llama.cpp) under $CBSERVE_HOME/peers",
+    )
+    setup_peers.add_argument("peers", nargs="*", choices=PEER_NAMES, metavar="PEER",
+                             help=f"peers to install (default: all of {', '.join(PEER_NAMES)})")  # fmt: skip
+    setup_peers.add_argument(
+        "--model", default=None, help="model to convert for them (default: embedded SmolLM2)"
+    )
+    setup_peers.set_defaults(handler=_setup_peers)
     from services.bench.serve import add_serve_arguments  # light: grpc is imported when it runs
     from services.bench.serve import run as run_serve
 

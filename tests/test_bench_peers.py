@@ -1,0 +1,156 @@
+"""`cbserve bench offline` against peers: the harness (subprocess protocol, alternating rounds, the
+closed-loop sweep, agreement with the engine, setup) with a stand-in peer, since the real peers are too
+heavy for CI (`cbserve bench setup-peers` installs them; README has their figures)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from services.bench import peers
+from services.bench.peer_runners.protocol import closed_loop
+from services.cli import main
+
+STANDIN = Path(__file__).parent / "peers" / "standin.py"
+
+
+def _workload(tmp_path: Path) -> Path:
+    lines = [
+        {"token_ids": [5 + i, 17, 33 + 2 * i, 90, 7][: 3 + i % 3], "max_tokens": 4 + 3 * i} for i in range(5)
+    ]
+    path = tmp_path / "workload.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    return path
+
+
+def _bench(tmp_path: Path, model: Path, *extra: str) -> tuple[int, dict]:
+    out = tmp_path / "report.json"
+    code = main([
+        "bench", "offline", "--model", str(model), "--systems", "engine",
+        "--workload", str(_workload(tmp_path)), "--peer", f"standin={sys.executable}:{STANDIN}",
+        "--num-blocks", "64", "--json", str(out), *extra,
+    ])  # fmt: skip
+    return code, json.loads(out.read_text())
+
+
+def test_a_peer_runs_beside_the_engine_in_alternating_rounds_and_a_sweep(
+    tiny_models: Callable[[str], Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, report = _bench(tmp_path, tiny_models("llama"), "--repeat", "2", "--in-flight", "1,3")
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert [point["in_flight"] for point in report["sweep"]] == [1, 3]
+    for point in report["sweep"]:
+        standin = point["systems"]["standin"]
+        # transformers' generate is the parity reference, so a correct harness sees full agreement.
+        assert standin["requests_equal_to_engine"] == 5
+        assert (
+            standin["output_tokens"]
+            == point["systems"]["engine"]["output_tokens"]
+            == sum(4 + 3 * i for i in range(5))
+        )
+        assert standin["settings"]["engine"] == "transformers generate"
+        assert standin["ms_per_token_per_stream"] > 0
+        assert standin["ratio_vs_engine"] > 0
+    # Rounds alternate: engine, stand-in, engine, stand-in, for each in-flight count.
+    order = [line.split(" (")[0] for line in printed.splitlines() if line.startswith("running ")]
+    assert order == ["running engine", "running standin"] * 4
+    assert "at most 3 requests in flight (closed loop)" in printed
+    assert "standin: 5/5 requests' greedy tokens equal the engine's" in printed
+
+
+def test_a_peer_that_disagrees_is_counted(
+    tiny_models: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("STANDIN_CORRUPT", "2")
+    code, report = _bench(tmp_path, tiny_models("llama"))
+    assert code == 0
+    assert report["systems"]["standin"]["requests_equal_to_engine"] == 4
+
+
+def test_a_peer_that_cannot_start_is_left_out_with_its_reason(
+    tiny_models: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    monkeypatch.setenv("CBSERVE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("STANDIN_FAIL", "1")
+    code, report = _bench(tmp_path, tiny_models("llama"))
+    printed = capsys.readouterr().out
+    assert code == 1
+    assert "standin left out: standin stopped (status 3)" in printed
+    assert list(report["systems"]) == ["engine"]
+    log = (tmp_path / "home" / "peers" / "standin" / "run.log").read_text()
+    assert "failing on purpose" in log
+
+
+def test_an_uninstalled_peer_names_the_setup_command(
+    tiny_models: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    monkeypatch.setenv("CBSERVE_HOME", str(tmp_path / "home"))
+    out = tmp_path / "report.json"
+    args = ["bench", "offline", "--model", str(tiny_models("llama")), "--systems", "engine,openvino",
+            "--workload", str(_workload(tmp_path)), "--num-blocks", "64", "--json", str(out)]  # fmt: skip
+    assert main(args) == 1
+    assert "openvino is not installed: run `cbserve bench setup-peers openvino`" in capsys.readouterr().out
+
+
+def test_setup_is_idempotent_and_reports_a_peer_it_cannot_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("CBSERVE_HOME", str(tmp_path))
+    ran: list[str] = []
+
+    def steps(home: Path) -> list[peers.Step]:
+        return [
+            peers.Step("first", lambda log: ran.append("first")),
+            peers.Step("second", lambda log: ran.append("second")),
+        ]
+
+    def broken(home: Path) -> list[peers.Step]:
+        return [
+            peers.Step(
+                "compile",
+                lambda log: peers._run([sys.executable, "-c", "raise SystemExit('no compiler')"], log),
+            )
+        ]
+
+    good = peers.PeerSpec("good", STANDIN, steps=steps)
+    bad = peers.PeerSpec("bad", STANDIN, steps=broken)
+    assert peers.setup([bad, good]) == 1  # the good one is installed all the same
+    first = capsys.readouterr().out
+    assert "[bad] cannot be installed here: " in first and "no compiler" in first
+    assert "[good] ready" in first and good.installed() and not bad.installed()
+    assert peers.setup([good]) == 0
+    assert "[good] 1/2 first: done before" in capsys.readouterr().out
+    assert ran == ["first", "second"]
+
+
+def test_closed_loop_keeps_at_most_n_in_flight() -> None:
+    in_flight: list[int] = []
+    started: list[int] = []
+
+    def submit(i: int) -> None:
+        started.append(i)
+        in_flight.append(i)
+
+    def step() -> int:
+        assert len(in_flight) <= 2
+        in_flight.pop(0)  # the oldest finishes each step
+        return 1
+
+    closed_loop(5, 2, submit, step)
+    assert started == [0, 1, 2, 3, 4] and not in_flight
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [("bad", "NAME=PYTHON:RUNNER"), ("engine=python:x.py", "taken by built-in systems")],
+)
+def test_a_bad_peer_option_is_refused(value: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit, match=message):
+        main(["bench", "offline", "--peer", value])
