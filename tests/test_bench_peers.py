@@ -56,6 +56,7 @@ def test_a_peer_runs_beside_the_engine_in_alternating_rounds_and_a_sweep(
         assert standin["settings"]["engine"] == "transformers generate"
         assert standin["ms_per_token_per_stream"] > 0
         assert standin["ratio_vs_engine"] > 0
+        assert standin["peak_rss_bytes"] > 50 * 2**20  # torch and a model: the sampler saw the process
     # Rounds alternate: engine, stand-in, engine, stand-in, for each in-flight count.
     order = [line.split(" (")[0] for line in printed.splitlines() if line.startswith("running ")]
     assert order == ["running engine", "running standin"] * 4

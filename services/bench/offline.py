@@ -181,6 +181,13 @@ def run(args: argparse.Namespace) -> int:
         f"{workload.total_output_tokens} sampled rows = {useful_flop / 1e12:.2f} TFLOP of useful work; "
         f"% is of the fp32 matmul rate measured above."
         + ("" if args.in_flight is None else " ms/tok/stream = wall x in flight / output tokens.")
+        + (
+            " Peak RSS: the system's own processes (a peer's tree, or cbserve up's three; the in-process"
+            " systems share this one), shared memory (cbserve's KV pool) not counted; a peer's KV cache is"
+            " ordinary memory, counted as far as the run touched it."
+            if any(s in runners for s in systems if s != "engine" and not s.startswith("hf-"))
+            else ""
+        )
     )
 
     results = points[in_flight[0]]
@@ -243,20 +250,22 @@ def _workload(args: argparse.Namespace, model_path: Path) -> Workload:
 
 
 def run_peer(peer: PeerProcess, workload: Workload, max_in_flight: int | None) -> SystemResult:
-    wall, outputs = peer.run(workload, max_in_flight)
-    return SystemResult(
-        peer.spec.name, wall, outputs, workload.total_prompt_tokens, extra={"settings": peer.settings}
-    )
+    wall, outputs, peak_rss = peer.run(workload, max_in_flight)
+    extra = {"settings": peer.settings, "peak_rss_bytes": peak_rss}
+    return SystemResult(peer.spec.name, wall, outputs, workload.total_prompt_tokens, extra=extra)
 
 
 def run_stack(stack: StackSystem, workload: Workload, max_in_flight: int | None) -> SystemResult:
-    wall, outputs, load = stack.run(workload, (_WARMUP_PROMPT, _WARMUP_NEW_TOKENS), max_in_flight)
+    wall, outputs, load, peak_rss = stack.run(workload, (_WARMUP_PROMPT, _WARMUP_NEW_TOKENS), max_in_flight)
     return SystemResult(
         name="stack",
         wall_s=wall,
         outputs=outputs,
         prompt_tokens=workload.total_prompt_tokens,
-        extra={"load": {f.name: getattr(load, f.name) for f in load.DESCRIPTOR.fields}},
+        extra={
+            "load": {f.name: getattr(load, f.name) for f in load.DESCRIPTOR.fields},
+            "peak_rss_bytes": peak_rss,
+        },
     )
 
 
@@ -524,6 +533,8 @@ def _print_table(
 
     header = ["system", "wall s", "out tok", "out tok/s", "prompt tok", "vs hf-cb", "vs hf-gen", "vs engine"]
     header += ["GFLOP/s", "% mm"] + ([] if in_flight is None else ["ms/tok/stream"])
+    with_rss = any("peak_rss_bytes" in r.extra for r in results.values())
+    header += ["peak RSS MiB"] if with_rss else []
     rows = [tuple(header)]
     for r in results.values():
         gflops = useful_flop / r.wall_s / 1e9
@@ -532,6 +543,9 @@ def _print_table(
         row += [f"{gflops:.1f}", f"{100 * gflops / matmul_gflops:.1f}"]
         if in_flight is not None:
             row.append(f"{1000 * r.wall_s * in_flight / r.output_tokens:.1f}")
+        if with_rss:
+            rss = r.extra.get("peak_rss_bytes")
+            row.append("-" if rss is None else f"{rss / 2**20:.0f}")
         rows.append(tuple(row))
     widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
     for row in rows:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from services.bench.memory import PeakRss
 from services.bench.peer_runners.protocol import PREFIX
 from services.bench.workload import Workload
 from services.common.model_source import cbserve_home
@@ -361,8 +362,8 @@ class PeerProcess:
             )
         return answer
 
-    def run(self, workload: Workload, max_in_flight: int | None) -> tuple[float, list[list[int]]]:
-        """(seconds, each request's generated ids in workload order)."""
+    def run(self, workload: Workload, max_in_flight: int | None) -> tuple[float, list[list[int]], int]:
+        """(seconds, each request's generated ids in workload order, the peak RSS of its processes)."""
         assert self.process.stdin is not None
         self._runs += 1
         request = self.work_dir / f"workload-{self._runs}.json"
@@ -371,11 +372,12 @@ class PeerProcess:
             json.dumps({"prompts": workload.prompts, "max_new_tokens": workload.max_new_tokens})
         )
         command = {"workload": str(request), "max_in_flight": max_in_flight, "out": str(out)}
-        self.process.stdin.write(json.dumps(command) + "\n")
-        self.process.stdin.flush()
-        seconds = float(self._answer(START_TIMEOUT_S)["seconds"])
+        with PeakRss(self.process.pid) as peak:
+            self.process.stdin.write(json.dumps(command) + "\n")
+            self.process.stdin.flush()
+            seconds = float(self._answer(START_TIMEOUT_S)["seconds"])
         outputs: list[list[int]] = json.loads(out.read_text())["outputs"]
-        return seconds, outputs
+        return seconds, outputs, peak.bytes
 
     def close(self) -> None:
         if self.process.poll() is None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import grpc
 
+from services.bench.memory import PeakRss
 from services.bench.workload import Workload
 from services.common.cli_args import settings_env
 from services.supervisor import cbserve_argv, die_with_parent, stop_process
@@ -67,10 +68,14 @@ class StackSystem:
 
     def run(
         self, workload: Workload, warmup: tuple[list[int], int], max_in_flight: int | None = None
-    ) -> tuple[float, list[list[int]], Any]:
-        """(wall seconds, outputs in workload order, the load afterwards); at most `max_in_flight`
-        streams open at once (None: all)."""
-        return asyncio.run(self._run(workload, warmup, max_in_flight or workload.num_requests))
+    ) -> tuple[float, list[list[int]], Any, int]:
+        """(wall seconds, outputs in workload order, the load afterwards, the peak RSS of the three
+        processes, KV pool excluded); at most `max_in_flight` streams open at once (None: all)."""
+        with PeakRss(self.process.pid) as peak:
+            wall, outputs, load = asyncio.run(
+                self._run(workload, warmup, max_in_flight or workload.num_requests)
+            )
+        return wall, outputs, load, peak.bytes
 
     async def _run(
         self, workload: Workload, warmup: tuple[list[int], int], max_in_flight: int
