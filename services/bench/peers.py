@@ -215,6 +215,12 @@ def _llama_steps(home: Path) -> list[Step]:
     ]
 
 
+def _llama_args(home: Path) -> list[str]:
+    from services.bench.stack import free_port
+
+    return ["--server", str(home / "build" / "bin" / "llama-server"), "--port", str(free_port())]
+
+
 def _llama_prepare(home: Path, model: Path, log: IO[str]) -> Path:
     out = home / "models" / f"{_model_key(model)}-f32.gguf"
     if not out.exists():
@@ -253,7 +259,7 @@ PEERS: dict[str, PeerSpec] = {
         RUNNERS / "llama_cpp_runner.py",
         steps=_llama_steps,
         prepare=_llama_prepare,
-        runner_args=lambda home: ["--server", str(home / "build" / "bin" / "llama-server")],
+        runner_args=_llama_args,
         python=Path(sys.executable),  # the runner needs only the standard library
     ),
 }

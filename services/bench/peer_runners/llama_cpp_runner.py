@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
 import time
 import urllib.request
@@ -23,15 +22,9 @@ SLOTS = 48
 SLOT_CONTEXT = 1024
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class LlamaCppPeer:
     def __init__(self, args: argparse.Namespace) -> None:
-        port = _free_port()
+        port = args.port
         self.url = f"http://127.0.0.1:{port}"
         self.argv = [
             args.server, "-m", args.model, "--host", "127.0.0.1", "--port", str(port),
@@ -76,6 +69,7 @@ class LlamaCppPeer:
 
 def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server", required=True, help="the llama-server binary")
+    parser.add_argument("--port", type=int, required=True, help="a free port on 127.0.0.1 for it")
 
 
 if __name__ == "__main__":
