@@ -149,9 +149,21 @@ def test_closed_loop_keeps_at_most_n_in_flight() -> None:
 
 
 @pytest.mark.parametrize(
-    ("value", "message"),
-    [("bad", "NAME=PYTHON:RUNNER"), ("engine=python:x.py", "taken by built-in systems")],
+    ("args", "message"),
+    [
+        (["--peer", "bad"], "NAME=PYTHON:RUNNER"),
+        (["--peer", "engine=python:x.py"], "taken by built-in systems"),
+        (["--systems", "engine,hf-generate", "--in-flight", "1,4"], "hf-generate set their own batches"),
+    ],
 )
-def test_a_bad_peer_option_is_refused(value: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_peer_and_sweep_options_are_refused(args: list[str], message: str) -> None:
     with pytest.raises(SystemExit, match=message):
-        main(["bench", "offline", "--peer", value])
+        main(["bench", "offline", *args])
+
+
+@pytest.mark.parametrize("value", ["0", "1,x", ""])
+def test_a_bad_in_flight_list_is_a_usage_error(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "offline", "--in-flight", value])
+    assert exit_info.value.code == 2
+    assert "want positive counts such as 1,4,16,48" in capsys.readouterr().err

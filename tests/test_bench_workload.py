@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from services.bench.workload import Workload, reference_workload
+from services.bench.workload import Workload, jsonl_workload, reference_workload
 
 
 def test_w1_totals_match_performance_md() -> None:
@@ -35,3 +37,14 @@ def test_prefix_of_requests_is_stable() -> None:
 def test_mismatched_lengths_rejected() -> None:
     with pytest.raises(ValueError):
         Workload(prompts=[[1, 2]], max_new_tokens=[])
+
+
+def test_jsonl_workload_takes_ids_and_needs_max_tokens(tmp_path: Path) -> None:
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"token_ids": [5, 6, 7], "max_tokens": 4}\n\n{"token_ids": [8], "max_tokens": 2}\n')
+    workload = jsonl_workload(path, 10, tmp_path)
+    assert workload.prompts == [[5, 6, 7], [8]] and workload.max_new_tokens == [4, 2]
+    assert jsonl_workload(path, 1, tmp_path).num_requests == 1
+    path.write_text('{"token_ids": [5, 6, 7]}\n')
+    with pytest.raises(ValueError, match=r"requests \[0\] have no max_tokens"):
+        jsonl_workload(path, 10, tmp_path)
