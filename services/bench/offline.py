@@ -182,21 +182,21 @@ def run(args: argparse.Namespace) -> int:
         f"% is of the fp32 matmul rate measured above."
         + ("" if args.in_flight is None else " ms/tok/stream = wall x in flight / output tokens.")
         + (
-            " Peak RSS: the system's own processes (a peer's tree, or cbserve up's three; the in-process"
-            " systems share this one), shared memory (cbserve's KV pool) not counted; a peer's KV cache is"
-            " ordinary memory, counted as far as the run touched it."
-            if any(s in runners for s in systems if s != "engine" and not s.startswith("hf-"))
+            " Peak RSS: a peer's process tree, or cbserve up's three processes (- for the systems in this"
+            " process), shared memory (cbserve's KV pool) not counted; a peer's KV cache is ordinary"
+            " memory, counted as far as the run touched it."
+            if any("peak_rss_bytes" in r.extra for point in points.values() for r in point.values())
             else ""
         )
     )
 
+    for c, point in points.items():
+        for name, bad in _short_outputs(point, workload).items():
+            where = "" if c is None else f" (at most {c} in flight)"
+            short = f"{len(bad)} requests did not generate exactly their max_new_tokens: {bad[:10]}"
+            print(f"\nWARNING {name}{where}: {short}")
+            status = 1
     results = points[in_flight[0]]
-    short = _short_outputs(results, workload)
-    for name, bad in short.items():
-        print(
-            f"\nWARNING {name}: {len(bad)} requests did not generate exactly their max_new_tokens: {bad[:10]}"
-        )
-        status = 1
     check: dict[str, Any] | None = None
     if args.check:
         check = check_outputs(results)
