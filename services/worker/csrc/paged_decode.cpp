@@ -232,6 +232,8 @@ void run_task_rows(const Task& t, float* scores, __m512* part) {
 template <int NC>  // D / 16 on the AVX-512 path; 0: the portable one
 void run_task(const Task& t, float* scores, __m512_or_float* part) {
 #ifdef __AVX512F__
+  // A one-head task keeps its V sums in registers below: for few, short contexts that measured faster
+  // than the key-order pass (16 against 23 us a layer for one request of 400 keys).
   if constexpr (NC > 0) if (t.hs > 1) return run_task_rows<NC>(t, scores, part);
 #endif
   const int64_t span = t.hs * t.D;
