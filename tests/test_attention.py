@@ -7,7 +7,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -19,6 +19,20 @@ from services.worker.engine import Engine
 from services.worker.packed_linear import PackedLinear, pack_linears
 from tests.stack import REPO
 from tests.test_engine_parity import CONFIGS, make_prompts, reference, reference_attn
+
+T = TypeVar("T")
+
+
+def built(kernel: T | None, what: str) -> T:
+    """The kernel; a skip where no compiler exists, a failure where one does (a broken build must not
+    turn the kernel tests into skips while the engine quietly runs the fallback)."""
+    if kernel is not None:
+        return kernel
+    if not kernels.native_kernels_enabled():
+        pytest.skip(f"{kernels.SWITCH}=0: {what}")
+    if kernels.compiler_available():
+        pytest.fail(f"a C++ compiler is here but the kernel did not build ({what}); see the logged error")
+    pytest.skip(f"no C++ toolchain: {what}")
 
 
 @pytest.fixture
@@ -67,9 +81,7 @@ def gather_sdpa(
     ],
 )
 def test_native_decode_matches_reference(kv: int, group: int, d: int, b: int, softcap: float) -> None:
-    kernel = kernels.paged_decode_kernel()
-    if kernel is None:
-        pytest.skip("no C++ toolchain: the engine runs the fallback path (tested below)")
+    kernel = built(kernels.paged_decode_kernel(), "the engine runs the fallback path (tested below)")
     gen = torch.Generator().manual_seed(0)
     length, num_slots = 45, 400
     k_cache = torch.randn(num_slots, kv, d, generator=gen)
@@ -110,7 +122,7 @@ def test_fallback_path_is_exact(
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_torch(rows: int, bias: bool) -> None:
     if kernels.packed_linear_ops() is None:
-        pytest.skip("no MKL or C++ toolchain: linears stay torch's (the fallback test covers it)")
+        pytest.skip("no oneDNN or kernels off: linears stay torch's (the fallback test covers it)")
     gen = torch.Generator().manual_seed(rows)
     linear = torch.nn.Linear(96, 200, bias=bias)
     torch.nn.init.normal_(linear.weight, generator=gen)
@@ -151,10 +163,7 @@ def test_prefill_groups_bound_padding() -> None:
 
 
 def _fused_ops() -> Any:
-    ops = kernels.fused_ops()
-    if ops is None:
-        pytest.skip("no C++ toolchain: the model runs transformers' forward (the fallback test covers it)")
-    return ops
+    return built(kernels.fused_ops(), "the model runs transformers' forward (the fallback test covers it)")
 
 
 def test_fused_norms_match_torch() -> None:
@@ -220,8 +229,7 @@ def test_llama_shaped_families_run_the_fused_forward(
 def test_a_lock_left_by_a_killed_load_does_not_hold_up_the_next() -> None:
     """torch leaves its lock file behind when a process dies inside `load()` (a worker stopped while
     it starts); the next worker waited on it for ever and never became ready."""
-    if kernels.fused_ops() is None:
-        pytest.skip("no native kernels here")
+    built(kernels.fused_ops(), "no native kernels here")
     lock = cbserve_home() / "kernels" / f"cbserve_fused_ops_{kernels._cpu_tag()}" / "lock"
     lock.touch()  # as the killed process left it
     load = "from services.worker.kernels import fused_ops; print(fused_ops() is not None)"
@@ -232,3 +240,23 @@ def test_a_lock_left_by_a_killed_load_does_not_hold_up_the_next() -> None:
     finally:
         lock.unlink(missing_ok=True)
     assert loaded.stdout.strip() == "True", loaded.stderr[-2000:]
+
+
+def test_a_failed_build_is_an_error_where_a_compiler_exists(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A compile error in csrc must not pass as 'no toolchain': it is logged as an error, and the kernel
+    tests above fail on it (they skip only where no compiler exists)."""
+    if not kernels.compiler_available():
+        pytest.skip("no C++ toolchain here")
+    monkeypatch.setattr(kernels, "_CSRC", tmp_path)
+    monkeypatch.setenv("CBSERVE_HOME", str(tmp_path / "home"))
+    (tmp_path / "broken.cpp").write_text("#include <torch/extension.h>\nthis is not C++;\n")
+    logged: list[tuple[str, dict[str, Any]]] = []
+    monkeypatch.setattr(kernels.log, "error", lambda event, **kw: logged.append((event, kw)))
+    assert kernels._build("broken") is None
+    ((event, fields),) = logged
+    assert event == "native kernel failed to build, using torch's" and fields["kernel"] == "broken"
+    assert "error" in fields["error"].lower()
+    with pytest.raises(pytest.fail.Exception, match="did not build"):
+        built(None, "test")

@@ -12,6 +12,7 @@ import fcntl
 import functools
 import hashlib
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -70,9 +71,17 @@ def _build(stem: str) -> Any:
                 build_directory=str(build_dir),
                 verbose=False,
             )
-    except Exception as exc:  # no compiler, no ninja, odd platform: the fallbacks are exact too
-        log.warning("native kernel unavailable, using torch's", kernel=stem, error=str(exc))
+    except Exception as exc:  # the fallbacks are exact too: serve on, but a broken build is an error
+        if compiler_available():
+            log.error("native kernel failed to build, using torch's", kernel=stem, error=str(exc))
+        else:
+            log.warning("no C++ compiler: native kernel unavailable, using torch's", kernel=stem)
         return None
+
+
+def compiler_available() -> bool:
+    """Whether torch's extension builder has a C++ compiler (`$CXX`, else `c++`) to call."""
+    return shutil.which(os.environ.get("CXX", "c++")) is not None
 
 
 @functools.cache
