@@ -331,9 +331,9 @@ class PeerProcess:
         self._log = self.log_path.open("a")
         if spec.prepare is not None:
             model = spec.prepare(home, model, self._log)
-        self.work_dir = Path(tempfile.mkdtemp(prefix=f"cbserve-peer-{spec.name}-"))
+        self.work_dir = Path(tempfile.mkdtemp(prefix=f"cbserve-peer-{spec.name}-"))  # its workload files
         argv = [str(spec.interpreter()), str(spec.runner), "--model", str(model), "--threads", str(threads),
-                "--work-dir", str(self.work_dir), *spec.runner_args(home)]  # fmt: skip
+                *spec.runner_args(home)]  # fmt: skip
         self._log.write(f"$ {' '.join(argv)}\n")
         self._log.flush()
         # PYTHONPATH and friends of this process must not leak into another interpreter's venv.

@@ -2,11 +2,10 @@
 
 torch's own GEMM (MKL here) re-packs a weight matrix on every product, and on this AMD CPU takes no
 AVX-512 path: for the few dozen rows of a decode step oneDNN on a weight reordered once is up to
-2.3x faster. `pack_linears` swaps every `nn.Linear` of a CPU
-float32 model for a `PackedLinear` that keeps the original parameters (tied weights, `.weight`
-readers and checkpoints see no change) plus the packed copy. Results equal torch's GEMM up to fp32
-summation order, as any change of batch shape does. The packed copy is oneDNN's opaque tensor: a
-fused forward that packs its own concatenations lets the model's linears go (`release`).
+2.3x faster. `pack_linears` swaps every `nn.Linear` of a CPU float32 model for a `PackedLinear` that
+keeps the original parameters (tied weights, `.weight` readers and checkpoints see no change) plus
+the packed copy, oneDNN's opaque tensor. Results equal torch's GEMM up to fp32 summation order, as
+any change of batch shape does.
 """
 
 from __future__ import annotations

@@ -72,7 +72,6 @@ def serve(
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True, help="the model: transformers' safetensors directory")
     parser.add_argument("--threads", type=int, required=True, help="cores the engine may use")
-    parser.add_argument("--work-dir", required=True, help="a folder of the peer's for its own files")
     if add_arguments is not None:
         add_arguments(parser)
     args = parser.parse_args()
