@@ -118,17 +118,24 @@ def test_fallback_path_is_exact(
         )
 
 
-@pytest.mark.parametrize("rows", [0, 1, 7, 38, 600])
+# Rows: none, every tile height (1..8) and uneven splits of several tiles; outputs: a partial last
+# panel (200 = 6 x 32 + 8, 17 < 32) and whole ones (64).
+@pytest.mark.parametrize("rows", [0, 1, 5, 8, 9, 38, 600])
+@pytest.mark.parametrize(("in_features", "out_features"), [(96, 200), (33, 17), (64, 64)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_torch(rows: int, bias: bool) -> None:
-    if kernels.packed_linear_ops() is None:
-        pytest.skip("no oneDNN or kernels off: linears stay torch's (the fallback test covers it)")
+def test_packed_linear_matches_torch(rows: int, in_features: int, out_features: int, bias: bool) -> None:
+    ops = built(kernels.packed_linear_ops(), "panel linears")
     gen = torch.Generator().manual_seed(rows)
-    linear = torch.nn.Linear(96, 200, bias=bias)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
     torch.nn.init.normal_(linear.weight, generator=gen)
-    x = torch.randn(1, rows, 96, generator=gen)  # the engine's packed batch axis
-    packed = PackedLinear(linear, kernels.packed_linear_ops())
+    if bias:
+        torch.nn.init.normal_(linear.bias, generator=gen)
+    x = torch.randn(1, rows, in_features, generator=gen)  # the engine's packed batch axis
+    packed = PackedLinear(linear, ops)
     torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-4)
+    # Rows with a stride (a slice of a wider activation) read the same.
+    wide = torch.randn(rows, in_features + 7, generator=gen)[:, 3 : 3 + in_features]
+    torch.testing.assert_close(packed(wide), linear(wide), rtol=1e-5, atol=1e-4)
     assert packed.weight is linear.weight
 
 
@@ -137,10 +144,8 @@ def test_pack_linears_keeps_tied_weights(tiny_models: Callable[[str], Path]) -> 
 
     model = AutoModelForCausalLM.from_pretrained(tiny_models("llama"))
     linears = sum(type(m) is torch.nn.Linear for m in model.modules())
+    built(kernels.packed_linear_ops(), "panel linears")
     swapped = pack_linears(model)
-    if kernels.packed_linear_ops() is None:
-        assert swapped == 0
-        return
     assert swapped == linears > 0
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
     if model.config.tie_word_embeddings:

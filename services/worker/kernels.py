@@ -93,31 +93,27 @@ def paged_decode_kernel() -> PagedDecode | None:
     return None if module is None else module.paged_decode
 
 
-class OneDnnLinear:
-    """Linears through oneDNN with weights reordered once into its blocked layout (what OpenVINO and
-    vLLM-CPU run). Measured on SmolLM2's shapes against MKL's packed GEMM on this AMD CPU, where MKL
-    does not take its AVX-512 paths: 1.7x on gate|up and 2.3x on the LM head at 48 rows, equal or
-    better at every row count from 1 to 512."""
+class PanelLinear:
+    """Linears on weights packed once into column panels (csrc/panel_linear.cpp): `pack_weight(W [N, K])`,
+    then `packed_linear(x [..., K], packed, bias, N) -> [..., N]`."""
 
-    # oneDNN picks the blocked layout for this row count; measured: any count runs well on it.
-    ROWS_HINT = 512
+    def __init__(self, module: Any) -> None:
+        self._module = module
 
-    @staticmethod
-    def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._reorder_linear_weight(weight, OneDnnLinear.ROWS_HINT)
+    def pack_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        return self._module.pack_weight(weight)
 
-    @staticmethod
-    def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    def packed_linear(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+    ) -> torch.Tensor:
+        return self._module.panel_linear(x, packed, bias, out_features)
 
 
 @functools.cache
-def packed_linear_ops() -> type[OneDnnLinear] | None:
-    """oneDNN's packed linears, or None (switched off, or a torch built without oneDNN): then linears
-    run torch's own GEMM."""
-    if not native_kernels_enabled() or not torch.backends.mkldnn.is_available():
-        return None
-    return OneDnnLinear
+def packed_linear_ops() -> PanelLinear | None:
+    """The packed linears, or None (switched off, or not built): then linears run torch's own GEMM."""
+    module = _build("panel_linear")
+    return None if module is None else PanelLinear(module)
 
 
 @functools.cache

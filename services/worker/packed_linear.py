@@ -1,11 +1,11 @@
-"""Linears with their weights packed once for oneDNN's GEMM (CPU, float32; `kernels.OneDnnLinear`).
+"""Linears with their weights packed once into column panels (CPU, float32; `kernels.PanelLinear`).
 
-torch's own GEMM (MKL here) re-packs a weight matrix on every product, and on this AMD CPU takes no
-AVX-512 path: for the few dozen rows of a decode step oneDNN on a weight reordered once is up to
-2.3x faster. `pack_linears` swaps every `nn.Linear` of a CPU float32 model for a `PackedLinear` that
-keeps the original parameters (tied weights, `.weight` readers and checkpoints see no change) plus
-the packed copy, oneDNN's opaque tensor. Results equal torch's GEMM up to fp32 summation order, as
-any change of batch shape does.
+torch's own GEMM (MKL here) re-packs a weight matrix on every product and on this AMD CPU takes no
+AVX-512 path; oneDNN on weights reordered once does better, and our panel kernel better still (see
+csrc/panel_linear.cpp): 2x at the few rows of a decode step, where the weights' reads set the pace.
+`pack_linears` swaps every `nn.Linear` of a CPU float32 model for a `PackedLinear` that keeps the
+original parameters (tied weights, `.weight` readers and checkpoints see no change) plus the packed
+copy. Results equal torch's GEMM up to fp32 summation order, as any change of batch shape does.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ class PackedWeight:
     ops: Any
     packed: torch.Tensor
     bias: torch.Tensor | None
+    out_features: int
 
     @classmethod
     def of(cls, ops: Any, *linears: nn.Module) -> PackedWeight:
@@ -37,10 +38,10 @@ class PackedWeight:
                 b.detach() if b is not None else torch.zeros(lin.out_features)
                 for b, lin in zip(biases, linears, strict=True)
             ])  # fmt: skip
-            return cls(ops, ops.pack_weight(weight), bias)
+            return cls(ops, ops.pack_weight(weight), bias, weight.shape[0])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.packed_linear(x, self.packed, self.bias)
+        return self.ops.packed_linear(x, self.packed, self.bias, self.out_features)
 
 
 class PackedLinear(nn.Module):
@@ -60,7 +61,7 @@ class PackedLinear(nn.Module):
 
 def pack_linears(model: nn.Module) -> int:
     """Swap the model's CPU float32 linears for packed ones, in place; how many were swapped (0 when
-    oneDNN is missing, the kernels are switched off, or the model is elsewhere)."""
+    the kernel is not built, the kernels are switched off, or the model is elsewhere)."""
     ops = packed_linear_ops()
     if ops is None:
         return 0

@@ -1,0 +1,138 @@
+// Linears y = x W^T (+ bias) on the CPU, float32, with W packed once into column panels.
+//
+// A decode step multiplies a few dozen rows by every weight of the model, so its linears are bounded
+// by how fast the weights stream from memory, and a prefill chunk's by the FMA units. One simple
+// layout serves both: W [N, K] is cut into panels of 32 output columns, each stored k-major
+// ([K, 32], one contiguous 128-byte line per k), so a thread reads its panels front to back (the
+// hardware prefetcher streams them) and multiplies each loaded line into up to 8 rows at once
+// (16 accumulators in registers, one load of W per 16 FMAs). Threads split the panels, so each weight
+// is read once per product, by one core. Measured on SmolLM2's shapes against oneDNN's brgemm on its
+// own blocked weights (30 layers, so the weights come from memory as in a real step), 2 threads:
+// 2.0x at 1 row (44 GB/s of weights against 22), 1.4x at 48 rows, 1.07x at 512.
+//
+// Each output is one sequential sum over k, which equals torch's GEMM up to fp32 summation order.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+#include <algorithm>
+
+namespace {
+constexpr int64_t kPanel = 32;   // output columns per panel
+constexpr int kMaxRows = 8;      // rows per tile: 2 x 8 accumulators
+constexpr int64_t kAhead = 32;   // k lines prefetched ahead (4 KiB): panels are read once, from memory
+
+struct Tile {
+  const float* x;  // first row of the tile
+  int64_t sx;      // x's row stride
+  const float* w;  // the panel, [K, 32]
+  int64_t K;
+  float* y;        // first row of the tile at the panel's first column
+  int64_t sy;
+  const float* bias;  // the panel's 32 (zero-padded) bias values, or null
+  int64_t cols;       // real columns of this panel: 32 but in the last panel
+};
+
+#ifdef __AVX512F__
+template <int R>
+void tile(const Tile& t) {
+  __m512 lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+  const float* w = t.w;
+  for (int64_t k = 0; k < t.K; ++k, w += kPanel) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + kAhead * kPanel), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + kAhead * kPanel + 16), _MM_HINT_T0);
+    const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(t.x[r * t.sx + k]);
+      lo[r] = _mm512_fmadd_ps(xv, w0, lo[r]);
+      hi[r] = _mm512_fmadd_ps(xv, w1, hi[r]);
+    }
+  }
+  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+  if (t.bias != nullptr) b0 = _mm512_loadu_ps(t.bias), b1 = _mm512_loadu_ps(t.bias + 16);
+  const __mmask16 m0 = t.cols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << t.cols) - 1);
+  const __mmask16 m1 = t.cols >= 32 ? __mmask16(0xFFFF) : t.cols <= 16 ? __mmask16(0) : __mmask16((1u << (t.cols - 16)) - 1);
+  for (int r = 0; r < R; ++r) {
+    _mm512_mask_storeu_ps(t.y + r * t.sy, m0, _mm512_add_ps(lo[r], b0));
+    _mm512_mask_storeu_ps(t.y + r * t.sy + 16, m1, _mm512_add_ps(hi[r], b1));
+  }
+}
+#else
+// Portable: the same tile with the compiler's vectors.
+template <int R>
+void tile(const Tile& t) {
+  float acc[R][kPanel] = {};
+  const float* w = t.w;
+  for (int64_t k = 0; k < t.K; ++k, w += kPanel)
+    for (int r = 0; r < R; ++r) {
+      const float xv = t.x[r * t.sx + k];
+#pragma omp simd
+      for (int64_t c = 0; c < kPanel; ++c) acc[r][c] += xv * w[c];
+    }
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < t.cols; ++c) t.y[r * t.sy + c] = acc[r][c] + (t.bias != nullptr ? t.bias[c] : 0.f);
+}
+#endif
+
+using TileFn = void (*)(const Tile&);
+constexpr TileFn kTiles[kMaxRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>,
+                                         tile<5>, tile<6>, tile<7>, tile<8>};
+}  // namespace
+
+// W [N, K] -> panels [ceil(N / 32), K, 32], the last one zero-padded.
+torch::Tensor pack_weight(torch::Tensor weight) {
+  TORCH_CHECK(weight.dtype() == torch::kFloat32 && weight.dim() == 2, "float32 [N, K] weight only, got ",
+              weight.sizes(), " ", weight.dtype());
+  const int64_t N = weight.size(0), K = weight.size(1), P = (N + kPanel - 1) / kPanel;
+  auto padded = torch::zeros({P * kPanel, K}, weight.options());
+  padded.narrow(0, 0, N).copy_(weight);
+  return padded.view({P, kPanel, K}).transpose(1, 2).contiguous();
+}
+
+// x [..., K] (rows contiguous), panels of pack_weight, bias [N] or None -> [..., N]
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias, int64_t N) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && panels.dtype() == torch::kFloat32, "float32 only, got ", x.dtype());
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous(), "panels must come from pack_weight");
+  const int64_t K = panels.size(1), P = panels.size(0);
+  TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
+  TORCH_CHECK(N > (P - 1) * kPanel && N <= P * kPanel, "N = ", N, " does not fit ", P, " panels");
+  auto x2 = x.reshape({-1, K});
+  if (x2.stride(1) != 1) x2 = x2.contiguous();
+  const int64_t M = x2.size(0);
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = N;
+  auto y = torch::empty(out_shape, x.options());
+  if (M == 0) return y;
+  torch::Tensor bias_padded;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "bias must have ", N, " values, got ", bias->numel());
+    bias_padded = torch::zeros({P * kPanel}, x.options());
+    bias_padded.narrow(0, 0, N).copy_(bias->reshape({N}));
+  }
+  const float* xp = x2.data_ptr<float>();
+  const float* wp = panels.data_ptr<float>();
+  const float* bp = bias_padded.defined() ? bias_padded.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const int64_t sx = x2.stride(0);
+  // Tiles as even as possible: 20 rows run as 7 + 7 + 6, not 8 + 8 + 4.
+  const int64_t tiles = (M + kMaxRows - 1) / kMaxRows, base = M / tiles, extra = M % tiles;
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      for (int64_t i = 0, r0 = 0; i < tiles; ++i) {
+        const int64_t rows = base + (i < extra ? 1 : 0);
+        const Tile t{xp + r0 * sx, sx, wp + j * K * kPanel, K, yp + r0 * N + j * kPanel, N,
+                     bp == nullptr ? nullptr : bp + j * kPanel, std::min(kPanel, N - j * kPanel)};
+        kTiles[rows](t);
+        r0 += rows;
+      }
+    }
+  });
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack_weight", &pack_weight, "W [N, K] -> column panels (CPU, float32)");
+  m.def("panel_linear", &panel_linear, "x W^T + bias with W packed by pack_weight");
+}
