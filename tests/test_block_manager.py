@@ -92,6 +92,21 @@ class Driver:
         return grant
 
 
+def state_of(bm: BlockManager) -> tuple[object, ...]:
+    """Everything a step may change, as plain values: equal before and after a refused plan."""
+    pool, swap = bm.pool, bm.swap
+    return (
+        {
+            rid: (r.state, r.num_computed, r.in_flight, list(r.token_ids), list(r.block_hashes))
+            for rid, r in bm.requests.items()
+        },
+        [{rid: list(t) for rid, t in a.tables.items()} for a in bm.allocators],
+        (list(pool.free), list(pool.evictable.items()), list(pool.refcount), dict(pool.hash_of)),
+        (list(swap.free), list(swap.draining), {rid: [list(t) for t in ts] for rid, ts in swap.held.items()}),
+        dict(vars(bm.stats)),
+    )
+
+
 def granted(grant: StepGrant) -> dict[str, tuple[int, int]]:
     return {g.request_id: (g.start, g.num_tokens) for g in grant.granted}
 
@@ -563,6 +578,39 @@ def test_an_offloaded_request_waits_for_room_without_triggering_offloads() -> No
     g = d.step(E("b", 1, [2], arrival=1))
     assert g.granted == [] and g.blocked == [] and g.offloaded == []
     assert bm.requests["b"].state is CacheState.OFFLOADED
+
+
+# ============================================================================== all or nothing
+
+
+def test_a_plan_naming_a_request_twice_is_refused_whole() -> None:
+    """Once a bug: the second entry of `b` was rejected and forgot `b` while its first entry waited
+    as blocked, and choosing victims for it raised KeyError after `a` had been freed and `c` restored
+    (chunks taken, swap slots left draining) for a grant that was never sent."""
+    bm = make_bm(FULL, 6, swap_slots=8)
+    d = _three_active(bm)
+    assert d.step(E("a", 1, [1], arrival=0), E("b", 1, [2], arrival=1)).offloaded == ["c"]
+    before = state_of(bm)
+    plan = [E("c", 1, [3], arrival=2), E("b", 9, toks(300, 9), arrival=1), E("b", 0, arrival=1)]
+    with pytest.raises(ValueError, match="'b' twice"):
+        bm.step(StepPlan(d.n + 1, plan, frees=["a"]))
+    assert state_of(bm) == before
+    bm.check()
+    # The same plan without the duplicate is served: c is restored, b cannot grow and goes to swap.
+    g = d.step(*plan[:2], frees=["a"])
+    assert granted(g) == {"c": (4, 1)} and g.offloaded == ["b"] and not bm.swap.draining
+
+
+def test_a_plan_with_a_token_id_the_hash_cannot_hold_is_refused_whole() -> None:
+    """In-process plans skip the wire's type checks; an id past 64 bits would raise in the hash after
+    `a` was admitted."""
+    bm = make_bm(FULL, 8)
+    d = Driver(bm)
+    d.step(E("a", 4, toks(0, 8)))
+    before = state_of(bm)
+    with pytest.raises(ValueError, match="token id"):
+        bm.step(StepPlan(d.n + 1, [E("a", 4), E("b", 9, [1, 2, 3, 2**64, 5, 6, 7, 8, 9], arrival=1)]))
+    assert state_of(bm) == before
 
 
 # ============================================================== regressions (found by the model)

@@ -20,7 +20,9 @@ import math
 import re
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,7 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 from transformers import AutoConfig
 
+from services.cachemgr.block_manager import BlockManager
 from services.cachemgr.kv_cache import KVCache
 from services.cachemgr.server import CacheServer
 from services.common.config import CBConfig
@@ -45,11 +48,13 @@ from services.common.messages import (
     FromCachemgr,
     PlanEntry,
     StatsQuery,
+    StepGrant,
     StepPlan,
 )
 from services.common.sampling_params import SamplingParams
 from services.gateway.api import pb
 from tests.stack import REPO, Stack, collect_finals, dealer, greedy_request, keyed
+from tests.test_block_manager import state_of
 
 CALL_TIMEOUT_S = 30.0
 OK, INVALID, EXHAUSTED = (
@@ -690,13 +695,22 @@ CACHE_KEY = "in-process"
 
 
 @pytest.fixture(scope="module")
-def cache_server(tiny_models: Callable[[str], Path]) -> Iterator[CacheServer]:
-    """A CacheServer exactly as the cachemgr runs it (shared memory), without the socket loop."""
+def cache_servers(tiny_models: Callable[[str], Path]) -> Callable[[], AbstractContextManager[CacheServer]]:
+    """New CacheServers exactly as the cachemgr runs them (shared memory), without the socket loop.
+    Their pool is small (8 chunks of 8 tokens, 5 swap slots) so fuzzed plans block, offload and
+    restore; each fuzzed example gets its own, so that replaying an example replays its states."""
     model_config = AutoConfig.from_pretrained(tiny_models("llama"))
-    config = CBConfig(page_size=8, num_blocks=64, max_batch_tokens=24, cpu_offload_space=0.001)
-    cache = KVCache(model_config, config, torch.float32, torch.device("cpu"), shared=True)
-    yield CacheServer(cache, key=CACHE_KEY)
-    cache.close()
+    config = CBConfig(page_size=8, num_blocks=8, max_batch_tokens=24, cpu_offload_space=2e-5)
+
+    @contextmanager
+    def make() -> Iterator[CacheServer]:
+        cache = KVCache(model_config, config, torch.float32, torch.device("cpu"), shared=True)
+        try:
+            yield CacheServer(cache, key=CACHE_KEY)
+        finally:
+            cache.close()
+
+    return make
 
 
 RIDS = st.sampled_from(["a", "b", "c", ""])
@@ -722,27 +736,81 @@ PLANS = st.builds(
 )
 
 
-def test_fuzzed_step_plans_of_an_attached_peer_never_raise(cache_server: CacheServer) -> None:
+NAMES = st.sampled_from(["a", "b", "c", "d"])
+SOMETIMES = st.one_of(st.just([]), st.just([]), st.lists(NAMES, max_size=1))
+
+
+def likely_plan(data: st.DataObject, bm: BlockManager, step: int) -> StepPlan:
+    """A plan a worker could send, give or take a bug. Counts are drawn from what each request has
+    left to compute, so requests grow past the pool (8 chunks), block, are offloaded and come back;
+    one entry in eight asks a count out of range, and one plan in eight names a request twice."""
+    names = data.draw(st.lists(NAMES, min_size=1, max_size=4, unique=True), label="names")
+    if data.draw(st.integers(0, 7), label="twice") == 0:
+        names.append(data.draw(st.sampled_from(names), label="again"))
+    entries = []
+    for name in names:
+        req = bm.requests.get(name)
+        left = len(req.token_ids) - req.num_computed - req.in_flight if req else 0
+        new = data.draw(st.lists(st.integers(0, 300), min_size=0 if left else 1, max_size=8 if req else 24))
+        in_range = st.integers(1, max(left + len(new), 1))
+        n = data.draw(in_range if data.draw(st.integers(0, 7)) else st.integers(-2, 30), label=name)
+        arrival, salt = data.draw(st.integers(0, 3)), data.draw(st.sampled_from(["", "salt"]))
+        max_total = data.draw(st.sampled_from([0] * 8 + [48, 10_000]))  # 10_000 never fits
+        entries.append(PlanEntry(name, n, new, arrival, salt, max_total))
+    return StepPlan(step, entries, data.draw(SOMETIMES), data.draw(SOMETIMES))
+
+
+def assert_accounted(bm: BlockManager) -> None:
+    """Every chunk is free, evictable or named by a table (counted from the tables, not from the
+    pool's own tally), and no swap slot is left draining past the end of a step."""
+    bm.check()
+    named = {c for a in bm.allocators for t in a.tables.values() for c in t if c >= 0}
+    assert len(bm.pool.free) + len(bm.pool.evictable) + len(named) == bm.pool.capacity
+    assert not bm.swap.draining, bm.swap.draining
+
+
+def test_fuzzed_step_plans_are_served_whole_or_refused_whole(
+    cache_servers: Callable[[], AbstractContextManager[CacheServer]],
+) -> None:
     """`CacheServer.handle` is what the cachemgr's loop calls with each message; an exception from it
-    ends the process. Whatever an attached peer plans, it answers (a grant or a Failure)."""
+    ends the process. Whatever an attached peer plans, it answers a grant that names each request at
+    most once, or a Failure after which the BlockManager is exactly as before the plan."""
+    seen: Counter[str] = Counter()
 
     @settings(max_examples=200, **FUZZ)
-    @given(plans=st.lists(PLANS, min_size=1, max_size=6))
-    def run(plans: list[StepPlan]) -> None:
-        assert isinstance(
-            cache_server.handle(b"peer", encode(Attach(f"{FAKE}-{time.monotonic_ns()}", CACHE_KEY))), Attached
-        )
-        for plan in plans:
-            cache_server.handle(b"peer", encode(plan))
+    @given(data=st.data())
+    def run(data: st.DataObject) -> None:
+        with cache_servers() as server:
+            bm = server.cache.block_manager
+            assert isinstance(server.handle(b"peer", encode(Attach(f"{FAKE}-fuzz", CACHE_KEY))), Attached)
+            for step in range(data.draw(st.integers(2, 12), label="plans")):
+                wild = data.draw(st.integers(0, 7), label="wild") == 0
+                plan = data.draw(PLANS, label="plan") if wild else likely_plan(data, bm, step)
+                before = state_of(bm)
+                reply = server.handle(b"peer", encode(plan))
+                note(f"{plan} -> {reply}")
+                if isinstance(reply, StepGrant):
+                    named = [g.request_id for g in reply.granted]
+                    assert len(set(named)) == len(named), named
+                else:
+                    seen["refused"] += isinstance(reply, Failure)
+                    assert state_of(bm) == before, reply
+                assert_accounted(bm)
+            seen.update(offloads=bm.stats.offloads, restores=bm.stats.swap_restores)
 
     run()
+    # Else the fuzz never reached what it is here for.
+    assert seen["refused"] and seen["offloads"] and seen["restores"], seen
 
 
-def test_an_attached_peer_cannot_crash_the_cachemgr(cache_server: CacheServer) -> None:
-    assert isinstance(cache_server.handle(b"peer", encode(Attach(f"{FAKE}-overflow", CACHE_KEY))), Attached)
-    plan = StepPlan(1, [PlanEntry("big-ids", 16, [2**64 - 1] * 16, 0, "", 17)])
-    reply = cache_server.handle(b"peer", encode(plan))
-    assert reply is None or isinstance(reply, Failure), reply
+def test_an_attached_peer_cannot_crash_the_cachemgr(
+    cache_servers: Callable[[], AbstractContextManager[CacheServer]],
+) -> None:
+    with cache_servers() as server:
+        assert isinstance(server.handle(b"peer", encode(Attach(f"{FAKE}-overflow", CACHE_KEY))), Attached)
+        plan = StepPlan(1, [PlanEntry("big-ids", 16, [2**64 - 1] * 16, 0, "", 17)])
+        reply = server.handle(b"peer", encode(plan))
+        assert reply is None or isinstance(reply, Failure), reply
 
 
 # ----------------------------------------------------------------- findings on the running stack

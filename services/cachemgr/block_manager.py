@@ -10,7 +10,8 @@ Invariants (see `check`):
 - every chunk's refcount equals the number of table entries naming it across all requests;
 - an active request's tables cover every token it has computed or is computing;
 - admission is all-or-nothing across allocators: a refused request holds nothing;
-- the last active request is never offloaded; requests placed in this step keep their blocks.
+- the last active request is never offloaded; requests placed in this step keep their blocks;
+- a step is all or nothing: a plan it refuses (ValueError) has changed nothing, not even a count.
 """
 
 from __future__ import annotations
@@ -108,8 +109,9 @@ class BlockManager:
     # ----------------------------------------------------------------------------------------- step
 
     def step(self, plan: StepPlan) -> StepGrant:
-        if plan.version != PROTOCOL_VERSION:
-            raise ValueError(f"StepPlan version {plan.version} != {PROTOCOL_VERSION}")
+        """Serve one plan whole, or raise ValueError having changed nothing: the grant of a plan that
+        fails half way is never sent, so the worker would not know what that half did."""
+        self._check_plan(plan)
         self.stats.steps += 1
         for req in self.requests.values():
             if req.in_flight:
@@ -153,6 +155,24 @@ class BlockManager:
         self.swap.end_step()
         out.blocked = [e.request_id for e in blocked]
         return out.build()
+
+    @staticmethod
+    def _check_plan(plan: StepPlan) -> None:
+        """Refuse, before anything changes, every plan the step below could not serve to the end."""
+        if plan.version != PROTOCOL_VERSION:
+            raise ValueError(f"StepPlan version {plan.version} != {PROTOCOL_VERSION}")
+        seen: set[str] = set()
+        for entry in plan.entries:
+            if entry.request_id in seen:
+                # A second entry would be granted blocks over the first one's, or forget a request
+                # that the first left blocked, whose victims are then chosen for nobody.
+                raise ValueError(f"StepPlan {plan.step} names request {entry.request_id!r} twice")
+            seen.add(entry.request_id)
+            # The wire's decoder bounds token ids, an in-process caller may not; `block_hash` packs
+            # them as signed 64-bit integers and would raise half way through the step.
+            if not all(0 <= t < 2**63 for t in entry.new_token_ids):
+                raise ValueError(f"StepPlan {plan.step}: a token id of {entry.request_id!r} is negative "
+                                 "or over 64 bits")  # fmt: skip
 
     # ------------------------------------------------------------------------------------ ingestion
 
