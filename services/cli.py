@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from services.gateway.client import Credentials
+    from services.gateway.security import Access, TlsFiles
     from services.gateway.server import GatewaySettings
 
 Handler = Callable[[argparse.Namespace], int]
@@ -54,7 +56,8 @@ DEFAULT_WORKER_ADDRESS = "tcp://127.0.0.1:5556"
 SERVICE_SETTINGS = (
     "threads", "cachemgr_timeout", "gateway_timeout", "max_queue_size", "drain_grace", "default_max_tokens",
     "max_stop_strings", "max_message_bytes", "max_concurrent_streams", "keepalive_time", "worker_timeout",
-    "resubmit_timeout",
+    "resubmit_timeout", "tls_cert", "tls_key", "tls_client_ca", "api_key_file", "open_health",
+    "open_reflection", "max_streams_per_key", "health_port",
 )  # fmt: skip
 
 
@@ -90,10 +93,41 @@ def _worker(args: argparse.Namespace) -> int:
     )
 
 
+def _public_port(args: argparse.Namespace) -> tuple[TlsFiles | None, Access]:
+    """The gateway's TLS files and who may call it, checked: a usage error if they cannot work."""
+    import os
+    from pathlib import Path
+
+    from services.common.cli_args import env_name, usage_error
+    from services.gateway.security import Access, ApiKeys, ConfigError, TlsFiles, read_key_file, split_keys
+
+    try:
+        tls = None
+        if args.tls_cert or args.tls_key:
+            if not (args.tls_cert and args.tls_key):
+                raise ConfigError("--tls-cert and --tls-key go together")
+            client_ca = Path(args.tls_client_ca) if args.tls_client_ca else None
+            tls = TlsFiles(Path(args.tls_cert), Path(args.tls_key), client_ca)
+            tls.check()
+        elif args.tls_client_ca:
+            raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key")
+        # --api-key flags replace CBSERVE_API_KEYS, as every flag replaces its variable.
+        given = args.api_keys
+        if given is None:
+            given = split_keys(os.environ.get(env_name("api_keys"), ""))
+        if args.api_key_file:
+            given = [*given, *read_key_file(Path(args.api_key_file))]
+        keys = ApiKeys(given) if given else None
+        return tls, Access(keys, args.open_health, args.open_reflection, args.max_streams_per_key)
+    except ConfigError as exc:
+        raise usage_error(str(exc)) from None
+
+
 def _gateway_settings(args: argparse.Namespace) -> GatewaySettings:
     from services.gateway.inputs import Limits
     from services.gateway.server import GatewaySettings
 
+    tls, access = _public_port(args)
     return GatewaySettings(
         max_queue_size=args.max_queue_size,
         drain_grace_s=args.drain_grace,
@@ -103,6 +137,9 @@ def _gateway_settings(args: argparse.Namespace) -> GatewaySettings:
         worker_timeout_s=args.worker_timeout,
         resubmit_timeout_s=args.resubmit_timeout,
         limits=Limits(default_max_tokens=args.default_max_tokens, max_stop_strings=args.max_stop_strings),
+        tls=tls,
+        access=access,
+        health_port=args.health_port or None,
     )
 
 
@@ -124,15 +161,44 @@ def _up(args: argparse.Namespace) -> int:
     from services.supervisor import run_up
 
     cb_config(args)  # refuse bad settings here, not in three children
+    _public_port(args)
     model_dir(args.model)  # refused (or the default prepared) once here, not in three children
     settings = cb_settings(args)
     for name in SERVICE_SETTINGS:
         if getattr(args, name, None) is not None:
             settings[name] = getattr(args, name)
+    if args.api_keys is not None:  # to the gateway in its environment, not on a command line `ps` shows
+        settings["api_keys"] = ",".join(args.api_keys)
     return run_up(
         args.model, args.device, args.dtype, args.port, args.metrics_port, args.host,
         settings_env(settings), drain_grace_s=args.drain_grace,
     )  # fmt: skip
+
+
+def _client_credentials(args: argparse.Namespace) -> Credentials:
+    """The TLS files and API key of `generate` and `health`, read now: a usage error if unreadable."""
+    from pathlib import Path
+
+    from services.common.cli_args import usage_error
+    from services.gateway.client import Credentials
+
+    if bool(args.tls_client_cert) != bool(args.tls_client_key):
+        raise usage_error("--tls-client-cert and --tls-client-key go together")
+
+    def pem(flag: str, path: str | None) -> bytes | None:
+        try:
+            return Path(path).read_bytes() if path else None
+        except OSError as exc:
+            raise usage_error(f"{flag} {path}: {exc.strerror}") from None
+
+    return Credentials(
+        tls=bool(args.tls or args.tls_ca or args.tls_client_cert),
+        root_certificates=pem("--tls-ca", args.tls_ca),
+        certificate_chain=pem("--tls-client-cert", args.tls_client_cert),
+        private_key=pem("--tls-client-key", args.tls_client_key),
+        server_name=args.tls_server_name,
+        api_key=args.api_key,
+    )
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -140,10 +206,11 @@ def _generate(args: argparse.Namespace) -> int:
 
     from services.gateway.client import stream_to
 
+    credentials = _client_credentials(args)
     try:
         final = stream_to(
             args.target, args.prompt, chat=args.chat, max_tokens=args.max_tokens,
-            temperature=args.temperature, seed=args.seed, stops=args.stop,
+            temperature=args.temperature, seed=args.seed, stops=args.stop, credentials=credentials,
         )  # fmt: skip
     except grpc.RpcError as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
@@ -160,8 +227,9 @@ def _health(args: argparse.Namespace) -> int:
 
     from services.gateway.client import health_status
 
+    credentials = _client_credentials(args)
     try:
-        status = health_status(args.target, args.service, args.timeout)
+        status = health_status(args.target, args.service, args.timeout, credentials)
     except grpc.RpcError as exc:
         status = exc.code().name
     print(status)
@@ -221,6 +289,40 @@ def _add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     add_env_argument(parser, "--resubmit-timeout", type=bounded(float, 0), default=60.0,
                      help="seconds streams of a lost worker wait for a new one")  # fmt: skip
 
+    access = parser.add_argument_group("the public port's security (README: Security)")
+    add_env_argument(access, "--tls-cert", help="PEM certificate (chain): the gRPC port speaks TLS")
+    add_env_argument(access, "--tls-key", help="PEM private key of --tls-cert")
+    add_env_argument(access, "--tls-client-ca",
+                     help="PEM CA certificates: clients must present a certificate they issued (mutual TLS)")
+    access.add_argument("--api-key", dest="api_keys", action="append", metavar="KEY",
+                        help="an API key callers present as `authorization: Bearer KEY` (repeatable; "
+                             "a command line shows in `ps`: prefer the variable or the file) "
+                             "[CBSERVE_API_KEYS, comma-separated]")
+    add_env_argument(access, "--api-key-file", help="a file of API keys, one a line (# starts a comment)")
+    add_env_argument(access, "--open-health", type=bool, default=True,
+                     help="grpc.health.v1 answers callers without a key")
+    add_env_argument(access, "--open-reflection", type=bool, default=True,
+                     help="server reflection answers callers without a key")
+    add_env_argument(access, "--max-streams-per-key", type=bounded(int, 0), default=0,
+                     help="Generate streams one API key may hold open, beyond which it gets "
+                          "RESOURCE_EXHAUSTED (0: no limit)")
+    add_env_argument(access, "--health-port", type=PORT, default=0,
+                     help="a plaintext port serving grpc.health.v1 alone, for probes that do no TLS (0: off)")
+
+
+def _add_client_arguments(parser: argparse.ArgumentParser) -> None:
+    from services.common.cli_args import add_env_argument
+
+    group = parser.add_argument_group("connecting to a gateway with TLS or API keys")
+    add_env_argument(group, "--api-key", help="API key, sent as `authorization: Bearer KEY`")
+    add_env_argument(group, "--tls", type=bool, default=False,
+                     help="connect with TLS, trusting the system's CAs unless --tls-ca is given")
+    add_env_argument(group, "--tls-ca", help="PEM CA certificates that issued the gateway's (implies --tls)")
+    add_env_argument(group, "--tls-client-cert", help="PEM certificate to show (mutual TLS; implies --tls)")
+    add_env_argument(group, "--tls-client-key", help="PEM private key of --tls-client-cert")
+    add_env_argument(group, "--tls-server-name",
+                     help="the name the gateway's certificate must carry, when not the target's host")
+
 
 def build_parser() -> argparse.ArgumentParser:
     from services.bench.arguments import PEER_NAMES, add_offline_arguments
@@ -278,12 +380,14 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=None)
     generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     generate.add_argument("--verbose", "-v", action="store_true", help="print the final message (stderr)")
+    _add_client_arguments(generate)
     generate.set_defaults(handler=_generate)
 
     health_cmd = commands.add_parser("health", help="exit 0 when the server's health service says SERVING")
     add_env_argument(health_cmd, "--target", default="127.0.0.1:50051", help="gateway host:port")
     health_cmd.add_argument("--service", default="", help='service name ("" = the whole server)')
     health_cmd.add_argument("--timeout", type=float, default=5.0)
+    _add_client_arguments(health_cmd)
     health_cmd.set_defaults(handler=_health)
 
     bench = commands.add_parser("bench", help="benchmarks")

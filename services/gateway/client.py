@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 import grpc
@@ -12,15 +13,42 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.gateway.api import pb, pb_grpc
 
 
-def channel(target: str) -> grpc.Channel:
-    return grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 16 << 20)])
+@dataclass(frozen=True)
+class Credentials:
+    """What a client shows a gateway: TLS trust (and a certificate, for mutual TLS) and an API key.
+    PEM contents, not paths; `tls` with no root certificates trusts the system's CAs."""
+
+    tls: bool = False
+    root_certificates: bytes | None = None
+    certificate_chain: bytes | None = None
+    private_key: bytes | None = field(default=None, repr=False)
+    server_name: str | None = None  # the name the server's certificate must carry, if not the target's host
+    api_key: str | None = field(default=None, repr=False)
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.api_key}"),) if self.api_key else ()
 
 
-def health_status(target: str, service: str = "", timeout_s: float = 5.0) -> str:
+def channel(target: str, credentials: Credentials = Credentials()) -> grpc.Channel:
+    options: list[tuple[str, Any]] = [("grpc.max_receive_message_length", 16 << 20)]
+    if not credentials.tls:
+        return grpc.insecure_channel(target, options=options)
+    if credentials.server_name:
+        options.append(("grpc.ssl_target_name_override", credentials.server_name))
+    tls = grpc.ssl_channel_credentials(
+        credentials.root_certificates, credentials.private_key, credentials.certificate_chain
+    )
+    return grpc.secure_channel(target, tls, options=options)
+
+
+def health_status(
+    target: str, service: str = "", timeout_s: float = 5.0, credentials: Credentials = Credentials()
+) -> str:
     """The health service's status name for `service` ("" = the server as a whole)."""
-    with channel(target) as ch:
+    with channel(target, credentials) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
-        reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+        request = health_pb2.HealthCheckRequest(service=service)
+        reply = stub.Check(request, timeout=timeout_s, metadata=credentials.metadata())
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
@@ -40,6 +68,7 @@ def stream_to(
     seed: int | None,
     stops: Sequence[str],
     out: TextIO = sys.stdout,
+    credentials: Credentials = Credentials(),
 ) -> Any:
     """Stream one completion's text to `out`; returns the final message."""
     request = pb.GenerateRequest()
@@ -54,8 +83,8 @@ def stream_to(
         request.stopping.max_tokens = max_tokens
     request.stopping.stop.extend(stops)
     final = None
-    with channel(target) as ch:
-        for response in generate(pb_grpc.TextGenerationStub(ch), request):
+    with channel(target, credentials) as ch:
+        for response in generate(pb_grpc.TextGenerationStub(ch), request, metadata=credentials.metadata()):
             if response.HasField("chunk"):
                 out.write(response.chunk.text)
                 out.flush()

@@ -31,6 +31,7 @@ from services.gateway.api import SERVICE_NAME, pb, pb_grpc
 from services.gateway.detokenizer import IncrementalDetokenizer
 from services.gateway.inputs import InvalidRequest, Limits, Prepared, prepare, request_id, tokenize_input
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.security import Access, AccessInterceptor, TlsFiles
 from services.gateway.stop_strings import StopStringMatcher
 from services.gateway.worker_client import WorkerClient
 
@@ -43,6 +44,7 @@ FINISH_REASONS = {
     "aborted": pb.FINISH_REASON_ABORTED,
 }
 HEALTH_SERVICES = ("", SERVICE_NAME)
+HEALTH_SERVICE: str = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
@@ -57,6 +59,9 @@ class GatewaySettings:
     worker_timeout_s: float = 10.0
     resubmit_timeout_s: float = 60.0  # how long streams of a lost worker wait for a new one
     limits: Limits = field(default_factory=Limits)
+    tls: TlsFiles | None = None  # None: plaintext
+    access: Access = field(default_factory=Access)
+    health_port: int | None = None  # a plaintext port serving grpc.health.v1 alone, for probes
 
 
 @dataclass
@@ -148,9 +153,12 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         return facts
 
     async def _abort(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> None:
-        self.metrics.errors.labels(code.name).inc()
-        log.info("request refused", code=code.name, details=details)
+        self.count_refusal(code, details)
         await context.abort(code, details)
+
+    def count_refusal(self, code: grpc.StatusCode, details: str, key: str = "") -> None:
+        self.metrics.errors.labels(code.name).inc()
+        log.info("request refused", code=code.name, details=details, **({"key": key} if key else {}))
 
     async def _stream(
         self,
@@ -352,6 +360,21 @@ def _model_info(model_dir: str, name: str | None) -> tuple[Any, dict[str, Any]]:
     }
 
 
+def _interceptors(access: Access, service: TextGenerationService) -> list[grpc.aio.ServerInterceptor]:
+    if access.keys is None:
+        return []
+    open_services = [HEALTH_SERVICE] if access.open_health else []
+    open_services += [reflection.SERVICE_NAME] if access.open_reflection else []
+    return [
+        AccessInterceptor(
+            access,
+            open_services=open_services,
+            stream_methods=[f"/{SERVICE_NAME}/Generate"],
+            on_refused=service.count_refusal,
+        )
+    ]
+
+
 async def serve(
     model: str | None,
     worker_address: str,
@@ -389,6 +412,7 @@ async def serve(
     )
     service = TextGenerationService(client, tokenizer, info, settings, metrics)
     server = grpc.aio.server(
+        interceptors=_interceptors(settings.access, service),
         options=[
             ("grpc.max_receive_message_length", settings.max_message_bytes),
             ("grpc.max_send_message_length", settings.max_message_bytes),
@@ -401,24 +425,40 @@ async def serve(
     )
     add_service(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-        server,
-    )
+    reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
+    # Probes that cannot do TLS or present a client certificate (Kubernetes' gRPC probes, a compose
+    # healthcheck) get the health service alone on a port of its own.
+    health_server = grpc.aio.server() if settings.health_port is not None else None
+    if health_server is not None:
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        address = f"{host}:{port}"
+        if settings.tls is not None:
+            bound = server.add_secure_port(address, settings.tls.credentials())
+        else:
+            bound = server.add_insecure_port(address)
         if bound == 0:
-            raise OSError(f"cannot listen on {host}:{port}")
+            raise OSError(f"cannot listen on {address}")
+        health_address = f"{host}:{settings.health_port}"
+        if health_server is not None and health_server.add_insecure_port(health_address) == 0:
+            raise OSError(f"cannot listen on {health_address}")
         if metrics_port is not None:
             metrics.serve(metrics_port, host)
     except (RuntimeError, OSError) as exc:
         # A port in use (or not ours to bind) stays so: exit as a configuration error, which a
         # supervisor does not answer with a restart.
-        log.error("cannot listen", host=host, port=port, metrics_port=metrics_port, error=str(exc))
+        log.error("cannot listen", host=host, port=port, metrics_port=metrics_port,
+                  health_port=settings.health_port, error=str(exc))  # fmt: skip
         raise SystemExit(CONFIG_ERROR_EXIT) from None
     await server.start()
+    if health_server is not None:
+        await health_server.start()
     await client.start()
-    log.info("gateway serving", host=host, port=bound, metrics_port=metrics_port, worker=worker_address)
+    if settings.access.keys is not None and settings.tls is None:
+        log.warning("API keys are checked on a plaintext port: they cross the network readable")
+    log.info("gateway serving", host=host, port=bound, metrics_port=metrics_port, worker=worker_address,
+             tls=settings.tls.mode if settings.tls is not None else "off",
+             api_keys=len(settings.access.keys or ()), health_port=settings.health_port)  # fmt: skip
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -435,5 +475,7 @@ async def serve(
     while service.active and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     await server.stop(grace=1.0)
+    if health_server is not None:
+        await health_server.stop(grace=None)
     await client.close()
     log.info("gateway stopped", unfinished=service.active)
