@@ -13,7 +13,7 @@ import re
 import secrets
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,18 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class Stack:
-    def __init__(self, model_dir: Path, log_dir: Path, **settings: Any) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        log_dir: Path,
+        *,
+        up_args: Sequence[str] = (),
+        credentials: grpc.ChannelCredentials | None = None,
+        metadata: Metadata = (),
+        **settings: Any,
+    ) -> None:
+        """`up_args`: more `cbserve up` flags; `credentials` (TLS) and `metadata` (an API key): what
+        the stack's own calls present to a gateway that asks for them."""
         self.model_dir = model_dir
         self.port, self.metrics_port = free_port(), free_port()
         self.target = f"127.0.0.1:{self.port}"
@@ -48,15 +59,19 @@ class Stack:
         env[INTERNAL_KEY_ENV] = self.internal_key
         self._log = self.log_path.open("wb")
         argv = cbserve_argv("up", "--model", str(model_dir), "--port", str(self.port),
-                       "--metrics-port", str(self.metrics_port))  # fmt: skip
+                       "--metrics-port", str(self.metrics_port), *up_args)  # fmt: skip
         self.process = subprocess.Popen(
             argv, env=env, cwd=REPO, stdout=self._log, stderr=self._log, preexec_fn=die_with_parent
         )
-        self.channel = grpc.insecure_channel(self.target)
+        self.metadata = metadata
+        if credentials is None:
+            self.channel = grpc.insecure_channel(self.target)
+        else:
+            self.channel = grpc.secure_channel(self.target, credentials)
         self.stub = pb_grpc.TextGenerationStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.wait_serving()
-        self.info = self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+        self.info = self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10, metadata=metadata)
         self.idle = self.wait_idle()
 
     # ------------------------------------------------------------------------------------ lifecycle
@@ -118,7 +133,7 @@ class Stack:
         return hf_greedy(self.model_dir, prompt_ids, max_new_tokens, eos)
 
     def load(self) -> Any:
-        return self.stub.GetLoad(pb.GetLoadRequest(), timeout=10)
+        return self.stub.GetLoad(pb.GetLoadRequest(), timeout=10, metadata=self.metadata)
 
     def wait_idle(self, timeout_s: float = 30.0) -> Any:
         """The load once nothing runs, waits or holds a block (the idle baseline)."""
@@ -136,10 +151,12 @@ class Stack:
         assert load.kv_blocks_free + load.kv_blocks_cached == load.kv_blocks_total, load
         assert load.swap_slots_used == 0, load
 
-    def generate(self, request: Any, timeout_s: float = 120.0, metadata: Metadata = ()) -> Any:
-        """Run one call to the end; returns (token ids, text, final message, chunk count)."""
+    def generate(self, request: Any, timeout_s: float = 120.0, metadata: Metadata | None = None) -> Any:
+        """Run one call to the end; returns (token ids, text, final message, chunk count). `metadata`
+        replaces the stack's own (its API key, if any)."""
         ids: list[int] = []
         text, final, chunks = [], None, 0
+        metadata = self.metadata if metadata is None else metadata
         for response in self.stub.Generate(request, timeout=timeout_s, metadata=metadata):
             assert final is None, "a message after the final one"
             if response.HasField("chunk"):

@@ -7,6 +7,9 @@
 //   node client.mjs --target HOST:PORT --health       # grpc.health.v1.Health/Check
 //   node client.mjs --target HOST:PORT --model-info   # cbserve.v1.TextGeneration/GetModelInfo
 //
+// Every call sends the --metadata pairs (e.g. `authorization=Bearer KEY`). --tls-ca PEM connects with
+// TLS, trusting that CA; --tls-cert PEM --tls-key PEM add a client certificate (mutual TLS).
+//
 // Generate prints {"token_ids", "text", "final", "chunks", "metadata"}. A gRPC error prints
 // {"error": {"code", "name", "details"}} and still exits 0 (the caller asserts on it). A broken
 // stream shape (not exactly one `final`, or anything after it) or a bad invocation exits non-zero.
@@ -15,6 +18,7 @@
 // with keepCase: false proto-loader uses exactly those names. Unknown keys (e.g. snake_case) are
 // rejected here, since protobufjs would otherwise drop them silently.
 
+import fs from 'node:fs';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { parseArgs } from 'node:util';
@@ -44,6 +48,9 @@ function parseCli(argv) {
       metadata: { type: 'string', multiple: true, default: [] },
       health: { type: 'boolean', default: false },
       'model-info': { type: 'boolean', default: false },
+      'tls-ca': { type: 'string' },
+      'tls-cert': { type: 'string' },
+      'tls-key': { type: 'string' },
     },
     strict: true,
   });
@@ -53,7 +60,19 @@ function parseCli(argv) {
   if (values['deadline-ms'] !== undefined && !/^\d+$/.test(values['deadline-ms'])) {
     throw new UsageError('--deadline-ms takes a non-negative integer');
   }
+  if ((values['tls-cert'] === undefined) !== (values['tls-key'] === undefined)) {
+    throw new UsageError('--tls-cert and --tls-key go together');
+  }
+  if (values['tls-cert'] !== undefined && values['tls-ca'] === undefined) {
+    throw new UsageError('--tls-cert needs --tls-ca');
+  }
   return values;
+}
+
+function credentials(args) {
+  if (args['tls-ca'] === undefined) return grpc.credentials.createInsecure();
+  const read = (file) => (file === undefined ? null : fs.readFileSync(file));
+  return grpc.credentials.createSsl(read(args['tls-ca']), read(args['tls-key']), read(args['tls-cert']));
 }
 
 function loadPackage(protoPath) {
@@ -131,7 +150,7 @@ function grpcError(err) {
 
 function unary(client, method, request, args) {
   return new Promise((resolve, reject) => {
-    client[method](request, new grpc.Metadata(), callOptions(args), (err, reply) =>
+    client[method](request, buildMetadata(args.metadata), callOptions(args), (err, reply) =>
       err ? reject(err) : resolve(reply),
     );
   });
@@ -156,7 +175,7 @@ function checkShape(messages, completed) {
 async function generate(args) {
   const { TextGeneration } = loadPackage(API_PROTO).cbserve.v1;
   const request = parseRequest(args.request, TextGeneration.service.Generate);
-  const client = new TextGeneration(args.target, grpc.credentials.createInsecure());
+  const client = new TextGeneration(args.target, credentials(args));
   const messages = [];
   let initialMetadata = null;
   try {
@@ -188,7 +207,7 @@ async function generate(args) {
 
 async function health(args) {
   const { Health } = loadPackage(HEALTH_PROTO).grpc.health.v1;
-  const client = new Health(args.target, grpc.credentials.createInsecure());
+  const client = new Health(args.target, credentials(args));
   try {
     const reply = await unary(client, 'Check', { service: SERVICE }, args);
     return { status: reply.status };
@@ -201,7 +220,7 @@ async function health(args) {
 
 async function modelInfo(args) {
   const { TextGeneration } = loadPackage(API_PROTO).cbserve.v1;
-  const client = new TextGeneration(args.target, grpc.credentials.createInsecure());
+  const client = new TextGeneration(args.target, credentials(args));
   try {
     return clean(await unary(client, 'GetModelInfo', {}, args));
   } catch (err) {
