@@ -332,8 +332,10 @@ def test_healthchecks_and_startup_order() -> None:
     services = resolved(COMPOSE)["services"]
     gateway = healthcheck_command(services["gateway"])
     assert gateway[:2] == ["cbserve", "health"], "the gateway's health is the stack's (grpc.health.v1)"
+    # It asks the plaintext health port, which answers whatever TLS and keys the public port asks for.
     target = gateway[gateway.index("--target") + 1]
-    assert target.rsplit(":", 1)[1] == flags(services["gateway"]["command"])["--port"]
+    command = flags(services["gateway"]["command"])
+    assert target == f"127.0.0.1:{command['--health-port']}" and command["--health-port"] != command["--port"]
 
     for name in ("cachemgr", "worker"):
         probe = " ".join(healthcheck_command(services[name]))
@@ -357,6 +359,17 @@ def test_healthchecks_and_startup_order() -> None:
     assert services["worker"]["depends_on"]["cachemgr"]["condition"] == "service_healthy"
     assert services["worker"]["depends_on"]["cachemgr"].get("restart") is True
     assert "worker" in services["gateway"]["depends_on"]
+
+
+@pytest.mark.parametrize("files", [(COMPOSE,), (COMPOSE, COMPOSE_GPU)], ids=["cpu", "gpu"])
+def test_the_public_ports_settings_reach_the_gateway_alone(files: tuple[Path, ...]) -> None:
+    public = {"CBSERVE_TLS_CERT", "CBSERVE_TLS_KEY", "CBSERVE_TLS_CLIENT_CA", "CBSERVE_API_KEYS",
+              "CBSERVE_API_KEY_FILE", "CBSERVE_MAX_STREAMS_PER_KEY"}  # fmt: skip
+    services = resolved(*files)["services"]
+    assert public <= set(environment(services["gateway"]))
+    assert "CBSERVE_INTERNAL_KEY" in environment(services["gateway"]), "the shared settings stay merged in"
+    for name in ("worker", "cachemgr"):
+        assert not public & set(environment(services[name])), f"{name} gets the gateway's secrets"
 
 
 def test_gpu_override_reserves_one_gpu_for_worker_and_cachemgr() -> None:
