@@ -38,7 +38,7 @@ def built(kernel: T | None, what: str) -> T:
 @pytest.fixture
 def kernels_off(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setenv(kernels.SWITCH, "0")
-    caches = (kernels.paged_decode_kernel, kernels.packed_linear_ops, kernels.fused_ops)
+    caches = [f for f in vars(kernels).values() if hasattr(f, "cache_clear")]
     for kernel in caches:
         kernel.cache_clear()
     yield
@@ -102,6 +102,65 @@ def test_native_decode_matches_reference(kv: int, group: int, d: int, b: int, so
         torch.testing.assert_close(got, sdpa, rtol=1e-5, atol=1e-5)
 
 
+def causal_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    softcap: float,
+    window: int,
+) -> torch.Tensor:
+    """One request's chunk, plainly: `q [n, H, D]` are the last n of the `k`/`v [L, kv, D]` positions."""
+    n, heads, _ = q.shape
+    length, group = k.shape[0], heads // k.shape[1]
+    k, v = k.repeat_interleave(group, 1).transpose(0, 1), v.repeat_interleave(group, 1).transpose(0, 1)
+    scores = torch.matmul(q.transpose(0, 1), k.transpose(-1, -2)) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    query_pos = torch.arange(length - n, length)[:, None]
+    key_pos = torch.arange(length)[None, :]
+    seen = key_pos <= query_pos
+    if window:
+        seen &= key_pos > query_pos - window
+    scores = scores.masked_fill(~seen, float("-inf"))
+    return torch.matmul(torch.softmax(scores, -1), v).transpose(0, 1)
+
+
+@pytest.mark.parametrize(("softcap", "window"), [(0.0, 0), (20.0, 0), (0.0, 13)])
+@pytest.mark.parametrize(("kv", "group", "d"), [(3, 3, 64), (2, 2, 16), (1, 5, 128), (4, 1, 32)])
+def test_native_prefill_matches_reference(kv: int, group: int, d: int, softcap: float, window: int) -> None:
+    kernel = kernels.paged_prefill_kernel(d)
+    if kernel is None:
+        built(kernels.paged_decode_kernel(), "paged attention")  # a broken build fails here
+        pytest.skip(f"no prefill kernel for head size {d} on this CPU (needs AVX-512)")
+    gen = torch.Generator().manual_seed(d + window)
+    heads, num_slots = kv * group, 600
+    k_cache = torch.randn(num_slots, kv, d, generator=gen)
+    v_cache = torch.randn(num_slots, kv, d, generator=gen)
+    # Chunks across the 16-token query blocks, after earlier context or not, and a lone token.
+    chunks = [(37, 0), (16, 20), (1, 9), (17, 64), (5, 0)]
+    first_rows, lengths, slot_rows, row = [], [], [], 2  # rows 0-1: someone else's (left alone)
+    for n, context in chunks:
+        keys = context + n if not window else min(context + n, n + window - 1)
+        first_rows.append(row)
+        lengths.append(keys)
+        slot_rows.append(torch.randperm(num_slots, generator=gen)[:keys])
+        row += n
+    width = max(lengths)
+    slots = torch.stack([F.pad(s, (0, width - len(s)), value=0) for s in slot_rows])
+    qkv = torch.randn(row, heads * d + 40, generator=gen)
+    q = qkv[:, : heads * d].view(row, heads, d)  # strided rows, as in the fused forward
+    out = torch.full((row, heads, d), 7.0)
+    kernel(
+        q, out, k_cache, v_cache, torch.tensor(first_rows), torch.tensor([n for n, _ in chunks]),
+        slots, torch.tensor(lengths), d**-0.5, softcap, window,
+    )  # fmt: skip
+    assert torch.equal(out[:2], torch.full((2, heads, d), 7.0))
+    for (n, _), first, s in zip(chunks, first_rows, slot_rows, strict=True):
+        want = causal_reference(q[first : first + n], k_cache[s], v_cache[s], d**-0.5, softcap, window)
+        torch.testing.assert_close(out[first : first + n], want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("config_name", ["chunked", "padded"])
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_fallback_path_is_exact(
@@ -111,6 +170,7 @@ def test_fallback_path_is_exact(
     prompts = make_prompts(seed=9)
     with Engine.from_pretrained(model_dir, **CONFIGS[config_name]) as engine:
         assert engine.runner.builder.decode_kernel is None
+        assert engine.runner.builder.prefill_kernel is None
         assert engine.runner.fused is None
         assert not any(isinstance(m, PackedLinear) for m in engine.model.modules())
         assert engine.generate(prompts, 20, ignore_eos=True) == reference(

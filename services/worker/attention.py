@@ -5,11 +5,14 @@ Stock transformers decoders call `paged_attention(module, q, k, v, ...)` for eve
 one sequence (batch axis 1). For each layer we:
 
 1. write the new K/V of every token into its KV slot in the paged pool;
-2. attend the decode rows (one query token each) as one batch over their gathered KV;
-3. attend the prefill chunks (several query tokens each) as one padded batch over their gathered KV.
+2. attend the decode rows (one query token each) as one batch;
+3. attend the prefill chunks (several query tokens each).
 
-So Python work per layer is constant (two attention calls), and attention cost follows the tokens each
-request really reads; there is no mask over the whole packed batch.
+On the CPU in float32 native kernels read each context in place from the pool (csrc/paged_attention.cpp):
+one call for the decode rows, one for all prefill chunks. Elsewhere each row group gathers its
+context into a padded batch and calls SDPA with a mask. Either way Python work per layer is constant,
+and attention cost follows the tokens each request really reads; there is no mask over the whole
+packed batch.
 
 Grouped-query attention is folded into the query axis (`[B, kv_heads, group * q, D]`) so K/V are never
 repeated per query head.
@@ -17,13 +20,13 @@ repeated per query head.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from services.worker.kernels import PagedDecode
+from services.worker.kernels import PagedDecode, PagedPrefill
 
 ATTENTION_NAME = "cbserve_paged"
 
@@ -47,6 +50,23 @@ class RowGroup:
 
 
 @dataclass
+class RaggedPrefill:
+    """Prefill chunks that the native kernel attends in place, with no padding and no mask.
+
+    Request b's query tokens are the packed rows `first_rows[b] .. first_rows[b] + num_queries[b]`; its
+    keys are the first `lengths[b]` entries of `slots[view][b]` (`[B, L]`), the last query token sees
+    them all and each earlier one a key fewer; with a sliding `window` (0: none) only its last
+    `window` keys.
+    """
+
+    first_rows: torch.Tensor
+    num_queries: torch.Tensor
+    lengths: torch.Tensor
+    slots: dict[tuple[int, int], torch.Tensor]
+    window: int
+
+
+@dataclass
 class AttentionBatch:
     """Per-step attention metadata, shared by all layers of the forward.
 
@@ -61,6 +81,8 @@ class AttentionBatch:
     views_of_layer: list[tuple[int, int]]
     kv_of_layer: list[tuple[torch.Tensor, torch.Tensor]]
     decode_kernel: PagedDecode | None = None  # native one-query attention reading the pool in place
+    prefill: dict[int, RaggedPrefill] = field(default_factory=dict)  # per allocator group
+    prefill_kernel: PagedPrefill | None = None
 
 
 def _attend(
@@ -122,6 +144,21 @@ def attend_paged(
             out.index_copy_(0, rg.rows, res)
         else:
             out.index_copy_(0, rg.rows[rg.valid], res[rg.valid])
+    ragged = batch.prefill.get(view[0])
+    if ragged is not None and batch.prefill_kernel is not None:
+        batch.prefill_kernel(
+            q if q.stride(1) == head_dim else q.contiguous(),  # transformers' q is head-major
+            out,
+            k_cache,
+            v_cache,
+            ragged.first_rows,
+            ragged.num_queries,
+            ragged.slots[view],
+            ragged.lengths,
+            scale,
+            softcap or 0.0,
+            ragged.window,
+        )
     return out
 
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from services.common.kv_geometry import PADDING_SLOT, KVGeometry
-from services.worker.attention import AttentionBatch, RowGroup
-from services.worker.kernels import PagedDecode
+from services.worker.attention import AttentionBatch, RaggedPrefill, RowGroup
+from services.worker.kernels import PagedDecode, PagedPrefill
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,11 @@ class ForwardBatch:
 
 def round_up(n: int, interval: int) -> int:
     return -(-n // interval) * interval if interval > 0 else n
+
+
+def first_keys(start: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Position of the first key each request's chunk (starting at `start`) can see."""
+    return (start - window + 1).clamp(min=0) if window is not None else torch.zeros_like(start)
 
 
 # A prefill row group pads every request to its longest query and key lengths; a request joins a
@@ -79,6 +84,7 @@ class BatchBuilder:
         kv_padding: int = 0,
         device: torch.device | str = "cpu",
         decode_kernel: PagedDecode | None = None,
+        prefill_kernel: PagedPrefill | None = None,
     ) -> None:
         self.geometry = geometry
         self.page_size = geometry.page_size
@@ -86,6 +92,7 @@ class BatchBuilder:
         self.query_group = query_group  # query heads per KV head
         self.dtype = dtype
         self.decode_kernel = decode_kernel
+        self.prefill_kernel = prefill_kernel
         self.q_padding = q_padding
         self.kv_padding = kv_padding
         self.device = torch.device(device)
@@ -132,8 +139,12 @@ class BatchBuilder:
 
         decode = [i for i, n in enumerate(lens_list) if n == 1]
         prefill = [i for i, n in enumerate(lens_list) if n > 1]
-        selections = ([decode] if decode else []) + prefill_groups(prefill, lens_list, ends.tolist())
+        ragged = self.prefill_kernel is not None and bool(prefill)
+        selections = [decode] if decode else []
+        if not ragged:
+            selections += prefill_groups(prefill, lens_list, ends.tolist())
         groups: dict[int, list[RowGroup]] = {}
+        prefill_of_group: dict[int, RaggedPrefill] = {}
         for g, window in enumerate(self.windows):
             views = [v for v in self.views if v[0] == g]
             groups[g] = [
@@ -142,6 +153,9 @@ class BatchBuilder:
                 )
                 for sel in selections
             ]
+            if ragged:
+                sel = torch.tensor(prefill, dtype=torch.long)
+                prefill_of_group[g] = self._ragged(sel, starts, ends, offsets, window, views, tables)
         attention = AttentionBatch(
             num_tokens=padded,
             write_slots=write_slots,
@@ -149,6 +163,8 @@ class BatchBuilder:
             views_of_layer=self.views_of_layer,
             kv_of_layer=self.kv_of_layer,
             decode_kernel=self.decode_kernel,
+            prefill=prefill_of_group,
+            prefill_kernel=self.prefill_kernel,
         )
         return ForwardBatch(
             input_ids=self.input_buf[:padded].unsqueeze(0),
@@ -166,6 +182,44 @@ class BatchBuilder:
         table = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
         return table.clamp_(min=0)
 
+    def _slots(
+        self,
+        sel: torch.Tensor,
+        key_pos: torch.Tensor,
+        key_ok: torch.Tensor,
+        views: list[tuple[int, int]],
+        tables: dict[tuple[int, int], torch.Tensor],
+    ) -> dict[tuple[int, int], torch.Tensor]:
+        """Per view, the pool slot `[B, L]` of each key position (the padding slot where not `key_ok`)."""
+        page = self.page_size
+        page_idx = (key_pos // page).clamp(max=tables[views[0]].shape[1] - 1)
+        slots = {}
+        for view in views:
+            chunk = tables[view][sel[:, None], page_idx]
+            slots[view] = torch.where(key_ok, chunk * page + key_pos % page, PADDING_SLOT).to(self.device)
+        return slots
+
+    def _ragged(
+        self,
+        sel: torch.Tensor,
+        starts: torch.Tensor,
+        ends: torch.Tensor,
+        offsets: torch.Tensor,
+        window: int | None,
+        views: list[tuple[int, int]],
+        tables: dict[tuple[int, int], torch.Tensor],
+    ) -> RaggedPrefill:
+        start, end = starts[sel], ends[sel]
+        lo = first_keys(start, window)
+        key_pos = lo[:, None] + torch.arange(int((end - lo).max()))[None, :]
+        return RaggedPrefill(
+            first_rows=offsets[sel].to(self.device),
+            num_queries=(end - start).to(self.device),
+            lengths=(end - lo).to(self.device),
+            slots=self._slots(sel, key_pos, key_pos < end[:, None], views, tables),
+            window=window or 0,
+        )
+
     def _row_group(
         self,
         sel: torch.Tensor,
@@ -176,9 +230,8 @@ class BatchBuilder:
         views: list[tuple[int, int]],
         tables: dict[tuple[int, int], torch.Tensor],
     ) -> RowGroup:
-        page = self.page_size
         start, end, offset = starts[sel], ends[sel], offsets[sel]
-        lo = (start - window + 1).clamp(min=0) if window is not None else torch.zeros_like(start)
+        lo = first_keys(start, window)
         num_q = int((end - start).max())
         kv_len = round_up(int((end - lo).max()), self.kv_padding)
         q_idx = torch.arange(num_q)
@@ -195,13 +248,7 @@ class BatchBuilder:
         # Fold the mask like the queries: row (g, q) of the [group * Q] axis uses query q's mask.
         g = self.query_group
         mask = mask[:, None, None].expand(-1, 1, g, -1, -1).reshape(len(sel), 1, g * num_q, kv_len)
-        page_idx = (key_pos // page).clamp(max=tables[views[0]].shape[1] - 1)
-        slots = {}
-        for view in views:
-            chunk = tables[view][sel[:, None], page_idx]
-            slots[view] = (
-                torch.where(key_ok, chunk * page + key_pos % page, PADDING_SLOT).view(-1).to(self.device)
-            )
+        slots = {view: s.view(-1) for view, s in self._slots(sel, key_pos, key_ok, views, tables).items()}
         all_valid = bool(valid_q.all())
         bias = torch.zeros(mask.shape, dtype=self.dtype).masked_fill_(~mask, float("-inf"))
         return RowGroup(

@@ -30,6 +30,7 @@ SWITCH = "CBSERVE_NATIVE_KERNELS"
 PagedDecode = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float], torch.Tensor
 ]
+PagedPrefill = Callable[..., None]
 
 
 def native_kernels_enabled() -> bool:
@@ -85,12 +86,29 @@ def compiler_available() -> bool:
 
 
 @functools.cache
+def _paged_attention() -> Any:
+    return _build("paged_attention")
+
+
+@functools.cache
 def paged_decode_kernel() -> PagedDecode | None:
     """`paged_decode(q [B, kv, group, D], k_cache [S, kv, D], v_cache, slots [B, L], lengths [B],
     scale, softcap)`: attention of one query token per request over its first `lengths[b]` slots.
     Without it, attention gathers the context and calls SDPA."""
-    module = _build("paged_decode")
+    module = _paged_attention()
     return None if module is None else module.paged_decode
+
+
+@functools.cache
+def paged_prefill_kernel(head_dim: int) -> PagedPrefill | None:
+    """`paged_prefill(q [T, H, D], out, k_cache [S, kv, D], v_cache, first_rows [B], num_queries [B],
+    slots [B, L], lengths [B], scale, softcap, window)`: causal attention of each request's query
+    tokens (packed rows `first_rows[b]` on) over its first `lengths[b]` slots, written into `out`.
+    None where it does not run (no AVX-512, or another head size): prefill then gathers + SDPA."""
+    module = _paged_attention()
+    if module is None or not module.prefill_supports(head_dim):
+        return None
+    return module.paged_prefill
 
 
 class PanelLinear:

@@ -12,7 +12,7 @@ from services.common.kv_geometry import KVGeometry
 from services.worker.attention import ATTENTION_NAME
 from services.worker.batch import BatchBuilder, BatchItem, ForwardBatch
 from services.worker.fused_llama import FusedLlama
-from services.worker.kernels import paged_decode_kernel
+from services.worker.kernels import paged_decode_kernel, paged_prefill_kernel
 from services.worker.packed_linear import pack_linears
 
 
@@ -46,6 +46,7 @@ class ModelRunner:
         kv_of_layer = [
             (kv_pool[p.slot, 0].view(flat), kv_pool[p.slot, 1].view(flat)) for p in geometry.placements
         ]
+        native = self.device.type == "cpu" and kv_pool.dtype == torch.float32
         self.builder = BatchBuilder(
             geometry,
             kv_of_layer,
@@ -55,9 +56,8 @@ class ModelRunner:
             q_padding=config.q_padding_interval_size,
             kv_padding=config.kv_padding_interval_size,
             device=self.device,
-            decode_kernel=paged_decode_kernel()
-            if self.device.type == "cpu" and kv_pool.dtype == torch.float32
-            else None,
+            decode_kernel=paged_decode_kernel() if native else None,
+            prefill_kernel=paged_prefill_kernel(geometry.head_dim) if native else None,
         )
 
     def copy_swap(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]]) -> None:
