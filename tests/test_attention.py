@@ -88,8 +88,16 @@ def test_native_decode_matches_reference(kv: int, group: int, d: int, b: int, so
     v_cache = torch.randn(num_slots, kv, d, generator=gen)
     slots = torch.randint(0, num_slots, (b, length), generator=gen)
     lengths = torch.randint(1, length + 1, (b,), generator=gen)
-    q = torch.randn(b, kv, group, d, generator=gen)
-    got = kernel(q, k_cache, v_cache, slots, lengths, d**-0.5, softcap)
+    # The packed batch: the requests' rows among others (left alone), tokens wider than their heads.
+    width = kv * group * d
+    packed = torch.randn(b + 3, width + 8, generator=gen)[:, :width].view(b + 3, kv * group, d)
+    rows = torch.randperm(b + 3, generator=gen)[:b]
+    out = torch.full(packed.shape, 7.0)
+    kernel(packed, out, rows, k_cache, v_cache, slots, lengths, d**-0.5, softcap)
+    others = torch.ones(b + 3, dtype=torch.bool).index_fill_(0, rows, False)
+    assert torch.equal(out[others], torch.full_like(out[others], 7.0))
+    got = out[rows].view(b, kv, group, d)
+    q = packed[rows].view(b, kv, group, d)
     want = gather_sdpa(q, k_cache, v_cache, slots, lengths, d**-0.5, softcap)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     if not softcap:

@@ -115,6 +115,9 @@ def attend_paged(
     k_cache.index_copy_(0, batch.write_slots[view], key)
     v_cache.index_copy_(0, batch.write_slots[view], value)
 
+    native = batch.decode_kernel is not None or batch.prefill_kernel is not None
+    if native and q.stride(1) != head_dim:
+        q = q.contiguous()  # the native kernels want each token's heads adjacent; transformers' are not
     out = q.new_zeros(q.shape)
     for rg in batch.groups[view[0]]:
         b, kv_len = rg.bias.shape[0], rg.bias.shape[-1]
@@ -122,11 +125,9 @@ def attend_paged(
         slots = rg.slots[view]
         if nq == 1 and batch.decode_kernel is not None:
             # Decode rows: read each context once, in place, instead of gathering a padded copy.
-            qd = q.index_select(0, rg.rows).view(b, kv_heads, group, head_dim)
-            res = batch.decode_kernel(
-                qd, k_cache, v_cache, slots.view(b, kv_len), rg.lengths, scale, softcap or 0.0
+            batch.decode_kernel(
+                q, out, rg.rows, k_cache, v_cache, slots.view(b, kv_len), rg.lengths, scale, softcap or 0.0
             )
-            out.index_copy_(0, rg.rows, res.view(b, num_heads, head_dim))
             continue
         # [B*Q, H, D] -> [B, kv, group*Q, D]: query head h uses kv head h // group.
         # index_select, not advanced indexing: measured 2.3x faster for a 4000-key gather.
@@ -147,7 +148,7 @@ def attend_paged(
     ragged = batch.prefill.get(view[0])
     if ragged is not None and batch.prefill_kernel is not None:
         batch.prefill_kernel(
-            q if q.stride(1) == head_dim else q.contiguous(),  # transformers' q is head-major
+            q,
             out,
             k_cache,
             v_cache,

@@ -27,9 +27,7 @@ log = structlog.get_logger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 SWITCH = "CBSERVE_NATIVE_KERNELS"
 
-PagedDecode = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float], torch.Tensor
-]
+PagedDecode = Callable[..., None]
 PagedPrefill = Callable[..., None]
 
 
@@ -92,9 +90,9 @@ def _paged_attention() -> Any:
 
 @functools.cache
 def paged_decode_kernel() -> PagedDecode | None:
-    """`paged_decode(q [B, kv, group, D], k_cache [S, kv, D], v_cache, slots [B, L], lengths [B],
-    scale, softcap)`: attention of one query token per request over its first `lengths[b]` slots.
-    Without it, attention gathers the context and calls SDPA."""
+    """`paged_decode(q [T, H, D], out, rows [B], k_cache [S, kv, D], v_cache, slots [B, L], lengths [B],
+    scale, softcap)`: attention of one query token per request (packed row `rows[b]`) over its first
+    `lengths[b]` slots, written into `out`. Without it, attention gathers the context and calls SDPA."""
     module = _paged_attention()
     return None if module is None else module.paged_decode
 

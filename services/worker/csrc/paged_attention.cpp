@@ -45,7 +45,7 @@ inline void prefetch_row(const float* row, int64_t bytes) {
 }
 
 struct Task {
-  const float* q;      // [hs, G, D] of this row, contiguous
+  const float* q;      // [hs, G, D] of this row (contiguous: heads are adjacent in a packed row)
   float* out;          // [hs, G, D]
   const float* k;      // this task's first head in key 0 of the pool: key s is k + s * stride
   const float* v;
@@ -287,27 +287,34 @@ TaskFn pick(int64_t D) {
 }
 }  // namespace
 
-torch::Tensor paged_decode(
-    torch::Tensor q,        // [B, kv_heads, group, D] float32, contiguous
+void paged_decode(
+    torch::Tensor q,        // [T, H, D] float32: heads contiguous, any token stride
+    torch::Tensor out,      // [T, H, D]: rows[b] is written for each request, the others left alone
+    torch::Tensor rows,     // [B] int64: the packed row of each request's query token
     torch::Tensor k_cache,  // [S, kv_heads, D] float32, contiguous
     torch::Tensor v_cache,  // [S, kv_heads, D]
     torch::Tensor slots,    // [B, L] int64: the first lengths[b] entries are the keys of request b
     torch::Tensor lengths,  // [B] int64
     double scale,
     double softcap) {       // <= 0: none
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
-              v_cache.dtype() == torch::kFloat32, "float32 only, got ", q.dtype(), " and ", k_cache.dtype());
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && slots.is_contiguous(),
-              "contiguous tensors only");
-  const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3);
-  const int64_t L = slots.size(1);
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && out.dtype() == torch::kFloat32 &&
+              k_cache.dtype() == torch::kFloat32 && v_cache.dtype() == torch::kFloat32,
+              "float32 only, got ", q.dtype(), " and ", k_cache.dtype());
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) && out.sizes() == q.sizes() &&
+              out.stride(2) == 1 && out.stride(1) == out.size(2), "q and out must be [T, H, D] with contiguous heads");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slots.is_contiguous() &&
+              rows.is_contiguous() && lengths.is_contiguous(), "contiguous caches and index tensors only");
+  const int64_t T = q.size(0), D = q.size(2), H = k_cache.size(1);
+  TORCH_CHECK(q.size(1) % H == 0, q.size(1), " query heads do not share ", H, " kv heads");
+  const int64_t G = q.size(1) / H, B = slots.size(0), L = slots.size(1);
   TORCH_CHECK(G <= 64, "at most 64 query heads per kv head, got ", G);
   TORCH_CHECK(H * G <= kMaxRows, "at most ", kMaxRows, " query heads, got ", H * G);
-  TORCH_CHECK(slots.size(0) == B && lengths.numel() == B, "slots and lengths need ", B, " rows");
+  TORCH_CHECK(rows.numel() == B && lengths.numel() == B, "rows and lengths need ", B, " entries");
   const int64_t* lp = lengths.data_ptr<int64_t>();
+  const int64_t* rp = rows.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(lp[b] >= 1 && lp[b] <= L, "request ", b, " reads ", lp[b], " keys of ", L);
-  auto out = torch::empty_like(q);
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= L && rp[b] >= 0 && rp[b] < T, "request ", b, " in row ", rp[b], " of ", T,
+                " reads ", lp[b], " keys of ", L);
   const int threads = at::get_num_threads();
   const int64_t hs = B >= 2 * threads ? H : 1;  // heads per task
   const int64_t parts = H / hs, tasks = B * parts;
@@ -319,8 +326,8 @@ torch::Tensor paged_decode(
     for (int64_t task = next++; task < tasks; task = next++) {
       const int64_t b = task / parts, h0 = (task % parts) * hs;
       const Task t{
-          q.data_ptr<float>() + (b * H + h0) * G * D,
-          out.data_ptr<float>() + (b * H + h0) * G * D,
+          q.data_ptr<float>() + rp[b] * q.stride(0) + h0 * G * D,
+          out.data_ptr<float>() + rp[b] * out.stride(0) + h0 * G * D,
           k_cache.data_ptr<float>() + h0 * D,
           v_cache.data_ptr<float>() + h0 * D,
           slots.data_ptr<int64_t>() + b * L,
@@ -329,7 +336,6 @@ torch::Tensor paged_decode(
       fn(t, scores.data(), part.data());
     }
   });
-  return out;
 }
 
 // ------------------------------------------------------------------------------------------ prefill
