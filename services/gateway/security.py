@@ -23,6 +23,7 @@ import hmac
 import ssl
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -223,8 +224,11 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, details)
             self.streams[label] += 1
             try:
-                async for response in behavior(request, context):
-                    yield response
+                # Closed here, however this generator ends, so that the stream's own clean-up (its
+                # request aborted in the worker) never waits for the garbage collector.
+                async with aclosing(behavior(request, context)) as responses:
+                    async for response in responses:
+                        yield response
             finally:
                 self.streams[label] -= 1
                 if not self.streams[label]:
