@@ -13,6 +13,7 @@ import functools
 import hashlib
 import os
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -60,9 +61,15 @@ def _build(stem: str) -> Any:
         with open(build_dir / "load.flock", "w") as guard:
             fcntl.flock(guard, fcntl.LOCK_EX)
             (build_dir / "lock").unlink(missing_ok=True)
+            # Silent, a first start looked hung: say that a compile is coming and how long it took.
+            built = [so.stat().st_mtime for so in build_dir.glob("*.so")]
+            compiling = not built or max(built) < source.stat().st_mtime
+            if compiling:
+                log.info("compiling native kernel, once per CPU and source (about 10-25 s)", kernel=stem)
+            started = time.monotonic()
             # -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers, serial without it.
             # The extension's libgomp.so.1 resolves to the one torch already loaded: one pool.
-            return load(
+            module = load(
                 name=name,
                 sources=[str(source)],
                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
@@ -70,6 +77,9 @@ def _build(stem: str) -> Any:
                 build_directory=str(build_dir),
                 verbose=False,
             )
+            if compiling:
+                log.info("native kernel compiled", kernel=stem, seconds=round(time.monotonic() - started, 1))
+            return module
     except Exception as exc:  # the fallbacks are exact too: serve on, but a broken build is an error
         if compiler_available():
             log.error("native kernel failed to build, using torch's", kernel=stem, error=str(exc))

@@ -5,13 +5,18 @@
 // reading and writing the whole activation; for SmolLM2 on W1 the norms and rotary alone measured
 // 1.9 s of 27 s. Here each is one loop over the data, parallel over rows. Results equal torch's up to
 // fp32 summation order.
-#include <torch/extension.h>
+// Only the headers used: <torch/extension.h> (all of libtorch's C++ API) tripled the compile time.
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/utils/pybind.h>
 #include <cmath>
 
 namespace {
-void check_rows(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dtype() == torch::kFloat32 && t.dim() == 2 && t.stride(1) == 1, name,
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dtype() == at::kFloat && t.dim() == 2 && t.stride(1) == 1, name,
               " must be float32 [rows, width] with contiguous rows, got ", t.sizes(), " ", t.dtype());
 }
 
@@ -26,10 +31,10 @@ inline void normalize_row(const float* x, const float* w, float* y, int64_t h, f
 }  // namespace
 
 // y = x / rms(x) * weight, per row.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   check_rows(x, "x");
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "weight must be [", x.size(1), "]");
-  auto y = torch::empty({x.size(0), x.size(1)}, x.options());
+  auto y = at::empty({x.size(0), x.size(1)}, x.options());
   const int64_t h = x.size(1), sx = x.stride(0);
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
@@ -41,12 +46,12 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 }
 
 // residual += x (in place); returns rms_norm(residual): a layer's skip connection and the next norm.
-torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+at::Tensor add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
   check_rows(x, "x");
   TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes(), "residual must be contiguous ",
               x.sizes());
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "weight must be [", x.size(1), "]");
-  auto y = torch::empty_like(residual);
+  auto y = at::empty_like(residual);
   const int64_t h = x.size(1), sx = x.stride(0);
   const float* xp = x.data_ptr<float>();
   float* rp = residual.data_ptr<float>();
@@ -68,14 +73,14 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
 // (the query and key heads of a fused q|k|v projection), rotate-half convention:
 // out[i] = x[i] cos[i] - x[i + D/2] sin[i], out[i + D/2] = x[i + D/2] cos[i + D/2] + x[i] sin[i + D/2],
 // with cos/sin [max_positions, D] read at each row's position.
-void rotary_(torch::Tensor x, int64_t num_heads, int64_t head_dim, torch::Tensor cos, torch::Tensor sin,
-             torch::Tensor positions) {
+void rotary_(at::Tensor x, int64_t num_heads, int64_t head_dim, at::Tensor cos, at::Tensor sin,
+             at::Tensor positions) {
   check_rows(x, "x");
   TORCH_CHECK(num_heads * head_dim <= x.size(1) && head_dim % 2 == 0, "bad rotary heads ", num_heads,
               " x ", head_dim, " for rows of ", x.size(1));
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == head_dim &&
                   sin.sizes() == cos.sizes(), "cos/sin must be [positions, ", head_dim, "]");
-  TORCH_CHECK(positions.dtype() == torch::kInt64 && positions.numel() == x.size(0),
+  TORCH_CHECK(positions.dtype() == at::kLong && positions.numel() == x.size(0),
               "positions must be int64 [", x.size(0), "]");
   auto pos = positions.contiguous();
   const int64_t* pp = pos.data_ptr<int64_t>();
@@ -105,11 +110,11 @@ void rotary_(torch::Tensor x, int64_t num_heads, int64_t head_dim, torch::Tensor
 }
 
 // [rows, 2I] (gate | up) -> [rows, I]: silu(gate) * up.
-torch::Tensor silu_mul(torch::Tensor gate_up) {
+at::Tensor silu_mul(at::Tensor gate_up) {
   check_rows(gate_up, "gate_up");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up width must be even, got ", gate_up.size(1));
   const int64_t n = gate_up.size(1) / 2, sx = gate_up.stride(0);
-  auto y = torch::empty({gate_up.size(0), n}, gate_up.options());
+  auto y = at::empty({gate_up.size(0), n}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, gate_up.size(0), 8, [&](int64_t begin, int64_t end) {

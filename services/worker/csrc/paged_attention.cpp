@@ -18,8 +18,13 @@
 //
 // Prefill chunks (paged_prefill, AVX-512 only): several query tokens per request, each attending
 // causally (and within a sliding window, if any) to the keys before it. See the second half.
-#include <torch/extension.h>
+// Only the headers used: <torch/extension.h> (all of libtorch's C++ API) tripled the compile time.
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/utils/pybind.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -288,17 +293,17 @@ TaskFn pick(int64_t D) {
 }  // namespace
 
 void paged_decode(
-    torch::Tensor q,        // [T, H, D] float32: heads contiguous, any token stride
-    torch::Tensor out,      // [T, H, D]: rows[b] is written for each request, the others left alone
-    torch::Tensor rows,     // [B] int64: the packed row of each request's query token
-    torch::Tensor k_cache,  // [S, kv_heads, D] float32, contiguous
-    torch::Tensor v_cache,  // [S, kv_heads, D]
-    torch::Tensor slots,    // [B, L] int64: the first lengths[b] entries are the keys of request b
-    torch::Tensor lengths,  // [B] int64
+    at::Tensor q,        // [T, H, D] float32: heads contiguous, any token stride
+    at::Tensor out,      // [T, H, D]: rows[b] is written for each request, the others left alone
+    at::Tensor rows,     // [B] int64: the packed row of each request's query token
+    at::Tensor k_cache,  // [S, kv_heads, D] float32, contiguous
+    at::Tensor v_cache,  // [S, kv_heads, D]
+    at::Tensor slots,    // [B, L] int64: the first lengths[b] entries are the keys of request b
+    at::Tensor lengths,  // [B] int64
     double scale,
     double softcap) {       // <= 0: none
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && out.dtype() == torch::kFloat32 &&
-              k_cache.dtype() == torch::kFloat32 && v_cache.dtype() == torch::kFloat32,
+  TORCH_CHECK(q.dtype() == at::kFloat && out.dtype() == at::kFloat &&
+              k_cache.dtype() == at::kFloat && v_cache.dtype() == at::kFloat,
               "float32 only, got ", q.dtype(), " and ", k_cache.dtype());
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) && out.sizes() == q.sizes() &&
               out.stride(2) == 1 && out.stride(1) == out.size(2), "q and out must be [T, H, D] with contiguous heads");
@@ -501,19 +506,19 @@ PrefillFn pick_prefill(int64_t D) {
 bool prefill_supports(int64_t head_dim) { return pick_prefill(head_dim) != nullptr; }
 
 void paged_prefill(
-    torch::Tensor q,           // [T, H, D] float32: heads contiguous, any token stride
-    torch::Tensor out,         // [T, H, D]: the requests' rows are written, the others left alone
-    torch::Tensor k_cache,     // [S, kv_heads, D], contiguous
-    torch::Tensor v_cache,
-    torch::Tensor first_rows,  // [B] int64: packed row of each request's first query token
-    torch::Tensor num_queries, // [B]
-    torch::Tensor slots,       // [B, L]: the first lengths[b] are the keys request b's chunk reads
-    torch::Tensor lengths,     // [B]: its last query token sees them all, each earlier one fewer
+    at::Tensor q,           // [T, H, D] float32: heads contiguous, any token stride
+    at::Tensor out,         // [T, H, D]: the requests' rows are written, the others left alone
+    at::Tensor k_cache,     // [S, kv_heads, D], contiguous
+    at::Tensor v_cache,
+    at::Tensor first_rows,  // [B] int64: packed row of each request's first query token
+    at::Tensor num_queries, // [B]
+    at::Tensor slots,       // [B, L]: the first lengths[b] are the keys request b's chunk reads
+    at::Tensor lengths,     // [B]: its last query token sees them all, each earlier one fewer
     double scale,
     double softcap,            // <= 0: none
     int64_t window) {          // > 0: a query sees only its last `window` keys
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && out.dtype() == torch::kFloat32 &&
-              k_cache.dtype() == torch::kFloat32 && v_cache.dtype() == torch::kFloat32,
+  TORCH_CHECK(q.dtype() == at::kFloat && out.dtype() == at::kFloat &&
+              k_cache.dtype() == at::kFloat && v_cache.dtype() == at::kFloat,
               "float32 only, got ", q.dtype(), " and ", k_cache.dtype());
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) && out.sizes() == q.sizes() &&
               out.stride(2) == 1 && out.stride(1) == out.size(2), "q and out must be [T, H, D] with contiguous heads");
