@@ -804,15 +804,11 @@ class WorkerModel(RuleBasedStateMachine):
         assert len(set(out_slots)) == len(out_slots)
         victims_chunks = {c for rid in grant.offloaded for t in old_tables[rid] for c in t if c >= 0}
         assert {c for c, _ in grant.swap_out} <= victims_chunks
-        # KNOWN BUG (test_swap_slot_freed_by_a_restore_is_not_reused_by_an_offload_in_the_same_step):
-        # a slot given back by a restore can be a swap_out target in the same step. Reading swap_in
-        # sources from the slots as they were before this step's swap_out sidesteps it here, so the rest
-        # of the model keeps checking; for a correct BlockManager both orders give the same bytes.
-        swap_before = {s: list(v) for s, v in self.swap_kv.items()}
+        # As the worker orders them: every swap_out copy, then every swap_in copy.
         for chunk, slot in grant.swap_out:
             self.swap_kv[slot] = list(self.kv[chunk])
         for slot, chunk in grant.swap_in:
-            self.kv[chunk] = list(swap_before[slot])
+            self.kv[chunk] = list(self.swap_kv[slot])
         for rid in grant.offloaded:
             r = self.reqs[rid]
             r.state, r.tables = "offloaded", None
@@ -971,6 +967,9 @@ class WorkerModel(RuleBasedStateMachine):
             r = self.reqs[rid]
             for g, slots in enumerate(bm.swap.held[rid]):
                 k = bm.allocators[g].k
+                # A page no later step can see is not saved: it would cost a chunk at the restore.
+                dead = self.first_live(g, r.computed) // P * k
+                assert all(s < 0 for s in slots[:dead]), f"{rid}: swap keeps pages out of the window"
                 for pos in range(self.first_live(g, r.computed), r.computed):
                     for j in range(k):
                         slot = slots[pos // P * k + j]
@@ -995,20 +994,13 @@ class WorkerModel(RuleBasedStateMachine):
         assert bm.requests == {} and all(a.tables == {} for a in bm.allocators)
 
     def drain(self) -> None:
-        """Liveness: plan every request in arrival order with the largest chunk until all finish.
-
-        Restores ask one token (KNOWN BUG, test_sliding_restore_fits_in_an_empty_pool: a sliding restore
-        with a full-size chunk may never fit)."""
+        """Liveness: plan every request in arrival order with the largest chunk until all finish."""
         idle = 0
         for _ in range(1000):
             pending = sorted(self.live(), key=lambda r: r.arrival)
             if not pending:
                 return
-            chosen = []
-            for r in pending:
-                available = len(r.tokens) - r.computed
-                n = 1 if r.state == "offloaded" else min(available, self.max_step)
-                chosen.append((r, n))
+            chosen = [(r, min(len(r.tokens) - r.computed, self.max_step)) for r in pending]
             grant = self.run_step(chosen, None)
             if grant.granted or grant.soft_reset or grant.offloaded or grant.rejected:
                 idle = 0
