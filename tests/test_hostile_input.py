@@ -36,7 +36,7 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 from transformers import AutoConfig
 
-from services.cachemgr.block_manager import BlockManager
+from services.cachemgr.block_manager import BlockManager, CacheState
 from services.cachemgr.kv_cache import KVCache
 from services.cachemgr.server import CacheServer
 from services.common.config import CBConfig
@@ -697,10 +697,10 @@ CACHE_KEY = "in-process"
 @pytest.fixture(scope="module")
 def cache_servers(tiny_models: Callable[[str], Path]) -> Callable[[], AbstractContextManager[CacheServer]]:
     """New CacheServers exactly as the cachemgr runs them (shared memory), without the socket loop.
-    Their pool is small (8 chunks of 8 tokens, 5 swap slots) so fuzzed plans block, offload and
+    Their pool is small (8 chunks of 4 tokens, 5 swap slots) so fuzzed plans block, offload and
     restore; each fuzzed example gets its own, so that replaying an example replays its states."""
     model_config = AutoConfig.from_pretrained(tiny_models("llama"))
-    config = CBConfig(page_size=8, num_blocks=8, max_batch_tokens=24, cpu_offload_space=2e-5)
+    config = CBConfig(page_size=4, num_blocks=8, max_batch_tokens=24, cpu_offload_space=1e-5)
 
     @contextmanager
     def make() -> Iterator[CacheServer]:
@@ -795,6 +795,14 @@ def test_fuzzed_step_plans_are_served_whole_or_refused_whole(
                 else:
                     seen["refused"] += isinstance(reply, Failure)
                     assert state_of(bm) == before, reply
+                assert_accounted(bm)
+            # The others finish and the offloaded requests come back, as a worker would have them.
+            back = [r for r in bm.requests.values() if r.state is CacheState.OFFLOADED]
+            if back:
+                entries = [PlanEntry(r.request_id, 1, [] if r.num_computed < len(r.token_ids) else [0], 0)
+                           for r in back]  # fmt: skip
+                others = [rid for rid, r in bm.requests.items() if r.state is not CacheState.OFFLOADED]
+                assert isinstance(server.handle(b"peer", encode(StepPlan(99, entries, others))), StepGrant)
                 assert_accounted(bm)
             seen.update(offloads=bm.stats.offloads, restores=bm.stats.swap_restores)
 
