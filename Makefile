@@ -25,12 +25,27 @@ model: $(STAMP)
 serve: model
 	$(BIN)/cbserve up
 
+# Hypothesis tests replay fixed examples in every run; `make fuzz` (the end of `make test`) and
+# `make test-slow` draw fresh ones from this seed, printed first: `make fuzz SEED=...` replays a failure.
+ifndef SEED
+SEED := $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
+endif
+FRESH := --hypothesis-profile=fresh --hypothesis-seed=$(SEED)
+.PHONY: fuzz
+
 test: model
 	$(BIN)/ruff check services tests
 	$(BIN)/pytest -q
+	@$(MAKE) --no-print-directory fuzz SEED=$(SEED)
+
+# The quick hypothesis tests once more, on fresh examples (about a minute).
+fuzz: model
+	@echo "hypothesis: fresh examples from seed $(SEED) (replay: make fuzz SEED=$(SEED))"
+	$(BIN)/pytest -q -m "fuzz and not slow" $(FRESH)
 
 test-slow: model
-	$(BIN)/pytest -q -m slow
+	@echo "hypothesis: fresh examples from seed $(SEED) (replay: make test-slow SEED=$(SEED))"
+	$(BIN)/pytest -q -m slow $(FRESH)
 
 # The long soak: thousands of mixed requests (normal, cancelled, expired, stop strings, bad).
 soak: model

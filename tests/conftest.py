@@ -1,4 +1,5 @@
-"""Session-wide fixtures: tiny random models per family and the converted default model."""
+"""Session-wide fixtures (tiny random models per family, the converted default model, the stacks)
+and the hypothesis profiles."""
 
 from __future__ import annotations
 
@@ -12,10 +13,21 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+from hypothesis.database import DirectoryBasedExampleDatabase
 
 from services.common.model_source import prepare_default_model
-from tests.stack import Stack
+from tests.stack import REPO, Stack
 from tests.tiny_models import tiny_model_dir
+
+# `pytest` replays the same examples on every machine and every run, so a red run is never luck.
+settings.register_profile("fixed", derandomize=True, database=None)
+# `make fuzz` (part of `make test`) draws new ones from the seed it prints (--hypothesis-seed); a
+# failing example is also kept in the git-ignored .hypothesis/, and the next fresh run tries it first.
+settings.register_profile(
+    "fresh", derandomize=False, database=DirectoryBasedExampleDatabase(REPO / ".hypothesis" / "examples")
+)
+settings.load_profile("fixed")  # --hypothesis-profile, when given, is loaded after this
 
 
 @pytest.fixture(scope="session")

@@ -1013,10 +1013,10 @@ class WorkerModel(RuleBasedStateMachine):
 STATEFUL_SETTINGS = dict(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-    derandomize=True,
 )
 
 
+@pytest.mark.fuzz
 @pytest.mark.parametrize("swap_pages", [0, 3, 64], ids=["no-swap", "small-swap", "swap"])
 @pytest.mark.parametrize(
     "geometry", [FULL, SLIDING, HYBRID, HYBRID_3], ids=["full", "sliding", "hybrid", "hybrid-3chunk"]
@@ -1028,6 +1028,7 @@ def test_worker_model(geometry: KVGeometry, swap_pages: int) -> None:
     )
 
 
+@pytest.mark.fuzz
 def test_worker_model_without_sharing() -> None:
     run_state_machine_as_test(
         lambda: WorkerModel(FULL, 64, sharing=False),
@@ -1036,6 +1037,7 @@ def test_worker_model_without_sharing() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.fuzz
 @pytest.mark.parametrize("swap_pages", [0, 3, 64], ids=["no-swap", "small-swap", "swap"])
 @pytest.mark.parametrize(
     "geometry", [FULL, SLIDING, HYBRID, HYBRID_3], ids=["full", "sliding", "hybrid", "hybrid-3chunk"]
@@ -1043,10 +1045,5 @@ def test_worker_model_without_sharing() -> None:
 def test_worker_model_long(geometry: KVGeometry, swap_pages: int) -> None:
     run_state_machine_as_test(
         lambda: WorkerModel(geometry, swap_pages),
-        settings=settings(
-            max_examples=200,
-            stateful_step_count=80,
-            deadline=None,
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-        ),
+        settings=settings(max_examples=200, stateful_step_count=80, **STATEFUL_SETTINGS),
     )

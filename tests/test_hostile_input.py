@@ -1,10 +1,11 @@
 """Hostile input never crashes a process, leaks a block, hangs a stream or executes anything.
 
-1. Property-based fuzzing (hypothesis, derandomized) of `GenerateRequest` over real gRPC, on the tiny
-   stack (no tokenizer) and the SmolLM2 stack (tokenizer and chat template). Every field is unset,
-   valid or definitely invalid; a request whose fields are all valid must succeed, one with an invalid
-   field must get INVALID_ARGUMENT, and no other code comes back (RESOURCE_EXHAUSTED only for gRPC's
-   metadata size limit). Afterwards the stack is SERVING, idle, and exact for a normal request.
+1. Property-based fuzzing (hypothesis: fixed examples, then fresh ones in `make fuzz`) of
+   `GenerateRequest` over real gRPC, on the tiny stack (no tokenizer) and the SmolLM2 stack (tokenizer
+   and chat template). Every field is unset, valid or definitely invalid; a request whose fields are
+   all valid must succeed, one with an invalid field must get INVALID_ARGUMENT, and no other code
+   comes back (RESOURCE_EXHAUSTED only for gRPC's metadata size limit). Afterwards the stack is
+   SERVING, idle, and exact for a normal request.
 2. Garbage and foreign messages on the internal ZMQ sockets (the cachemgr's and the worker's ROUTER)
    are dropped with a "dropped ..." warning; a peer without the stack's internal key is refused;
    well-formed but bad requests from a fake gateway that holds the key (a buggy or compromised
@@ -403,8 +404,6 @@ def check_case(stack: Stack, case: Case) -> None:
 
 
 FUZZ = {
-    "derandomize": True,
-    "database": None,
     "deadline": None,
     "print_blob": False,
     "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],
@@ -424,10 +423,12 @@ def fuzz(stack: Stack, max_examples: int) -> None:
     assert_sound(stack, before)
 
 
+@pytest.mark.fuzz
 def test_fuzzed_generate_requests_on_the_tiny_stack(tiny_stack: Stack) -> None:
     fuzz(tiny_stack, max_examples=60)
 
 
+@pytest.mark.fuzz
 def test_fuzzed_generate_requests_on_the_smol_stack(smol_stack: Stack) -> None:
     fuzz(smol_stack, max_examples=45)
 
@@ -643,6 +644,7 @@ def fake_requests(draw: st.DrawFn, vocab: int) -> NewRequest:
     )
 
 
+@pytest.mark.fuzz
 def test_fuzzed_requests_of_a_fake_gateway_are_refused_or_served(
     tiny_stack: Stack, zmq_context: zmq.Context
 ) -> None:
@@ -769,6 +771,7 @@ def assert_accounted(bm: BlockManager) -> None:
     assert not bm.swap.draining, bm.swap.draining
 
 
+@pytest.mark.fuzz
 def test_fuzzed_step_plans_are_served_whole_or_refused_whole(
     cache_servers: Callable[[], AbstractContextManager[CacheServer]],
 ) -> None:

@@ -104,7 +104,8 @@ def naive_hold(seen: str, stops: Sequence[str]) -> int:
 ALPHABET = "ab é世🎉"
 
 
-@settings(max_examples=300, derandomize=True, deadline=None)
+@pytest.mark.fuzz
+@settings(max_examples=300, deadline=None)
 @given(
     text=st.text(alphabet=ALPHABET, max_size=30),
     stops=st.lists(st.text(alphabet=ALPHABET, min_size=1, max_size=4), max_size=3),
