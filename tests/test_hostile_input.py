@@ -396,9 +396,14 @@ def check_case(stack: Stack, case: Case) -> None:
     if code != OK:
         return
     assert final is not None, "stream ended without a final message"
-    max_tokens = case.request.stopping.max_tokens
-    assert final.usage.completion_tokens <= max_tokens
-    assert len(ids) <= max_tokens and all(0 <= t < stack.vocab_size for t in ids)
+    stopping, output, usage = case.request.stopping, case.request.output, final.usage
+    assert usage.completion_tokens <= stopping.max_tokens
+    if output.token_ids or not output.HasField("token_ids"):  # ids are streamed unless turned off
+        assert usage.completion_tokens == len(ids)
+    assert all(0 <= t < stack.vocab_size for t in ids)
+    # Before min_tokens, EOS and stop token ids are held back; only a stop string ends a stream sooner.
+    if not final.stop_sequence:
+        assert usage.completion_tokens >= stopping.min_tokens, final
     if case.request.request_id:
         assert final.request_id == case.request.request_id
 
