@@ -68,6 +68,7 @@ class Load(msgspec.Struct, frozen=True):
     prefix_cache_hits: int = 0
     offloads: int = 0
     soft_resets: int = 0
+    swap_restores: int = 0
     steps: int = 0
     # Bookkeeping that must drain to zero when idle (checked by the soak test, exported as metrics).
     worker_streams: int = 0  # requests the worker tracks on behalf of gateways

@@ -403,6 +403,7 @@ class WorkerServer:
             prefix_cache_hits=stats["prefix_hit_tokens"],
             offloads=stats["offloads"],
             soft_resets=stats["soft_resets"],
+            swap_restores=stats["swap_restores"],
             steps=stats["steps"],
             worker_streams=len(self.tracked),
             cache_requests=stats["requests_known"],
