@@ -31,10 +31,31 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # Several prompts in flight at once, each capped at 7 tokens a step: ragged chunks of every size.
     "chunked": {"num_blocks": 256, "max_batch_tokens": 16, "long_prefill_token_threshold": 7},
     "prefill_first": {"num_blocks": 256, "max_batch_tokens": 24, "scheduler_type": "prefill_first"},
-    "padded": {"num_blocks": 256, "q_padding_interval_size": 16, "kv_padding_interval_size": 8},
+    # KV lengths padded to 16, not 8: with 8 Mistral's sliding layers never pad (its window, 24, is a
+    # multiple of 8 and is what a long context reads).
+    "padded": {"num_blocks": 256, "q_padding_interval_size": 16, "kv_padding_interval_size": 16},
     "swap": {"page_size": 8, "cpu_offload_space": 0.01},
     "soft_reset": {"page_size": 8, "max_batch_tokens": 32},
 }
+
+
+# What the batches of a configuration must show (BatchBuilder's counts): outputs that match prove
+# nothing about chunking or padding if none happened. "roomy" must show none of them.
+SHAPED = {
+    "chunked": ("prompt_chunks",),
+    "prefill_first": ("prompt_chunks",),
+    "padded": ("padded_queries", "padded_keys"),
+    "prefill_first_padded": ("prompt_chunks", "padded_queries", "padded_keys"),
+}
+
+
+def assert_shaped(engine: Engine, config_name: str) -> None:
+    builder = engine.runner.builder
+    counts = {n: getattr(builder, n) for n in ("prompt_chunks", "padded_queries", "padded_keys")}
+    if config_name == "roomy":
+        assert not any(counts.values()), counts
+    for name in SHAPED.get(config_name, ()):
+        assert counts[name] > 0, (config_name, counts)
 
 
 def reference_attn(family: str) -> str:
@@ -94,6 +115,7 @@ def test_tiny_family_matches_generate(
             assert stats["offloads"] > 0 and stats["swap_restores"] > 0, stats
         if config_name == "soft_reset":
             assert stats["soft_resets"] > 0, stats
+        assert_shaped(engine, config_name)
         assert_no_leak(engine)
 
 
@@ -186,4 +208,5 @@ def test_smollm2_chat_matches_generate(
             assert stats["swap_restores"] > 0, stats
         if config_name == "soft_reset":
             assert stats["soft_resets"] > 0, stats
+        assert_shaped(engine, config_name)
         assert_no_leak(engine)

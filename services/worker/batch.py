@@ -103,6 +103,11 @@ class BatchBuilder:
         capacity = round_up(max_batch_tokens, q_padding)
         self.input_buf = torch.zeros(capacity, dtype=torch.long, device=self.device)
         self.position_buf = torch.zeros(capacity, dtype=torch.long, device=self.device)
+        # Since start: outputs match with or without chunking and padding, so these counts are how a
+        # test (tests/test_engine_parity.py) knows that a configuration chunked or padded at all.
+        self.prompt_chunks = 0  # items computing part of a prompt, short of its last token
+        self.padded_queries = 0  # positions q padding added to the packed batch
+        self.padded_keys = 0  # key positions kv padding added, summed over row groups
 
     def build(self, items: Sequence[BatchItem]) -> ForwardBatch:
         dev = self.device
@@ -113,6 +118,8 @@ class BatchBuilder:
             raise ValueError(
                 f"batch of {num_tokens} tokens exceeds the static buffer {self.input_buf.numel()}"
             )
+        self.prompt_chunks += sum(1 for it in items if not it.sample)
+        self.padded_queries += padded - num_tokens
         flat_ids = [t for it in items for t in it.token_ids]
         starts = torch.tensor([it.start for it in items], dtype=torch.long)
         lens = torch.tensor(lens_list, dtype=torch.long)
@@ -233,7 +240,9 @@ class BatchBuilder:
         start, end, offset = starts[sel], ends[sel], offsets[sel]
         lo = first_keys(start, window)
         num_q = int((end - start).max())
-        kv_len = round_up(int((end - lo).max()), self.kv_padding)
+        longest = int((end - lo).max())
+        kv_len = round_up(longest, self.kv_padding)
+        self.padded_keys += kv_len - longest
         q_idx = torch.arange(num_q)
         valid_q = q_idx[None, :] < (end - start)[:, None]  # [B, Q]
         rows = torch.where(valid_q, offset[:, None] + q_idx[None, :], 0).reshape(-1)
