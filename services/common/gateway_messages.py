@@ -86,6 +86,7 @@ class WorkerFacts(msgspec.Struct, frozen=True):
     dtype: str
     device: str
     max_logprobs: int
+    kv_bytes: int = 0  # the KV pool's size in memory (0: not reported)
 
 
 class WorkerStatus(msgspec.Struct, frozen=True):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 MAX_TOKENS = 2**31 - 1  # bounds every token count that crosses a process boundary
 
@@ -34,29 +36,36 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def validate(self, vocab_size: int) -> None:
-        """Raise ValueError naming the offending field and value."""
+    def validate(self, vocab_size: int, names: Mapping[str, str] = MappingProxyType({})) -> None:
+        """Raise ValueError naming the offending field and value; `names` maps fields to the names the
+        caller knows them by (the gateway's API names its fields otherwise)."""
+
+        def n(field: str) -> str:
+            return names.get(field, field)
+
         if not 0.0 <= self.temperature <= 100.0:
-            raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
+            raise ValueError(f"{n('temperature')} must be in [0, 100], got {self.temperature!r}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k!r}")
+            raise ValueError(f"{n('top_k')} must be >= 0, got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise ValueError(f"{n('top_p')} must be in (0, 1], got {self.top_p!r}")
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+            raise ValueError(f"{n('min_p')} must be in [0, 1], got {self.min_p!r}")
         if not 0.0 < self.repetition_penalty <= 10.0:
-            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+            raise ValueError(f"{n('repetition_penalty')} must be in (0, 10], got {self.repetition_penalty!r}")
         if not 1 <= self.max_new_tokens <= MAX_TOKENS:
-            raise ValueError(f"max_new_tokens must be in [1, {MAX_TOKENS}], got {self.max_new_tokens!r}")
+            raise ValueError(
+                f"{n('max_new_tokens')} must be in [1, {MAX_TOKENS}], got {self.max_new_tokens!r}"
+            )
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise ValueError(
-                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
+                f"{n('min_new_tokens')} must be in [0, {n('max_new_tokens')}={self.max_new_tokens}], "
                 f"got {self.min_new_tokens!r}"
             )
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(f"stop_token_ids out of vocabulary (size {vocab_size}): {bad}")
+            raise ValueError(f"{n('stop_token_ids')} out of vocabulary (size {vocab_size}): {bad}")
         if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs!r}")
+            raise ValueError(f"{n('logprobs')} must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs!r}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed!r}")
+            raise ValueError(f"{n('seed')} must be in [0, 2**63), got {self.seed!r}")

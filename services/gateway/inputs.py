@@ -99,6 +99,36 @@ def tokenize_input(request: Any, tokenizer: Any, facts: WorkerFacts, limits: Lim
     return [int(t) for t in ids]
 
 
+def detokenize_input(request: Any, tokenizer: Any, facts: WorkerFacts) -> list[int]:
+    """The token ids of a DetokenizeRequest, checked against the vocabulary and a request's size."""
+    if tokenizer is None:
+        raise InvalidRequest("detokenizing needs a tokenizer and this model has none")
+    ids = list(request.token_ids)
+    if len(ids) > facts.max_request_tokens:
+        raise InvalidRequest(
+            f"{len(ids)} token ids; at most {facts.max_request_tokens} (a request's tokens) decode at once"
+        )
+    bad = [t for t in ids if not 0 <= t < facts.vocab_size]
+    if bad:
+        raise InvalidRequest(f"token ids out of vocabulary [0, {facts.vocab_size}): {bad[:8]}")
+    return ids
+
+
+# SamplingParams' fields under the names a client sets them by (errors name what the client sent).
+API_NAMES = {
+    "temperature": "sampling.temperature",
+    "top_k": "sampling.top_k",
+    "top_p": "sampling.top_p",
+    "min_p": "sampling.min_p",
+    "repetition_penalty": "sampling.repetition_penalty",
+    "seed": "sampling.seed",
+    "max_new_tokens": "stopping.max_tokens",
+    "min_new_tokens": "stopping.min_tokens",
+    "stop_token_ids": "stopping.stop_token_ids",
+    "logprobs": "output.logprobs",
+}
+
+
 def prepare(request: Any, tokenizer: Any, facts: WorkerFacts, limits: Limits) -> Prepared:
     prompt = tokenize_input(request, tokenizer, facts, limits)
     room = facts.max_request_tokens - len(prompt)
@@ -115,7 +145,7 @@ def prepare(request: Any, tokenizer: Any, facts: WorkerFacts, limits: Limits) ->
         max_tokens = stop.max_tokens
         if len(prompt) + max_tokens > facts.max_request_tokens:
             raise InvalidRequest(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                f"prompt ({len(prompt)} tokens) + stopping.max_tokens ({max_tokens}) exceeds the "
                 f"{facts.max_request_tokens} tokens a request may hold"
             )
     else:
@@ -150,7 +180,7 @@ def prepare(request: Any, tokenizer: Any, facts: WorkerFacts, limits: Limits) ->
             stop_token_ids=tuple(stop.stop_token_ids),
             logprobs=out.logprobs if out.HasField("logprobs") else None,
         )
-        params.validate(facts.vocab_size)
+        params.validate(facts.vocab_size, API_NAMES)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from exc
     return Prepared(

@@ -4,14 +4,30 @@ Per-request figures (TTFT, inter-token latency, end-to-end latency, queue time, 
 by the gateway as streams progress; the step profile arrives with the worker's step messages; load
 figures (requests, KV usage, prefix cache, offloads) are read from the worker's latest status at
 scrape time, so they never go stale between scrapes.
+
+The HTTP port serves `/metrics` and, for load balancers that cannot speak gRPC health, `/health`
+(200 SERVING or 503 NOT_SERVING, as grpc.health.v1 says); every other path is 404. Counters carry
+no `_created` twin series, which doubled every counter and histogram for a start time that
+`cbserve:build_info` and the process's own start already give. `cbserve:model_info` names the model
+(its `model_name` label) for dashboards that join on it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import platform
+import socket
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import metadata
+from types import MappingProxyType
+from typing import Any
+from urllib.parse import urlsplit
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from services.common.gateway_messages import Load, StepTimes
@@ -20,17 +36,52 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 
 STEP_PHASES = ("schedule", "cache", "build", "forward", "sample", "emit")
 
 
+def _version(distribution: str) -> str:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _info(name: str, doc: str, labels: Mapping[str, str]) -> GaugeMetricFamily:
+    """An info metric: a constant 1 whose labels carry the facts."""
+    family = GaugeMetricFamily(name, doc, labels=list(labels))
+    family.add_metric(list(labels.values()), 1)
+    return family
+
+
 class _LoadCollector(Collector):
     def __init__(
-        self, load: Callable[[], Load], recovery: Callable[[], tuple[int, int]], streams: Callable[[], int]
+        self,
+        load: Callable[[], Load],
+        recovery: Callable[[], tuple[int, int]],
+        streams: Callable[[], int],
+        queue: Callable[[], tuple[int, int]],
+        model: Mapping[str, str],
     ) -> None:
         self._load = load
         self._recovery = recovery
         self._streams = streams
+        self._queue = queue
+        self._build = {
+            "version": _version("cbserve"),
+            "python": platform.python_version(),
+            "torch": _version("torch"),
+            "transformers": _version("transformers"),
+        }
+        self._model = dict(model)
 
     def collect(self) -> Iterable[Metric]:
+        yield _info("cbserve:build_info", "Versions of cbserve and of what it runs on.", self._build)
+        if self._model:
+            yield _info("cbserve:model_info", "The served model.", self._model)
         yield GaugeMetricFamily("cbserve:gateway_streams", "Generate streams the gateway holds.",
                                 value=self._streams())  # fmt: skip
+        waiting, limit = self._queue()
+        yield GaugeMetricFamily("cbserve:gateway_waiting_streams",
+                                "Generate streams waiting for their first token.", value=waiting)  # fmt: skip
+        yield GaugeMetricFamily("cbserve:max_queue_size", "Waiting streams beyond which calls get "
+                                "RESOURCE_EXHAUSTED (--max-queue-size).", value=limit)  # fmt: skip
         resubmitted, recomputed = self._recovery()
         yield CounterMetricFamily(
             "cbserve:resubmitted_requests",
@@ -73,14 +124,21 @@ class _LoadCollector(Collector):
 
 class GatewayMetrics:
     """`load`: the worker's latest load; `recovery`: (requests re-submitted, tokens they recomputed);
-    `streams`: the gateway's open streams."""
+    `streams`: the gateway's open streams; `queue`: (streams waiting for a first token, their limit);
+    `model`: the labels of `cbserve:model_info`; `serving`: what `/health` answers."""
 
     def __init__(
         self,
         load: Callable[[], Load],
         recovery: Callable[[], tuple[int, int]] = lambda: (0, 0),
         streams: Callable[[], int] = lambda: 0,
+        *,
+        queue: Callable[[], tuple[int, int]] = lambda: (0, 0),
+        model: Mapping[str, str] = MappingProxyType({}),
+        serving: Callable[[], bool] = lambda: False,
     ) -> None:
+        prometheus_client.disable_created_metrics()
+        self.serving = serving
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("cbserve:time_to_first_token_seconds", "Arrival to first token.",
@@ -99,7 +157,8 @@ class GatewayMetrics:
                                 ["finished_reason"], registry=r)  # fmt: skip
         self.errors = Counter("cbserve:request_errors", "Requests ended by a gRPC error status.",
                               ["code"], registry=r)  # fmt: skip
-        r.register(_LoadCollector(load, recovery, streams))
+        r.register(_LoadCollector(load, recovery, streams, queue, model))
+        self._server: ThreadingHTTPServer | None = None
 
     def observe_step(self, times: StepTimes) -> None:
         for phase in STEP_PHASES:
@@ -107,4 +166,47 @@ class GatewayMetrics:
         self.step.labels("total").observe(sum(getattr(times, phase) for phase in STEP_PHASES))
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+        """Serve `/metrics` and `/health` on a thread of their own; OSError if the port is taken."""
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        server_class = type("MetricsServer", (ThreadingHTTPServer,), {"address_family": family})
+        handler = type("Handler", (_Handler,), {"metrics": self})
+        self._server = server_class((host, port), handler)
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True).start()
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    metrics: GatewayMetrics
+
+    def do_GET(self) -> None:
+        self._answer(with_body=True)
+
+    def do_HEAD(self) -> None:
+        self._answer(with_body=False)
+
+    def _answer(self, with_body: bool) -> None:
+        path = urlsplit(self.path).path
+        if path == "/metrics":
+            encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
+            status, body = 200, encoder(self.metrics.registry)
+        elif path == "/health":
+            serving = self.metrics.serving()
+            status, content_type = (200 if serving else 503), "text/plain; charset=utf-8"
+            body = b"SERVING\n" if serving else b"NOT_SERVING\n"
+        else:
+            status, content_type = 404, "text/plain; charset=utf-8"
+            body = b"not found: try /metrics or /health\n"
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if with_body:
+            self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # an access line per scrape would flood the logs, and not as JSON

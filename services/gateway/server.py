@@ -10,6 +10,7 @@ step. Errors are status codes only.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import signal
 import time
@@ -25,11 +26,19 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common.cli_args import CONFIG_ERROR_EXIT
-from services.common.gateway_messages import NewRequest, RequestOutput
+from services.common.gateway_messages import NewRequest, RequestOutput, TokenLogprob, WorkerFacts
 from services.common.wire import internal_key
 from services.gateway.api import SERVICE_NAME, pb, pb_grpc
 from services.gateway.detokenizer import IncrementalDetokenizer
-from services.gateway.inputs import InvalidRequest, Limits, Prepared, prepare, request_id, tokenize_input
+from services.gateway.inputs import (
+    InvalidRequest,
+    Limits,
+    Prepared,
+    detokenize_input,
+    prepare,
+    request_id,
+    tokenize_input,
+)
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.security import Access, AccessInterceptor, TlsFiles
 from services.gateway.stop_strings import StopStringMatcher
@@ -43,6 +52,10 @@ FINISH_REASONS = {
     "length": pb.FINISH_REASON_LENGTH,
     "aborted": pb.FINISH_REASON_ABORTED,
 }
+# Ends the worker reported itself: it holds nothing more of the request, so nothing to abort there.
+WORKER_ENDS = frozenset(FINISH_REASONS)
+# A call cancelled this close to its deadline (or past it) ended by the deadline.
+DEADLINE_SLACK_S = 0.1
 HEALTH_SERVICES = ("", SERVICE_NAME)
 HEALTH_SERVICE: str = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -62,6 +75,7 @@ class GatewaySettings:
     tls: TlsFiles | None = None  # None: plaintext
     access: Access = field(default_factory=Access)
     health_port: int | None = None  # a plaintext port serving grpc.health.v1 alone, for probes
+    served_model_name: str | None = None  # None: the model directory's name
 
 
 @dataclass
@@ -76,6 +90,8 @@ class _Stream:
     first_token_at: float | None = None
     last_token_at: float | None = None
     last_token: int | None = None
+    end: str = ""  # how the call ended: a finish reason, cancelled, deadline or error
+    code: str = ""  # the status code of an error end
 
 
 class TextGenerationService(pb_grpc.TextGenerationServicer):
@@ -96,6 +112,10 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         self.active = 0  # Generate calls in progress
         self.waiting = 0  # ... of which no token has arrived yet
         self._ids = itertools.count()
+        # Logprobs name each token and its alternatives: the same few thousand ids, decoded once.
+        self._token_text: Callable[[int], str] = functools.lru_cache(maxsize=1 << 16)(
+            (lambda i: tokenizer.decode([i])) if tokenizer is not None else (lambda i: "")
+        )
 
     # ----------------------------------------------------------------------------------- Generate
 
@@ -124,18 +144,30 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         self.active += 1
         self.waiting += 1
         stream = _Stream(arrival, len(prepared.prompt_ids))
-        finished = False
         try:
             async for response in self._stream(queue, prepared, stream, context, internal, trace_id):
                 yield response
-            finished = True
+        except asyncio.CancelledError:
+            # grpc cancels the call's task for a client's cancel and for a deadline alike.
+            if not stream.end:
+                remaining = context.time_remaining()
+                late = remaining is not None and remaining < DEADLINE_SLACK_S
+                stream.end = "deadline" if late else "cancelled"
+            raise
         finally:
             self.active -= 1
             if stream.first_token_at is None:
                 self.waiting -= 1
-            self.client.release(internal, abort=not finished)
-            if not finished:
-                log.info("request ended early", reason="cancelled, deadline or error")
+            self.client.release(internal, abort=stream.end not in WORKER_ENDS)
+            error = {"code": stream.code} if stream.code else {}
+            log.info(
+                "request finished",
+                reason=stream.end or "error",
+                **error,
+                prompt_tokens=stream.prompt_tokens,
+                completion_tokens=stream.completion_tokens,
+                seconds=round(time.monotonic() - arrival, 3),
+            )
             structlog.contextvars.unbind_contextvars("request_id")
 
     async def _admit(self, context: grpc.aio.ServicerContext) -> Any:
@@ -175,6 +207,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         while True:
             out = await queue.get()
             if out.code:
+                stream.code = out.code
                 await self._abort(context, grpc.StatusCode[out.code], out.error)
             self._observe(stream, out)
             text, matched = "", None
@@ -186,22 +219,25 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             chunk = pb.GenerateChunk(
                 token_ids=out.token_ids if prepared.want_token_ids else (),
                 text=text if prepared.want_text else "",
-                logprobs=[
-                    pb.TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob,
-                                     top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
-                    for lp in out.logprobs or ()
-                ],
-            )  # fmt: skip
+                logprobs=[self._logprobs(lp) for lp in out.logprobs or ()],
+            )
             if chunk.token_ids or chunk.text or chunk.logprobs:
                 yield pb.GenerateResponse(chunk=chunk)
             if matched is not None:
                 self.client.release(internal, abort=True)  # the worker stops computing it now
+                stream.end = "stop_sequence"
                 yield self._final(stream, trace_id, pb.FINISH_REASON_STOP_SEQUENCE, stop_sequence=matched)
                 return
             if out.finish:
                 stop_token = stream.last_token if out.finish == "stop_token" else None
+                stream.end = out.finish
                 yield self._final(stream, trace_id, FINISH_REASONS[out.finish], stop_token_id=stop_token)
                 return
+
+    def _logprobs(self, lp: TokenLogprob) -> Any:
+        text = self._token_text
+        top = [pb.TopLogprob(token_id=t, logprob=v, token=text(t)) for t, v in lp.top]
+        return pb.TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob, top=top, token=text(lp.token_id))
 
     def _observe(self, stream: _Stream, out: RequestOutput) -> None:
         now = time.monotonic()
@@ -293,6 +329,17 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return pb.TokenizeResponse(token_ids=ids)
 
+    async def Detokenize(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        facts = self.client.facts
+        if facts is None:
+            await self._abort(context, grpc.StatusCode.UNAVAILABLE, "worker not ready")
+        try:
+            ids = detokenize_input(request, self.tokenizer, facts)
+        except InvalidRequest as exc:
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        text = self.tokenizer.decode(ids, skip_special_tokens=request.skip_special_tokens)
+        return pb.DetokenizeResponse(text=text)
+
 
 def _parse_or_none(message_class: Any) -> Callable[[bytes], Any]:
     """A request deserializer that yields None instead of raising: grpc would answer UNKNOWN for a
@@ -336,7 +383,8 @@ def add_service(service: TextGenerationService, server: grpc.aio.Server) -> None
 
 
 def _model_info(model_dir: str, name: str | None) -> tuple[Any, dict[str, Any]]:
-    """The tokenizer (None if the model has none) and ModelInfo's static fields."""
+    """The tokenizer (None if the model has none) and ModelInfo's static fields. The model is
+    `name`, else its directory's name: clients are not told where it lies on the server."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     from services.common.model_source import has_tokenizer
@@ -352,12 +400,25 @@ def _model_info(model_dir: str, name: str | None) -> tuple[Any, dict[str, Any]]:
     eos = config.eos_token_id if eos is None else eos
     eos_ids = [] if eos is None else list(eos) if isinstance(eos, list | tuple) else [eos]
     return tokenizer, {
-        "model_id": name or model_dir,
+        "model_id": name or Path(model_dir).name,
         "architecture": (config.architectures or [""])[0],
         "eos_token_ids": eos_ids,
         "has_tokenizer": tokenizer is not None,
         "has_chat_template": getattr(tokenizer, "chat_template", None) is not None,
     }
+
+
+def _announce(model: str, address: str, metrics: str | None, facts: WorkerFacts) -> None:
+    """The stack serves: one line for the person who started it (stdout), and its facts in the log."""
+    tokens = facts.total_blocks * facts.page_size
+    pool = f"KV cache {facts.total_blocks:,} blocks = {tokens:,} tokens"
+    if facts.kv_bytes:
+        gib = facts.kv_bytes / (1 << 30)
+        pool += f" ({gib:.1f} GiB)" if gib >= 1 else f" ({facts.kv_bytes / (1 << 20):.0f} MiB)"
+    where = f", metrics on http://{metrics}/metrics" if metrics else ""
+    print(f"serving {model} on {address}{where}; {pool}", flush=True)
+    log.info("stack serving", model=model, address=address, metrics=metrics, kv_blocks=facts.total_blocks,
+             kv_tokens=tokens, kv_bytes=facts.kv_bytes, device=facts.device, dtype=facts.dtype)  # fmt: skip
 
 
 def _interceptors(access: Access, service: TextGenerationService) -> list[grpc.aio.ServerInterceptor]:
@@ -386,17 +447,25 @@ async def serve(
     from services.common.model_source import resolve_model
 
     model_dir = str(resolve_model(model))
-    tokenizer, info = _model_info(model_dir, model)
+    tokenizer, info = _model_info(model_dir, settings.served_model_name)
     health_servicer = health.aio.HealthServicer()
     for name in HEALTH_SERVICES:
         await health_servicer.set(name, NOT_SERVING)
     service: TextGenerationService | None = None
+    announced = False
+
+    def serving() -> bool:
+        return client.ready and not (service is not None and service.draining)
 
     def on_ready_change(ready: bool) -> None:
-        serving = ready and not (service is not None and service.draining)
-        status = SERVING if serving else NOT_SERVING
+        nonlocal announced
+        status = SERVING if serving() else NOT_SERVING
         for name in HEALTH_SERVICES:
             asyncio.get_running_loop().create_task(health_servicer.set(name, status))
+        if status == SERVING and not announced and client.facts is not None:
+            announced = True
+            metrics_address = f"{host}:{metrics_port}" if metrics_port else None
+            _announce(info["model_id"], f"{host}:{bound}", metrics_address, client.facts)
 
     metrics: GatewayMetrics
     client = WorkerClient(
@@ -408,7 +477,12 @@ async def serve(
         on_step=lambda times: metrics.observe_step(times),
     )
     metrics = GatewayMetrics(
-        lambda: client.load, lambda: (client.resubmitted, client.recomputed_tokens), lambda: client.in_flight
+        lambda: client.load,
+        lambda: (client.resubmitted, client.recomputed_tokens),
+        lambda: client.in_flight,
+        queue=lambda: (service.waiting if service is not None else 0, settings.max_queue_size),
+        model={"model_name": info["model_id"], "architecture": info["architecture"]},
+        serving=serving,
     )
     service = TextGenerationService(client, tokenizer, info, settings, metrics)
     server = grpc.aio.server(
@@ -421,6 +495,9 @@ async def serve(
             ("grpc.keepalive_timeout_ms", int(settings.keepalive_timeout_s * 1000)),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+            # grpc shares a port with any process that also asks for SO_REUSEPORT, so a second
+            # gateway on the same port would serve half the connections instead of failing.
+            ("grpc.so_reuseport", 0),
         ]
     )
     add_service(service, server)
@@ -456,7 +533,7 @@ async def serve(
     await client.start()
     if settings.access.keys is not None and settings.tls is None:
         log.warning("API keys are checked on a plaintext port: they cross the network readable")
-    log.info("gateway serving", host=host, port=bound, metrics_port=metrics_port, worker=worker_address,
+    log.info("gateway listening", host=host, port=bound, metrics_port=metrics_port, worker=worker_address,
              tls=settings.tls.mode if settings.tls is not None else "off",
              api_keys=len(settings.access.keys or ()), health_port=settings.health_port)  # fmt: skip
 
@@ -478,4 +555,5 @@ async def serve(
     if health_server is not None:
         await health_server.stop(grace=None)
     await client.close()
+    metrics.close()
     log.info("gateway stopped", unfinished=service.active)

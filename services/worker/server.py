@@ -194,6 +194,7 @@ class WorkerServer:
             dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."),
             device=str(self.model.device),
             max_logprobs=SamplingParams.MAX_LOGPROBS,
+            kv_bytes=cache.sizing.kv_bytes,
         )
         self._last_status = 0.0  # announce readiness at once
         log.info("worker ready", worker_id=self.worker_id, **msgspec.to_builtins(self.facts))

@@ -1,0 +1,157 @@
+"""What an operator and a client see of a running stack (the session's tiny and SmolLM2 stacks): the
+one human line when it serves, log lines that name their process and say how each request ended,
+metrics and health on the metrics port, the served model's name, logprobs with token text,
+Detokenize, errors in the API's field names, and `cbserve generate`'s flags on a real call."""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.error
+import urllib.request
+import uuid
+from typing import Any
+
+import grpc
+import pytest
+from transformers import AutoTokenizer
+
+from services.gateway.api import pb
+from tests.stack import Stack, greedy_request
+
+CALL_TIMEOUT_S = 60.0
+
+
+def trace(name: str) -> str:
+    return f"{name}-{uuid.uuid4().hex[:8]}"
+
+
+def finished(stack: Stack, trace_id: str, timeout_s: float = 10.0) -> dict[str, Any]:
+    """The gateway's "request finished" line of one request."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for event in stack.events("request finished"):
+            if "seconds" in event and event.get("request_id") == trace_id:  # the gateway's line
+                return event
+        assert time.monotonic() < deadline, f"no 'request finished' for {trace_id}:\n{stack.log_tail()}"
+        time.sleep(0.05)
+
+
+def http_get(stack: Stack, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{stack.metrics_port}{path}", timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+# ----------------------------------------------------------------------------------- start-up, logs
+
+
+def test_the_log_says_how_each_request_ended(tiny_stack: Stack, smol_stack: Stack) -> None:
+    prompt = [(7 * i + 5) % 250 + 3 for i in range(6)]
+    long = tiny_stack.info.max_model_len - len(prompt)  # runs long after the call has ended
+    done = trace("length")
+    tiny_stack.generate(greedy_request(prompt, 3), metadata=(("x-request-id", done),))
+    event = finished(tiny_stack, done)
+    assert (event["reason"], event["completion_tokens"], event["prompt_tokens"]) == ("length", 3, 6)
+
+    cancelled = trace("cancel")
+    call = tiny_stack.stub.Generate(greedy_request(prompt, long), timeout=CALL_TIMEOUT_S,
+                                    metadata=(("x-request-id", cancelled),))  # fmt: skip
+    assert next(call).HasField("chunk")
+    call.cancel()
+    assert finished(tiny_stack, cancelled)["reason"] == "cancelled"
+
+    expired = trace("deadline")
+    with pytest.raises(grpc.RpcError) as info:
+        list(tiny_stack.stub.Generate(greedy_request(prompt, long), timeout=0.5,
+                                      metadata=(("x-request-id", expired),)))  # fmt: skip
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert finished(tiny_stack, expired)["reason"] == "deadline"
+
+    # A stop string ends the request in the gateway: that is a finish, not an abort.
+    stopped = trace("stop")
+    request = chat_request("What is the capital of France?", 64)
+    request.stopping.stop.append(" ")  # in any answer of a few words
+    _, text, final, _ = smol_stack.generate(request, metadata=(("x-request-id", stopped),))
+    assert final.finish_reason == pb.FINISH_REASON_STOP_SEQUENCE, text
+    assert finished(smol_stack, stopped)["reason"] == "stop_sequence"
+    tiny_stack.wait_idle()
+    smol_stack.wait_idle()
+
+
+# ---------------------------------------------------------------------------------------- metrics
+
+
+def test_metrics_and_health_on_the_metrics_port(tiny_stack: Stack) -> None:
+    status, text = http_get(tiny_stack, "/metrics")
+    assert status == 200
+    assert "_created" not in text
+    model = re.search(r"^cbserve:model_info\{([^}]*)\} 1\.0$", text, re.M)
+    assert model and f'model_name="{tiny_stack.model_dir.name}"' in model[1], text
+    assert re.search(r'^cbserve:build_info\{.*version="[^"]+".*\} 1\.0$', text, re.M)
+    assert re.search(r"^cbserve:max_queue_size 1024\.0$", text, re.M)
+    assert http_get(tiny_stack, "/health") == (200, "SERVING\n")
+    for path in ("/", "/v1/models", "/metricsx"):
+        assert http_get(tiny_stack, path)[0] == 404, path
+
+
+# ------------------------------------------------------------------------------------------ API
+
+
+def test_model_id_is_the_served_name_not_a_path(tiny_stack: Stack) -> None:
+    assert tiny_stack.info.model_id == tiny_stack.model_dir.name
+    assert "/" not in tiny_stack.info.model_id
+
+
+def chat_request(question: str, max_tokens: int) -> Any:
+    request = pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=question)]))
+    request.sampling.temperature = 0.0
+    request.stopping.max_tokens = max_tokens
+    return request
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer(smol_stack: Stack) -> Any:
+    return AutoTokenizer.from_pretrained(smol_stack.model_dir, local_files_only=True)
+
+
+def test_logprobs_carry_the_token_text(smol_stack: Stack, smol_tokenizer: Any) -> None:
+    request = chat_request("What is the capital of France?", 6)
+    request.output.logprobs = 3
+    logprobs = []
+    for response in smol_stack.stub.Generate(request, timeout=CALL_TIMEOUT_S):
+        if response.HasField("chunk"):
+            logprobs += response.chunk.logprobs
+    assert len(logprobs) == 6
+    for lp in logprobs:
+        assert lp.token == smol_tokenizer.decode([lp.token_id])
+        assert [t.token for t in lp.top] == [smol_tokenizer.decode([t.token_id]) for t in lp.top]
+
+
+def test_detokenize(smol_stack: Stack, smol_tokenizer: Any, tiny_stack: Stack) -> None:
+    text = "Continuous batching: héllo wörld!"
+    ids = smol_tokenizer(text, add_special_tokens=False)["input_ids"]
+    reply = smol_stack.stub.Detokenize(pb.DetokenizeRequest(token_ids=ids), timeout=10)
+    assert reply.text == text
+    eos = list(smol_stack.info.eos_token_ids)
+    with_eos = [*ids, *eos]
+    assert smol_stack.stub.Detokenize(pb.DetokenizeRequest(token_ids=with_eos), timeout=10).text != text
+    skipped = pb.DetokenizeRequest(token_ids=with_eos, skip_special_tokens=True)
+    assert smol_stack.stub.Detokenize(skipped, timeout=10).text == text
+    for stack, request, message in [
+        (smol_stack, pb.DetokenizeRequest(token_ids=[5, smol_stack.vocab_size]), "out of vocabulary"),
+        (smol_stack, pb.DetokenizeRequest(token_ids=[5] * (smol_stack.info.max_model_len + 1)), "at most"),
+        (tiny_stack, pb.DetokenizeRequest(token_ids=[5, 6]), "needs a tokenizer"),
+    ]:
+        with pytest.raises(grpc.RpcError) as info:
+            stack.stub.Detokenize(request, timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in info.value.details()
+
+
+def test_errors_use_the_apis_field_names(tiny_stack: Stack) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        list(tiny_stack.stub.Generate(greedy_request([5, 6, 7], 0), timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("stopping.max_tokens must be in [1, "), info.value.details()
