@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -20,11 +20,55 @@ if TYPE_CHECKING:
 Handler = Callable[[argparse.Namespace], int]
 
 
+class CliParser(argparse.ArgumentParser):
+    """Help that shows each option's default (unless it is unset, off or already in the text)."""
+
+    class Formatter(argparse.HelpFormatter):
+        def _get_help_string(self, action: argparse.Action) -> str | None:
+            text, default = action.help or "", action.default
+            unset = default is None or default is False or default is argparse.SUPPRESS or default in ([], "")
+            if unset or "%(default)" in text or "(default:" in text:
+                return action.help
+            return f"{text} (default: %(default)s)"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", self.Formatter)
+        super().__init__(*args, **kwargs)
+
+
+class SubcommandParser(CliParser):
+    """A subcommand's parser reports a flag it does not know itself, with its own usage line; argparse
+    would hand it up to `cbserve`, whose usage names no subcommand's flags."""
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
+
 def _prepare_model(args: argparse.Namespace) -> int:
     from services.common.model_source import prepare_default_model
 
     print(prepare_default_model(force=args.force))
     return 0
+
+
+def _prepare_kernels(args: argparse.Namespace) -> int:
+    from services.worker import kernels
+
+    built = {
+        "paged_attention": kernels.paged_decode_kernel(),
+        "panel_linear": kernels.packed_linear_ops(),
+        "fused_ops": kernels.fused_ops(),
+    }
+    for name, module in built.items():
+        print(f"{name}: {'ready' if module is not None else 'not built (torch fallback)'}")
+    # Off by choice, or no compiler: the fallbacks serve. A compiler that fails is an error.
+    expected = kernels.native_kernels_enabled() and kernels.compiler_available()
+    return 1 if expected and None in built.values() else 0
 
 
 def _bench_offline(args: argparse.Namespace) -> int:
@@ -47,7 +91,7 @@ def _chat(args: argparse.Namespace) -> int:
     from services.common.cli_args import model_dir
     from services.worker.chat import chat_loop
 
-    return chat_loop(model_dir(args.model), args.max_new_tokens, args.temperature)
+    return chat_loop(model_dir(args.model), args.max_tokens, args.temperature)
 
 
 DEFAULT_CACHEMGR_ADDRESS = "tcp://127.0.0.1:5557"
@@ -57,7 +101,7 @@ SERVICE_SETTINGS = (
     "threads", "cachemgr_timeout", "gateway_timeout", "max_queue_size", "drain_grace", "default_max_tokens",
     "max_stop_strings", "max_message_bytes", "max_concurrent_streams", "keepalive_time", "worker_timeout",
     "resubmit_timeout", "tls_cert", "tls_key", "tls_client_ca", "api_key_file", "open_health",
-    "open_reflection", "max_streams_per_key", "health_port",
+    "open_reflection", "max_streams_per_key", "health_port", "served_model_name",
 )  # fmt: skip
 
 
@@ -76,6 +120,8 @@ def _cachemgr(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from services.common.cli_args import cb_config, model_dir
     from services.worker.server import run_worker
 
@@ -90,6 +136,7 @@ def _worker(args: argparse.Namespace) -> int:
         threads=args.threads,
         cachemgr_timeout_s=args.cachemgr_timeout,
         gateway_timeout_s=args.gateway_timeout,
+        ready_path=Path(args.ready_file) if args.ready_file else None,
     )
 
 
@@ -140,6 +187,7 @@ def _gateway_settings(args: argparse.Namespace) -> GatewaySettings:
         tls=tls,
         access=access,
         health_port=args.health_port or None,
+        served_model_name=args.served_model_name,
     )
 
 
@@ -151,17 +199,21 @@ def _gateway(args: argparse.Namespace) -> int:
 
     settings = _gateway_settings(args)
     metrics_port = args.metrics_port or None
-    model_dir(args.model)  # refused here if bad; the name itself is what GetModelInfo reports
+    model_dir(args.model)  # refused here if bad
     asyncio.run(serve(args.model, args.worker_address, args.host, args.port, metrics_port, settings))
     return 0
 
 
 def _up(args: argparse.Namespace) -> int:
-    from services.common.cli_args import cb_config, cb_settings, model_dir, settings_env
-    from services.supervisor import run_up
+    from services.common.cli_args import cb_config, cb_settings, model_dir, settings_env, usage_error
+    from services.supervisor import run_up, unavailable_port
 
     cb_config(args)  # refuse bad settings here, not in three children
     _public_port(args)
+    ports = {"--port": args.port, "--metrics-port": args.metrics_port, "--health-port": args.health_port}
+    problem = unavailable_port(args.host, ports)
+    if problem is not None:
+        raise usage_error(problem)
     model_dir(args.model)  # refused (or the default prepared) once here, not in three children
     settings = cb_settings(args)
     for name in SERVICE_SETTINGS:
@@ -201,20 +253,32 @@ def _client_credentials(args: argparse.Namespace) -> Credentials:
     )
 
 
+def generate_request(args: argparse.Namespace) -> Any:
+    """The GenerateRequest of `cbserve generate`'s flags."""
+    from services.gateway.client import completion_request
+
+    return completion_request(
+        args.prompt, chat=args.chat, max_tokens=args.max_tokens, temperature=args.temperature,
+        top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed, stops=args.stop,
+        ignore_eos=args.ignore_eos, logprobs=args.logprobs, priority=args.priority,
+        cache_salt=args.cache_salt,
+    )  # fmt: skip
+
+
 def _generate(args: argparse.Namespace) -> int:
     import grpc
 
-    from services.gateway.client import stream_to
+    from services.gateway.client import print_logprobs, stream_to
 
     credentials = _client_credentials(args)
+    request = generate_request(args)
     try:
-        final = stream_to(
-            args.target, args.prompt, chat=args.chat, max_tokens=args.max_tokens,
-            temperature=args.temperature, seed=args.seed, stops=args.stop, credentials=credentials,
-        )  # fmt: skip
+        final, logprobs = stream_to(args.target, request, credentials=credentials)
     except grpc.RpcError as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
+    if logprobs:
+        print_logprobs(logprobs, sys.stderr)
     if final is not None and args.verbose:
         from google.protobuf.json_format import MessageToJson
 
@@ -223,15 +287,22 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _health(args: argparse.Namespace) -> int:
-    import grpc
+    if args.ready_file:
+        from pathlib import Path
 
-    from services.gateway.client import health_status
+        from services.common.ready_file import is_ready
 
-    credentials = _client_credentials(args)
-    try:
-        status = health_status(args.target, args.service, args.timeout, credentials)
-    except grpc.RpcError as exc:
-        status = exc.code().name
+        status = "SERVING" if is_ready(Path(args.ready_file)) else "NOT_SERVING"
+    else:
+        import grpc
+
+        from services.gateway.client import health_status
+
+        credentials = _client_credentials(args)
+        try:
+            status = health_status(args.target, args.service, args.timeout, credentials)
+        except grpc.RpcError as exc:
+            status = exc.code().name
     print(status)
     return 0 if status == "SERVING" else 1
 
@@ -262,7 +333,11 @@ def _add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_env_argument(parser, "--host", default="127.0.0.1", help="gRPC and metrics listen address")
     add_env_argument(parser, "--port", type=PORT, default=50051, help="gRPC port")
-    add_env_argument(parser, "--metrics-port", type=PORT, default=9090, help="Prometheus port (0: off)")
+    add_env_argument(parser, "--metrics-port", type=PORT, default=9090,
+                     help="HTTP port of Prometheus' /metrics and a plain /health (0: off)")  # fmt: skip
+    add_env_argument(parser, "--served-model-name",
+                     help="the model's name in GetModelInfo and metrics (default: the model directory's "
+                          "name)")  # fmt: skip
     add_env_argument(parser, "--max-queue-size", type=bounded(int, 1), default=1024,
                      help="streams waiting for their first token before RESOURCE_EXHAUSTED")  # fmt: skip
     add_env_argument(parser, "--drain-grace", type=bounded(float, 0), default=30.0,
@@ -324,12 +399,24 @@ def _add_client_arguments(parser: argparse.ArgumentParser) -> None:
                      help="the name the gateway's certificate must carry, when not the target's host")
 
 
+def _add_max_tokens(parser: argparse.ArgumentParser, default: int | None, help: str) -> None:
+    """`--max-tokens`, the API's name, in every command; `--max-new-tokens` (chat's old name) is still
+    read but no longer shown."""
+    from services.common.cli_args import bounded
+
+    parser.add_argument("--max-tokens", type=bounded(int, 1), default=default, help=help)
+    parser.add_argument("--max-new-tokens", dest="max_tokens", type=bounded(int, 1),
+                        default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     from services.bench.arguments import PEER_NAMES, add_offline_arguments
     from services.common.cli_args import add_cb_arguments, add_env_argument
 
-    parser = argparse.ArgumentParser(prog="cbserve", description="Continuous-batching LLM inference server.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser = CliParser(prog="cbserve", description="Continuous-batching LLM inference server.")
+    commands = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=SubcommandParser
+    )
 
     prepare = commands.add_parser(
         "prepare-model", help="convert the embedded SmolLM2 GGUF model once and print its directory"
@@ -337,10 +424,16 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--force", action="store_true", help="convert again even if a conversion exists")
     prepare.set_defaults(handler=_prepare_model)
 
+    prepare_kernels = commands.add_parser(
+        "prepare-kernels",
+        help="compile the native CPU kernels for this CPU now (the worker otherwise does on first start)",
+    )
+    prepare_kernels.set_defaults(handler=_prepare_kernels)
+
     chat = commands.add_parser("chat", help="chat with a model through the in-process engine (stdin/stdout)")
     chat.add_argument("--model", default=None, help="local model directory (default: embedded SmolLM2)")
-    chat.add_argument("--max-new-tokens", type=int, default=256)
-    chat.add_argument("--temperature", type=float, default=0.0)
+    _add_max_tokens(chat, 256, "most tokens per answer")
+    chat.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     chat.set_defaults(handler=_chat)
 
     up = commands.add_parser("up", help="run cachemgr, worker and gateway on this machine, supervised")
@@ -361,6 +454,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_env_argument(worker, "--worker-address", default=DEFAULT_WORKER_ADDRESS,
                      help="ZMQ bind address for gateways")  # fmt: skip
     add_env_argument(worker, "--cachemgr-address", default=DEFAULT_CACHEMGR_ADDRESS, help="cachemgr address")
+    add_env_argument(worker, "--ready-file", help="a file that exists while the worker is attached and warm, "
+                     "for `cbserve health --ready-file` (containers' health checks)")  # fmt: skip
     _add_worker_arguments(worker)
     add_cb_arguments(worker)
     worker.set_defaults(handler=_worker)
@@ -375,10 +470,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_env_argument(generate, "--target", default="127.0.0.1:50051", help="gateway host:port")
     generate.add_argument("prompt", help="prompt text")
     generate.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
-    generate.add_argument("--max-tokens", type=int, default=None)
-    generate.add_argument("--temperature", type=float, default=0.0)
-    generate.add_argument("--seed", type=int, default=None)
+    _add_max_tokens(generate, None, "most tokens to generate (default: the server's --default-max-tokens)")
+    # Greedy unless asked: a command line is for trying things out, and the same prompt should give
+    # the same answer. The API's own default is 1 (proto: SamplingParams.temperature).
+    generate.add_argument("--temperature", type=float, default=0.0,
+                          help="0 is greedy; the API's default, for clients that leave it unset, is 1")
+    generate.add_argument("--top-p", type=float, help="nucleus sampling, in (0, 1] (default: 1, off)")
+    generate.add_argument("--top-k", type=int, help="keep the k most likely tokens (default: 0, off)")
+    generate.add_argument("--min-p", type=float, help="drop tokens below min_p x the top one's (default: 0)")
+    generate.add_argument("--seed", type=int, help="seed of this request's sampling (default: random)")
     generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    generate.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    generate.add_argument("--logprobs", type=int, metavar="N",
+                          help="print each token's logprob and its N most likely alternatives (stderr)")
+    generate.add_argument("--priority", type=int, default=0, help="higher is scheduled first")
+    generate.add_argument("--cache-salt", default="", help="share cached prefixes only with this salt")
     generate.add_argument("--verbose", "-v", action="store_true", help="print the final message (stderr)")
     _add_client_arguments(generate)
     generate.set_defaults(handler=_generate)
@@ -386,7 +492,9 @@ def build_parser() -> argparse.ArgumentParser:
     health_cmd = commands.add_parser("health", help="exit 0 when the server's health service says SERVING")
     add_env_argument(health_cmd, "--target", default="127.0.0.1:50051", help="gateway host:port")
     health_cmd.add_argument("--service", default="", help='service name ("" = the whole server)')
-    health_cmd.add_argument("--timeout", type=float, default=5.0)
+    health_cmd.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
+    health_cmd.add_argument("--ready-file", help="instead of asking a gateway: SERVING while the worker that "
+                            "was given this --ready-file is attached and warm")  # fmt: skip
     _add_client_arguments(health_cmd)
     health_cmd.set_defaults(handler=_health)
 
@@ -414,14 +522,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The commands that run a service; their logs interleave on one stream, so they draw no progress bars.
+SERVICES = {"up": "supervisor", "cachemgr": "cachemgr", "worker": "worker", "gateway": "gateway"}
+# The shell's status for a command ended by Ctrl-C (128 + SIGINT).
+INTERRUPTED_EXIT = 130
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse `argv` (default: sys.argv[1:]), run the chosen subcommand and return its exit status."""
     args = build_parser().parse_args(argv)
-    from services.common.logging import configure_logging
+    from services.common.logging import configure_logging, disable_progress_bars
 
-    configure_logging(json=not sys.stderr.isatty())
+    json = not sys.stderr.isatty()
+    configure_logging(json=json, service=SERVICES.get(args.command, args.command))
+    if json or args.command in SERVICES:
+        disable_progress_bars()
     handler: Handler = args.handler
-    return handler(args)
+    try:
+        return handler(args)
+    except KeyboardInterrupt:  # Ctrl-C is how a user stops a command: no traceback
+        return INTERRUPTED_EXIT
 
 
 if __name__ == "__main__":

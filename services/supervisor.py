@@ -14,6 +14,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -51,7 +52,7 @@ class Child:
             self.argv, env=env, start_new_session=True, preexec_fn=die_with_parent
         )
         self.started_at = time.monotonic()
-        log.info("started", child=self.name, pid=self.process.pid)
+        log.info("started", child=self.name, child_pid=self.process.pid)
 
 
 def cbserve_argv(*args: str) -> list[str]:
@@ -65,7 +66,7 @@ def stop_process(proc: subprocess.Popen[bytes], timeout_s: float) -> int:
         try:
             proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            log.warning("process did not stop; killing it", pid=proc.pid)
+            log.warning("process did not stop; killing it", child_pid=proc.pid)
             proc.kill()
             proc.wait()
     return proc.returncode
@@ -132,6 +133,30 @@ class Supervisor:
             if proc is None or proc.poll() is not None:
                 continue
             log.info("stopped", child=child.name, code=stop_process(proc, self.stop_timeout_s))
+
+
+def unavailable_port(host: str, ports: dict[str, int]) -> str | None:
+    """Why one of `ports` (flag -> port; 0 is off) cannot be listened on at `host`, or None. Checked
+    before any child starts: a gateway that finds its port taken would otherwise find out only
+    after the cachemgr had allocated its pool and the worker had loaded the model."""
+    seen: dict[int, str] = {}
+    for flag, port in ports.items():
+        if not port:
+            continue
+        if port in seen:
+            return f"{flag} {port} is also {seen[port]}"
+        seen[port] = flag
+        try:
+            family, kind, proto, _, address = socket.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )[0]
+            with socket.socket(family, kind, proto) as probe:
+                # As servers bind: a port left in TIME_WAIT by a stopped stack is free to take.
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind(address)
+        except OSError as exc:
+            return f"{flag} {port}: cannot listen on {host}:{port}: {exc.strerror or exc}"
+    return None
 
 
 def run_up(

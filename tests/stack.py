@@ -120,8 +120,8 @@ class Stack:
 
     def child_pid(self, name: str) -> int:
         """PID of the latest start of child `name` (cachemgr, worker, gateway)."""
-        pids = [e["pid"] for e in self.log_events() if e.get("event") == "started" and e.get("child") == name]
-        return pids[-1]
+        starts = [e for e in self.log_events() if e.get("event") == "started" and e.get("child") == name]
+        return starts[-1]["child_pid"]
 
     # ---------------------------------------------------------------------------------------- calls
 

@@ -5,6 +5,7 @@ Detokenize, errors in the API's field names, and `cbserve generate`'s flags on a
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import urllib.error
@@ -16,10 +17,12 @@ import grpc
 import pytest
 from transformers import AutoTokenizer
 
+from services.cli import main
 from services.gateway.api import pb
 from tests.stack import Stack, greedy_request
 
 CALL_TIMEOUT_S = 60.0
+STACK_SERVICES = {"supervisor", "cachemgr", "worker", "gateway"}
 
 
 def trace(name: str) -> str:
@@ -31,7 +34,7 @@ def finished(stack: Stack, trace_id: str, timeout_s: float = 10.0) -> dict[str, 
     deadline = time.monotonic() + timeout_s
     while True:
         for event in stack.events("request finished"):
-            if "seconds" in event and event.get("request_id") == trace_id:  # the gateway's line
+            if event.get("service") == "gateway" and event.get("request_id") == trace_id:
                 return event
         assert time.monotonic() < deadline, f"no 'request finished' for {trace_id}:\n{stack.log_tail()}"
         time.sleep(0.05)
@@ -46,6 +49,32 @@ def http_get(stack: Stack, path: str) -> tuple[int, str]:
 
 
 # ----------------------------------------------------------------------------------- start-up, logs
+
+
+def test_one_plain_line_says_what_serves_where(tiny_stack: Stack) -> None:
+    lines = [line for line in tiny_stack.log_path.read_text().splitlines() if not line.startswith("{")]
+    name = tiny_stack.model_dir.name
+    tokens = tiny_stack.info.total_blocks * tiny_stack.info.page_size
+    expected = (
+        f"serving {name} on 127.0.0.1:{tiny_stack.port}, metrics on "
+        f"http://127.0.0.1:{tiny_stack.metrics_port}/metrics; "
+        f"KV cache {tiny_stack.info.total_blocks:,} blocks = {tokens:,} tokens ("
+    )
+    # That line, once, and nothing else outside the JSON lines: no progress bars among them.
+    assert len(lines) == 1 and lines[0].startswith(expected), lines
+
+
+def test_every_log_line_names_its_process(tiny_stack: Stack) -> None:
+    events = list(tiny_stack.log_events())
+    assert events
+    for event in events:
+        assert event.get("service") in STACK_SERVICES and isinstance(event.get("pid"), int), event
+    pids = {e["service"]: set() for e in events}
+    for event in events:
+        pids[event["service"]].add(event["pid"])
+    for name in ("cachemgr", "worker", "gateway"):
+        assert tiny_stack.child_pid(name) in pids[name]
+    assert len(pids["supervisor"]) == 1
 
 
 def test_the_log_says_how_each_request_ended(tiny_stack: Stack, smol_stack: Stack) -> None:
@@ -155,3 +184,20 @@ def test_errors_use_the_apis_field_names(tiny_stack: Stack) -> None:
         list(tiny_stack.stub.Generate(greedy_request([5, 6, 7], 0), timeout=10))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details().startswith("stopping.max_tokens must be in [1, "), info.value.details()
+
+
+def test_generate_command_with_every_sampling_flag(
+    smol_stack: Stack, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["generate", "--target", smol_stack.target, "--chat", "What is the capital of France?",
+            "--max-tokens", "5", "--ignore-eos", "--logprobs", "2", "--top-k", "5", "--top-p", "0.9",
+            "--min-p", "0.01", "--seed", "1", "--priority", "4", "--cache-salt", "cli", "-v"]  # fmt: skip
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert out.strip()
+    logprob_lines = [line for line in err.splitlines() if re.match(r"^\s*-?\d+\.\d{4}  ", line)]
+    assert len(logprob_lines) == 5, err
+    final = json.loads(err[err.index("{") :])
+    assert final["usage"]["completionTokens"] == 5 and final["finishReason"] == "FINISH_REASON_LENGTH"
+    added = [e for e in smol_stack.events("request added") if e.get("request_id") == final["requestId"]]
+    assert added and added[0]["priority"] == 4

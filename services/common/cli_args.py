@@ -8,6 +8,7 @@ Unset settings stay None and are not passed, so `CBConfig`'s own defaults apply.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Callable
@@ -98,10 +99,24 @@ def add_env_argument(
     parser.add_argument(flag, default=default, help=f"{help} [{env_name(dest)}]", **kwargs)
 
 
+# What an unset setting means when CBConfig's default is None.
+_UNSET_MEANS = {
+    "num_blocks": "sized from free memory x max_memory_percent",
+    "safety_margin": ", ".join(f"{k} {v}" for k, v in DEFAULT_SAFETY_MARGIN.items()),
+    "use_cuda_graph": "off",
+}
+
+
 def add_cb_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("continuous batching (unset: the engine's defaults)")
+    defaults = {f.name: f.default for f in dataclasses.fields(CBConfig)}
     for name, kind, help_text in CB_SETTINGS:
         extra = {"choices": sorted(DEFAULT_SAFETY_MARGIN)} if name == "scheduler_type" else {}
+        if os.environ.get(env_name(name)) is None:  # else the variable's value shows as the default
+            default = _UNSET_MEANS.get(name, defaults[name])
+            if kind is bool:
+                default = "on" if default is True else "off" if default is False else default
+            help_text = f"{help_text} (default: {default})"
         add_env_argument(group, "--" + name.replace("_", "-"), type=kind, help=help_text, **extra)
 
 

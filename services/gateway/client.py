@@ -58,37 +58,66 @@ def generate(
     return stub.Generate(request, timeout=timeout_s, metadata=tuple(metadata))
 
 
-def stream_to(
-    target: str,
+def completion_request(
     prompt: str,
     *,
-    chat: bool,
-    max_tokens: int | None,
-    temperature: float,
-    seed: int | None,
-    stops: Sequence[str],
-    out: TextIO = sys.stdout,
-    credentials: Credentials = Credentials(),
+    chat: bool = False,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    seed: int | None = None,
+    stops: Sequence[str] = (),
+    ignore_eos: bool = False,
+    logprobs: int | None = None,
+    priority: int = 0,
+    cache_salt: str = "",
 ) -> Any:
-    """Stream one completion's text to `out`; returns the final message."""
-    request = pb.GenerateRequest()
+    """A GenerateRequest for `prompt` (text, or one user message with `chat`); None leaves a field
+    unset, so that the server's default applies."""
+    request = pb.GenerateRequest(priority=priority, cache_salt=cache_salt)
     if chat:
         request.chat.messages.append(pb.ChatMessage(role="user", content=prompt))
     else:
         request.text = prompt
-    request.sampling.temperature = temperature
-    if seed is not None:
-        request.sampling.seed = seed
+    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("min_p", min_p),
+                        ("seed", seed)):  # fmt: skip
+        if value is not None:
+            setattr(request.sampling, name, value)
     if max_tokens is not None:
         request.stopping.max_tokens = max_tokens
     request.stopping.stop.extend(stops)
-    final = None
-    with channel(target, credentials) as ch:
-        for response in generate(pb_grpc.TextGenerationStub(ch), request, metadata=credentials.metadata()):
-            if response.HasField("chunk"):
-                out.write(response.chunk.text)
-                out.flush()
-            else:
-                final = response.final
-    out.write("\n")
-    return final
+    request.stopping.ignore_eos = ignore_eos
+    if logprobs is not None:
+        request.output.logprobs = logprobs
+    return request
+
+
+def stream_to(
+    target: str, request: Any, *, out: TextIO = sys.stdout, credentials: Credentials = Credentials()
+) -> tuple[Any, list[Any]]:
+    """Stream one completion's text to `out`; returns the final message (None if the stream was
+    cut short) and the tokens' logprobs, if the request asked for them."""
+    final, logprobs = None, []
+    try:
+        with channel(target, credentials) as ch:
+            stub = pb_grpc.TextGenerationStub(ch)
+            for response in generate(stub, request, metadata=credentials.metadata()):
+                if response.HasField("chunk"):
+                    out.write(response.chunk.text)
+                    out.flush()
+                    logprobs += response.chunk.logprobs
+                else:
+                    final = response.final
+    finally:  # also on Ctrl-C: the shell's prompt starts on a line of its own
+        out.write("\n")
+        out.flush()
+    return final, logprobs
+
+
+def print_logprobs(logprobs: Sequence[Any], out: TextIO) -> None:
+    """One line per generated token: its logprob and text, then the most likely alternatives."""
+    for lp in logprobs:
+        top = ", ".join(f"{t.token!r} {t.logprob:.3f}" for t in lp.top)
+        out.write(f"{lp.logprob:9.4f}  {lp.token!r}" + (f"  [{top}]" if top else "") + "\n")

@@ -18,6 +18,7 @@ import signal
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 
 import msgspec
@@ -25,6 +26,7 @@ import structlog
 import torch
 import zmq
 
+from services.common import ready_file
 from services.common.awake_clock import AwakeClock
 from services.common.config import CBConfig
 from services.common.gateway_messages import (
@@ -101,8 +103,10 @@ class WorkerServer:
         cachemgr_timeout_s: float = 10.0,
         gateway_timeout_s: float = 15.0,
         key: str = "",
+        ready_path: Path | None = None,
     ) -> None:
         self.model = model
+        self.ready_path = ready_path  # exists while attached and warm (common/ready_file.py)
         self.key = key
         self.config = config
         self.address = address
@@ -129,6 +133,7 @@ class WorkerServer:
     # ------------------------------------------------------------------------------------ lifecycle
 
     def run(self) -> None:
+        ready_file.mark(self.ready_path, False)  # a killed predecessor's
         self._socket.bind(self.address)
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
@@ -198,6 +203,7 @@ class WorkerServer:
         )
         self._last_status = 0.0  # announce readiness at once
         log.info("worker ready", worker_id=self.worker_id, **msgspec.to_builtins(self.facts))
+        ready_file.mark(self.ready_path, True)
 
     @staticmethod
     def _warm_up(engine: Engine) -> None:
@@ -205,6 +211,7 @@ class WorkerServer:
         engine.generate([[0, 1, 2, 3]], 2, ignore_eos=True)
 
     def _detach(self) -> None:
+        ready_file.mark(self.ready_path, False)
         if self.engine is not None:
             try:
                 self.engine.cache.close()
@@ -459,6 +466,7 @@ def run_worker(
     threads: int | None = None,
     cachemgr_timeout_s: float = 10.0,
     gateway_timeout_s: float = 15.0,
+    ready_path: Path | None = None,
 ) -> int:
     import os
 
@@ -474,5 +482,6 @@ def run_worker(
         cachemgr_timeout_s=cachemgr_timeout_s,
         gateway_timeout_s=gateway_timeout_s,
         key=internal_key(),
+        ready_path=ready_path,
     ).run()
     return 0
