@@ -11,9 +11,10 @@
 # edit under services/ reinstalls cbserve and re-converts the model (about 30 s), nothing more.
 FROM python:3.11-slim
 
-# g++ lets the worker build its native CPU decode-attention kernel on first use (services/worker/csrc,
-# compiled with -march=native for the CPU it runs on, so never at build time). Without a compiler the
-# worker falls back to gather + SDPA, which gives the same tokens.
+# g++ builds the native CPU kernels (services/worker/csrc, -march=native): once below, for the CPU of the
+# machine that builds the image, and again at a container's first start only on a CPU with other
+# features (the build is keyed by the CPU's flags). Without a compiler the worker falls back to torch's
+# kernels, which give the same tokens.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ \
@@ -75,8 +76,9 @@ RUN groupadd --gid 10001 cbserve \
 USER 10001:10001
 WORKDIR /home/cbserve
 
-# Convert the embedded default model once, now, so that every container starts in about a second.
-RUN cbserve prepare-model
+# Convert the embedded default model and compile the native kernels once, now, so that a container
+# starts in seconds instead of converting (about 30 s) and compiling (about a minute) every time.
+RUN cbserve prepare-model && cbserve prepare-kernels
 
 # gRPC API, Prometheus metrics (gateway); worker and cachemgr ZMQ ports (inside the compose network only).
 EXPOSE 50051 9090 5556 5557

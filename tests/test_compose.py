@@ -337,10 +337,14 @@ def test_healthchecks_and_startup_order() -> None:
     command = flags(services["gateway"]["command"])
     assert target == f"127.0.0.1:{command['--health-port']}" and command["--health-port"] != command["--port"]
 
-    for name in ("cachemgr", "worker"):
-        probe = " ".join(healthcheck_command(services[name]))
-        port = tcp(flags(services[name]["command"])[f"--{name}-address"])[1]
-        assert str(port) in probe, f"{name}'s healthcheck should probe its port {port}"
+    # The cachemgr binds its port once its pool exists; the worker binds its own long before it is
+    # warm, so its check reads the readiness file the worker keeps.
+    probe = " ".join(healthcheck_command(services["cachemgr"]))
+    port = tcp(flags(services["cachemgr"]["command"])["--cachemgr-address"])[1]
+    assert str(port) in probe, f"the cachemgr's healthcheck should probe its port {port}"
+    worker = healthcheck_command(services["worker"])
+    ready_file = flags(services["worker"]["command"])["--ready-file"]
+    assert worker == ["cbserve", "health", "--ready-file", ready_file], worker
 
     for name, service in services.items():
         check = service.get("healthcheck")
@@ -556,6 +560,9 @@ def test_dockerfile_base_torch_model_user_entrypoint() -> None:
     assert user.split(":")[0] not in ("root", "0"), user
     prepare = [i for i, run in runs if re.search(r"\bcbserve prepare-model\b", run)]
     assert prepare and last_user_step < prepare[0] and source_step < prepare[0]
+    # The native kernels too: a container must not spend its first minute compiling them.
+    kernels = [i for i, run in runs if re.search(r"\bcbserve prepare-kernels\b", run)]
+    assert kernels and last_user_step < kernels[0] and source_step < kernels[0]
 
     env = {}
     for keyword, rest in steps:
