@@ -95,10 +95,12 @@ def completion_request(
 
 
 def stream_to(
-    target: str, request: Any, *, out: TextIO = sys.stdout, credentials: Credentials = Credentials()
+    target: str, request: Any, *, out: TextIO | None = None, credentials: Credentials = Credentials()
 ) -> tuple[Any, list[Any]]:
-    """Stream one completion's text to `out`; returns the final message (None if the stream was
-    cut short) and the tokens' logprobs, if the request asked for them."""
+    """Stream one completion's text to `out` (default: the `sys.stdout` of the moment, not of import
+    time, which a test's capture may have replaced since); returns the final message (None if the
+    stream was cut short) and the tokens' logprobs, if the request asked for them."""
+    out = out if out is not None else sys.stdout
     final, logprobs = None, []
     try:
         with channel(target, credentials) as ch:

@@ -147,8 +147,9 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         try:
             async for response in self._stream(queue, prepared, stream, context, internal, trace_id):
                 yield response
-        except asyncio.CancelledError:
-            # grpc cancels the call's task for a client's cancel and for a deadline alike.
+        except (asyncio.CancelledError, GeneratorExit):
+            # A client's cancel and a deadline alike: grpc cancels the call's task, or closes this
+            # generator when the call ended while it was suspended at a yield.
             if not stream.end:
                 remaining = context.time_remaining()
                 late = remaining is not None and remaining < DEADLINE_SLACK_S
