@@ -380,3 +380,13 @@ def test_non_float32_logits_accepted() -> None:
     logits = _logits(3, 64, seed=14).to(torch.bfloat16)
     out = _sample(logits, [_row(), _row(temperature=1.0, top_k=1), _row(logprobs=2)])
     assert out.token_ids[:2] == logits[:2].float().argmax(dim=-1).tolist()
+
+
+def test_a_vanishing_temperature_samples_greedily_and_keeps_suppression() -> None:
+    """A fuzz seed found 1.4e-45: logits / temperature overflowed and a suppressed id was sampled."""
+    logits = torch.randn(1, 256, generator=torch.Generator().manual_seed(0))
+    logits[0, 0] = 50.0  # the suppressed id would win
+    params = SamplingParams(temperature=1.4013e-45, min_new_tokens=2, stop_token_ids=(0,))
+    row = SamplingRow(params, None, (), suppress_ids=(0,))
+    out = Sampler().sample(logits, [row])
+    assert out.token_ids == [int(logits[0, 1:].argmax()) + 1]

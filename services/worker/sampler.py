@@ -21,6 +21,11 @@ from services.common.sampling_params import SamplingParams
 _NEG_INF = float("-inf")
 
 
+# Temperatures this small divide fp32 logits into inf and NaN (1.4e-45 sampled suppressed ids); their
+# limit is greedy, so they are sampled greedily (vLLM's _SAMPLING_EPS is the same bound).
+GREEDY_BELOW = 1e-5
+
+
 @dataclass
 class SamplingRow:
     """One request's inputs for one sampling step.
@@ -100,7 +105,7 @@ class _Plan:
             if p.logprobs is not None:
                 plan.logprob_rows.append(i)
                 plan.logprob_n.append(min(p.logprobs, vocab_size))
-            if p.temperature == 0.0:
+            if p.temperature < GREEDY_BELOW:
                 plan.greedy_rows.append(i)
                 continue
             pos = len(plan.random_rows)
