@@ -272,23 +272,33 @@ void run_task(const Task& t, float* scores, __m512_or_float* part) {
   }
 }
 
+#ifdef __AVX512F__
+// The head sizes with a vector path (D = 16 x NC): `make.template operator()<NC>()` for D, else
+// `other`. Both kernels dispatch through this one list.
+template <typename Fn, typename Make>
+Fn by_head_size(int64_t D, Fn other, Make make) {
+  switch (D) {
+    case 16: return make.template operator()<1>();
+    case 32: return make.template operator()<2>();
+    case 48: return make.template operator()<3>();
+    case 64: return make.template operator()<4>();
+    case 80: return make.template operator()<5>();
+    case 96: return make.template operator()<6>();
+    case 128: return make.template operator()<8>();
+    default: return other;
+  }
+}
+#endif
+
 using TaskFn = void (*)(const Task&, float*, __m512_or_float*);
 
 TaskFn pick(int64_t D) {
 #ifdef __AVX512F__
-  switch (D) {
-    case 16: return run_task<1>;
-    case 32: return run_task<2>;
-    case 48: return run_task<3>;
-    case 64: return run_task<4>;
-    case 80: return run_task<5>;
-    case 96: return run_task<6>;
-    case 128: return run_task<8>;
-    default: break;
-  }
-#endif
+  return by_head_size<TaskFn>(D, run_task<0>, []<int NC>() -> TaskFn { return run_task<NC>; });
+#else
   (void)D;
   return run_task<0>;
+#endif
 }
 }  // namespace
 
@@ -487,19 +497,11 @@ using PrefillFn = void (*)(const PrefillTask&, float*, float*);
 
 PrefillFn pick_prefill(int64_t D) {
 #ifdef __AVX512F__
-  switch (D) {
-    case 16: return run_prefill<1>;
-    case 32: return run_prefill<2>;
-    case 48: return run_prefill<3>;
-    case 64: return run_prefill<4>;
-    case 80: return run_prefill<5>;
-    case 96: return run_prefill<6>;
-    case 128: return run_prefill<8>;
-    default: break;
-  }
-#endif
+  return by_head_size<PrefillFn>(D, nullptr, []<int NC>() -> PrefillFn { return run_prefill<NC>; });
+#else
   (void)D;
   return nullptr;
+#endif
 }
 }  // namespace
 
