@@ -46,6 +46,23 @@ def first_keys(start: torch.Tensor, window: int | None) -> torch.Tensor:
     return (start - window + 1).clamp(min=0) if window is not None else torch.zeros_like(start)
 
 
+@dataclass(frozen=True)
+class GroupIndex:
+    """One step's per-request index tensors, seen from one allocator group (its window and views)."""
+
+    starts: torch.Tensor  # [R]: position of each request's first token this step
+    ends: torch.Tensor  # [R]: one past its last
+    offsets: torch.Tensor  # [R]: packed row of its first token
+    window: int | None
+    views: list[tuple[int, int]]
+    tables: dict[tuple[int, int], torch.Tensor]
+
+    def select(self, sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`(start, end, offset, first key)` of the requests `sel`."""
+        start = self.starts[sel]
+        return start, self.ends[sel], self.offsets[sel], first_keys(start, self.window)
+
+
 # A prefill row group pads every request to its longest query and key lengths; a request joins a
 # group only while the padded work stays within this factor of the real work.
 MAX_PADDING_WASTE = 1.25
@@ -154,15 +171,10 @@ class BatchBuilder:
         prefill_of_group: dict[int, RaggedPrefill] = {}
         for g, window in enumerate(self.windows):
             views = [v for v in self.views if v[0] == g]
-            groups[g] = [
-                self._row_group(
-                    torch.tensor(sel, dtype=torch.long), starts, ends, offsets, window, views, tables
-                )
-                for sel in selections
-            ]
+            index = GroupIndex(starts, ends, offsets, window, views, tables)
+            groups[g] = [self._row_group(torch.tensor(sel, dtype=torch.long), index) for sel in selections]
             if ragged:
-                sel = torch.tensor(prefill, dtype=torch.long)
-                prefill_of_group[g] = self._ragged(sel, starts, ends, offsets, window, views, tables)
+                prefill_of_group[g] = self._ragged(torch.tensor(prefill, dtype=torch.long), index)
         attention = AttentionBatch(
             num_tokens=padded,
             write_slots=write_slots,
@@ -190,55 +202,31 @@ class BatchBuilder:
         return table.clamp_(min=0)
 
     def _slots(
-        self,
-        sel: torch.Tensor,
-        key_pos: torch.Tensor,
-        key_ok: torch.Tensor,
-        views: list[tuple[int, int]],
-        tables: dict[tuple[int, int], torch.Tensor],
+        self, sel: torch.Tensor, key_pos: torch.Tensor, key_ok: torch.Tensor, index: GroupIndex
     ) -> dict[tuple[int, int], torch.Tensor]:
         """Per view, the pool slot `[B, L]` of each key position (the padding slot where not `key_ok`)."""
         page = self.page_size
-        page_idx = (key_pos // page).clamp(max=tables[views[0]].shape[1] - 1)
+        page_idx = (key_pos // page).clamp(max=index.tables[index.views[0]].shape[1] - 1)
         slots = {}
-        for view in views:
-            chunk = tables[view][sel[:, None], page_idx]
+        for view in index.views:
+            chunk = index.tables[view][sel[:, None], page_idx]
             slots[view] = torch.where(key_ok, chunk * page + key_pos % page, PADDING_SLOT).to(self.device)
         return slots
 
-    def _ragged(
-        self,
-        sel: torch.Tensor,
-        starts: torch.Tensor,
-        ends: torch.Tensor,
-        offsets: torch.Tensor,
-        window: int | None,
-        views: list[tuple[int, int]],
-        tables: dict[tuple[int, int], torch.Tensor],
-    ) -> RaggedPrefill:
-        start, end = starts[sel], ends[sel]
-        lo = first_keys(start, window)
+    def _ragged(self, sel: torch.Tensor, index: GroupIndex) -> RaggedPrefill:
+        start, end, offset, lo = index.select(sel)
         key_pos = lo[:, None] + torch.arange(int((end - lo).max()))[None, :]
         return RaggedPrefill(
-            first_rows=offsets[sel].to(self.device),
+            first_rows=offset.to(self.device),
             num_queries=(end - start).to(self.device),
             lengths=(end - lo).to(self.device),
-            slots=self._slots(sel, key_pos, key_pos < end[:, None], views, tables),
-            window=window or 0,
+            slots=self._slots(sel, key_pos, key_pos < end[:, None], index),
+            window=index.window or 0,
         )
 
-    def _row_group(
-        self,
-        sel: torch.Tensor,
-        starts: torch.Tensor,
-        ends: torch.Tensor,
-        offsets: torch.Tensor,
-        window: int | None,
-        views: list[tuple[int, int]],
-        tables: dict[tuple[int, int], torch.Tensor],
-    ) -> RowGroup:
-        start, end, offset = starts[sel], ends[sel], offsets[sel]
-        lo = first_keys(start, window)
+    def _row_group(self, sel: torch.Tensor, index: GroupIndex) -> RowGroup:
+        start, end, offset, lo = index.select(sel)
+        window = index.window
         num_q = int((end - start).max())
         longest = int((end - lo).max())
         kv_len = round_up(longest, self.kv_padding)
@@ -257,7 +245,7 @@ class BatchBuilder:
         # Fold the mask like the queries: row (g, q) of the [group * Q] axis uses query q's mask.
         g = self.query_group
         mask = mask[:, None, None].expand(-1, 1, g, -1, -1).reshape(len(sel), 1, g * num_q, kv_len)
-        slots = {view: s.view(-1) for view, s in self._slots(sel, key_pos, key_ok, views, tables).items()}
+        slots = {view: s.view(-1) for view, s in self._slots(sel, key_pos, key_ok, index).items()}
         all_valid = bool(valid_q.all())
         bias = torch.zeros(mask.shape, dtype=self.dtype).masked_fill_(~mask, float("-inf"))
         return RowGroup(
