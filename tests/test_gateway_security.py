@@ -39,7 +39,8 @@ from tests.stack import REPO, START_TIMEOUT_S, Metadata, Stack, greedy_request
 __all__ = ["node_client"]  # a fixture, used by name: exported so that its import counts as used
 
 # Fresh per run, so that finding one in a log means it was logged.
-ALPHA, BETA, WRONG = (secrets.token_urlsafe(24) for _ in range(3))
+# Prefixed: a urlsafe token may start with "-", which argparse reads as a flag after `--api-key`.
+ALPHA, BETA, WRONG = ("k" + secrets.token_urlsafe(24) for _ in range(3))
 MAX_STREAMS = 2
 PAGE_SIZE = 8
 OK, UNAUTHENTICATED, UNAVAILABLE = (grpc.StatusCode.OK, grpc.StatusCode.UNAUTHENTICATED,
