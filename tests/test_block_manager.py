@@ -101,7 +101,13 @@ def state_of(bm: BlockManager) -> tuple[object, ...]:
             for rid, r in bm.requests.items()
         },
         [{rid: list(t) for rid, t in a.tables.items()} for a in bm.allocators],
-        (list(pool.free), list(pool.evictable.items()), list(pool.refcount), dict(pool.hash_of)),
+        (
+            list(pool.untouched),
+            list(pool.free),
+            list(pool.evictable.items()),
+            list(pool.refcount),
+            dict(pool.hash_of),
+        ),
         (list(swap.free), list(swap.draining), {rid: [list(t) for t in ts] for rid, ts in swap.held.items()}),
         dict(vars(bm.stats)),
     )
@@ -389,6 +395,52 @@ def test_a_prefix_hit_makes_cached_blocks_most_recently_used() -> None:
     assert list(bm.pool.evictable) == [b_chunks[1], *a_chunks]
 
 
+# ============================================================================== committed memory
+# A host pool's pages cost memory from their first write on; the pool should touch new chunks only
+# when neither a released scratch chunk nor (within capacity) nothing else is at hand.
+
+
+def test_a_released_chunk_is_reused_before_an_untouched_one() -> None:
+    bm = make_bm(FULL, 8, allow_block_sharing=False)
+    d = Driver(bm)
+    d.step(E("a", 8, toks(0, 8)))
+    first = table(bm, "a")
+    d.step(frees=["a"])
+    d.step(E("b", 8, toks(100, 8), arrival=1))
+    assert sorted(table(bm, "b")) == sorted(first)
+    assert table(bm, "b")[0] == first[0]  # the most recently released (released tail first) is reused first
+
+
+def test_committed_chunks_follow_the_working_set_not_the_request_count() -> None:
+    """The issue's measurement, in miniature: rounds of distinct prompts whose pages are never cached
+    (sharing off, and the partial last page of each prompt with sharing on) leave the committed set at
+    the working set, where the old first-in-first-out free list walked through the whole pool."""
+    bm = make_bm(FULL, 64, allow_block_sharing=False)
+    d = Driver(bm)
+    for round_ in range(10):
+        rids = [f"r{round_}.{i}" for i in range(3)]
+        d.step(*(E(rid, 10, toks(1000 * round_ + 100 * i, 10), arrival=i) for i, rid in enumerate(rids)))
+        d.step(frees=rids)
+        assert bm.pool.num_committed == 9, round_  # 3 requests x 3 pages, whatever the round
+    assert bm.stats_dict()["committed_blocks"] == 9
+
+
+def test_cached_prefixes_are_kept_until_untouched_chunks_run_out() -> None:
+    """Prefix hits are what the old policy got: a cached chunk is evicted only when no released and
+    no untouched chunk is left; only the unhashed partial pages are reused early."""
+    bm = make_bm(FULL, 12)
+    d = Driver(bm)
+    a = toks(0, 10)  # pages 0 and 1 full (hashed), page 2 partial
+    d.step(E("a", 10, a))
+    d.step(frees=["a"])
+    assert bm.stats_dict()["evictable_blocks"] == 2 and bm.pool.num_committed == 3
+    d.step(E("x", 10, toks(500, 10), arrival=1))  # the partial page back, then two untouched
+    assert bm.pool.num_committed == 5 and bm.stats_dict()["evictable_blocks"] == 2
+    d.step(frees=["x"])
+    g = d.step(E("a2", 11, [*a, 7], arrival=2))
+    assert granted(g) == {"a2": (8, 3)}  # a's two full pages still hit
+
+
 # ============================================================================== sliding window
 
 
@@ -404,8 +456,9 @@ def test_sliding_allocator_recycles_pages_that_left_the_window() -> None:
     first = table(bm, "s")[0]
     g = d.step(E("s", 5))
     assert granted(g) == {"s": (11, 5)}
-    assert table(bm, "s")[0] == RECYCLED and bm.pool.refcount[first] == 0 and first in bm.pool.free
     assert len(table(bm, "s")) == 4  # pages 0..3 cover positions [0, 16)
+    # The recycled page is released before the step's new page is allocated, which reuses it.
+    assert table(bm, "s")[0] == RECYCLED and table(bm, "s")[3] == first
     assert g.granted[0].tables == [table(bm, "s")[3:]]
     # At 16 the window starts at 9: pages 0 and 1 are dead.
     d.step(E("s", 4))

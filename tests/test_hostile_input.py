@@ -772,7 +772,7 @@ def assert_accounted(bm: BlockManager) -> None:
     pool's own tally), and no swap slot is left draining past the end of a step."""
     bm.check()
     named = {c for a in bm.allocators for t in a.tables.values() for c in t if c >= 0}
-    assert len(bm.pool.free) + len(bm.pool.evictable) + len(named) == bm.pool.capacity
+    assert bm.pool.num_free + len(named) == bm.pool.capacity
     assert not bm.swap.draining, bm.swap.draining
 
 

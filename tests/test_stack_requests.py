@@ -25,8 +25,11 @@ import grpc
 import pytest
 from transformers import AutoTokenizer
 
+from services.cachemgr.sizing import meminfo_bytes
+from services.common.kv_geometry import RESERVED_CHUNKS, KVGeometry
 from services.gateway.api import pb
 from tests.stack import Stack, greedy_request
+from tests.tiny_models import tiny_config
 
 CALL_TIMEOUT_S = 60.0
 SMOL_VOCAB_SIZE = 49152
@@ -412,6 +415,21 @@ def scrape(stack: Stack) -> str:
 
 def successes(text: str) -> float:
     return sum(float(v) for v in re.findall(r"^cbserve:request_success_total\{[^}]*\} (\S+)$", text, re.M))
+
+
+def test_load_and_metrics_report_the_pool_in_bytes(tiny_stack: Stack) -> None:
+    tiny_stack.generate(greedy_request(tiny_prompt(40, 31), 2), timeout_s=CALL_TIMEOUT_S)
+    load = tiny_stack.load()
+    geometry = KVGeometry.from_model_config(tiny_config("llama"), tiny_stack.info.page_size, 4)
+    pool_chunks = load.kv_blocks_total + RESERVED_CHUNKS
+    assert load.kv_pool_bytes == pool_chunks * geometry.chunk_bytes
+    # Committed: the reserved chunks plus every chunk handed out so far (requests ran), never more.
+    assert 2 * RESERVED_CHUNKS * geometry.chunk_bytes <= load.kv_pool_committed_bytes <= load.kv_pool_bytes
+    assert 0 < load.host_available_bytes <= meminfo_bytes("MemTotal")
+    text = scrape(tiny_stack)
+    for name in ("cbserve:kv_pool_bytes", "cbserve:kv_pool_committed_bytes", "cbserve:host_available_bytes"):
+        value = float(re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M).group(1))
+        assert value > 0, name
 
 
 def test_concurrent_load_queries_are_all_answered(tiny_stack: Stack) -> None:

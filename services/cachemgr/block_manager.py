@@ -395,7 +395,8 @@ class BlockManager:
     def stats_dict(self) -> dict[str, int]:
         return {
             "total_blocks": self.pool.capacity,
-            "free_blocks": len(self.pool.free),
+            "free_blocks": len(self.pool.free) + len(self.pool.untouched),
+            "committed_blocks": self.pool.num_committed,
             "evictable_blocks": len(self.pool.evictable),
             "used_blocks": self.pool.num_used,
             "swap_slots": self.swap.num_slots,

@@ -1,8 +1,15 @@
 """The chunk pool: free chunks, refcounts, and the prefix index with lazy LRU eviction.
 
+Allocation order is what keeps a CPU pool's memory bounded by its working set: pages of a host pool
+are committed the first time they are written, so a chunk that was never handed out costs nothing
+until it is. An allocation takes, in order: the most recently freed unhashed chunk (its pages are
+committed and likely still in cache), then a never-touched chunk, and only then evicts the least
+recently used cached prefix. Cached prefixes are thus evicted exactly when they were before (no
+prefix hit is lost), while reused scratch pages keep the committed set from creeping up to the pool.
+
 Invariants (checked by `check()`; the property tests call it after every step):
-- every allocatable chunk is in exactly one of: `free` (never used or unhashed), `evictable`
-  (refcount 0, content and hash kept), or in use (refcount > 0);
+- every allocatable chunk is in exactly one of: `untouched` (never handed out), `free` (released
+  without a hash), `evictable` (refcount 0, content and hash kept), or in use (refcount > 0);
 - `hash_of` and `by_hash` are inverse maps; only chunks in use or evictable carry a hash;
 - the reserved chunks `[0, RESERVED_CHUNKS)` are never handed out.
 """
@@ -20,7 +27,8 @@ class ChunkPool:
             raise ValueError(f"pool needs more than {RESERVED_CHUNKS} chunks, got {num_chunks}")
         self.num_chunks = num_chunks
         self.refcount = [0] * num_chunks
-        self.free: deque[int] = deque(range(RESERVED_CHUNKS, num_chunks))
+        self.untouched: deque[int] = deque(range(RESERVED_CHUNKS, num_chunks))
+        self.free: list[int] = []  # a stack: the last one released is the first one reused
         # Oldest-released first: popitem(last=False) evicts the least recently used.
         self.evictable: OrderedDict[int, bytes] = OrderedDict()
         self.hash_of: dict[int, bytes] = {}
@@ -33,7 +41,12 @@ class ChunkPool:
     @property
     def num_free(self) -> int:
         """Chunks an allocation can take now (never-used, unhashed, and evictable)."""
-        return len(self.free) + len(self.evictable)
+        return len(self.untouched) + len(self.free) + len(self.evictable)
+
+    @property
+    def num_committed(self) -> int:
+        """Chunks handed out at least once (whose memory a host pool has committed)."""
+        return self.capacity - len(self.untouched)
 
     @property
     def num_used(self) -> int:
@@ -46,7 +59,9 @@ class ChunkPool:
         out = []
         for _ in range(n):
             if self.free:
-                chunk = self.free.popleft()
+                chunk = self.free.pop()
+            elif self.untouched:
+                chunk = self.untouched.popleft()
             else:
                 chunk, digest = self.evictable.popitem(last=False)
                 del self.hash_of[chunk], self.by_hash[digest]
@@ -92,18 +107,20 @@ class ChunkPool:
         return sum(1 for c in chunks if self.refcount[c] == 0)
 
     def check(self) -> None:
-        free = set(self.free)
-        if len(free) != len(self.free):
-            raise AssertionError("duplicate chunk on the free list")
+        untouched, free = set(self.untouched), set(self.free)
+        if len(free) != len(self.free) or len(untouched) != len(self.untouched):
+            raise AssertionError("duplicate chunk on a free list")
         evictable = set(self.evictable)
         in_use = {c for c in range(RESERVED_CHUNKS, self.num_chunks) if self.refcount[c] > 0}
-        if free & evictable or free & in_use or evictable & in_use:
+        states = (untouched, free, evictable, in_use)
+        if sum(map(len, states)) != len(set().union(*states)):
             raise AssertionError("a chunk is in two states at once")
-        if len(free) + len(evictable) + len(in_use) != self.capacity:
+        if sum(map(len, states)) != self.capacity:
             raise AssertionError("a chunk is in no state")
-        if any(self.refcount[c] for c in range(RESERVED_CHUNKS)) or any(c < RESERVED_CHUNKS for c in free):
+        handed_out = any(self.refcount[c] for c in range(RESERVED_CHUNKS))
+        if handed_out or any(c < RESERVED_CHUNKS for c in free | untouched):
             raise AssertionError("a reserved chunk was handed out")
-        if any(c in free for c in self.hash_of):
+        if any(c in free or c in untouched for c in self.hash_of):
             raise AssertionError("a free chunk carries a hash")
         if any(self.by_hash.get(d) != c for c, d in self.hash_of.items()) or len(self.by_hash) != len(
             self.hash_of

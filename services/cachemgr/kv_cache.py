@@ -14,9 +14,9 @@ import torch
 
 from services.cachemgr.block_manager import BlockManager
 from services.cachemgr.pool_memory import PoolMemory, create_pool_memory
-from services.cachemgr.sizing import CacheSizing, size_cache
+from services.cachemgr.sizing import CacheSizing, meminfo_bytes, size_cache
 from services.common.config import CBConfig
-from services.common.kv_geometry import KVGeometry
+from services.common.kv_geometry import RESERVED_CHUNKS, KVGeometry
 from services.common.messages import StepGrant, StepPlan
 
 log = structlog.get_logger(__name__)
@@ -68,7 +68,14 @@ class KVCache:
         return self.block_manager.step(plan)
 
     def stats(self) -> dict[str, int]:
-        return self.block_manager.stats_dict()
+        stats = self.block_manager.stats_dict()
+        # Device memory is committed whole at allocation; a host pool page by page as it is written.
+        committed = stats["total_blocks"] if self.device.type == "cuda" else stats["committed_blocks"]
+        return stats | {
+            "kv_pool_bytes": self.sizing.kv_bytes,
+            "kv_pool_committed_bytes": (committed + RESERVED_CHUNKS) * self.sizing.chunk_bytes,
+            "host_available_bytes": meminfo_bytes("MemAvailable"),
+        }
 
     def release_all(self) -> int:
         return self.block_manager.release_all()

@@ -1,9 +1,18 @@
 """How many KV chunks and swap slots to create.
 
-Rule (DESIGN.md): free memory x `max_memory_percent`, less what one step of the model needs besides the
-KV pool (activations for `max_batch_tokens`, attention workspace, logits for `max_requests_per_batch`
-rows), divided by the chunk size. On CUDA "free" is `cudaMemGetInfo`; on CPU it is MemAvailable.
-`num_blocks` overrides the rule.
+The pool's bytes, first match wins:
+- `num_blocks` chunks;
+- `kv_cache_space` GiB;
+- free memory x `max_memory_percent`, less what one step of the model needs besides the KV pool
+  (activations for `max_batch_tokens`, attention workspace, logits for `max_requests_per_batch` rows):
+  DESIGN.md's rule, and the default on a GPU (90%), whose memory the server owns;
+- on a CPU host, a fixed `DEFAULT_CPU_KV_CACHE` capped at a quarter of RAM. Host memory is shared
+  with everything else on the machine, and sizing from what happens to be free made the pool 19 to
+  22 GB on a 24 GiB machine, differently on every start. 4 GiB is the size vLLM-CPU's recipe sets
+  (`VLLM_CPU_KVCACHE_SPACE=4`) and holds about 90k tokens of SmolLM2 in fp32: more context than two
+  cores compute in any reasonable time.
+On CUDA "free" is `cudaMemGetInfo`; on CPU it is MemAvailable (and the free space of /dev/shm when the
+pool lives there). A host pool's pages are committed only when first written (see `block_pool`).
 """
 
 from __future__ import annotations
@@ -19,6 +28,8 @@ from services.common.kv_geometry import RESERVED_CHUNKS, KVGeometry
 from services.common.tensor_handles import shm_dir
 
 GIB = 1 << 30
+DEFAULT_CPU_KV_CACHE = 4 * GIB
+GPU_MEMORY_PERCENT = 0.9
 
 
 @dataclass(frozen=True)
@@ -28,7 +39,7 @@ class CacheSizing:
     chunk_bytes: int
     free_bytes: int
     workspace_bytes: int
-    source: str  # "num_blocks" or "memory"
+    source: str  # which setting decided: "num_blocks", "kv_cache_space", "max_memory_percent" or "default"
     # The cache budget: KV pages attention may gather in one step within the reserved workspace.
     max_pages_per_step: int
 
@@ -40,14 +51,19 @@ class CacheSizing:
         return asdict(self) | {"kv_bytes": self.kv_bytes}
 
 
+def meminfo_bytes(field: str) -> int:
+    """A /proc/meminfo field (`MemAvailable`, `MemTotal`) in bytes."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} missing from /proc/meminfo")
+
+
 def free_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("MemAvailable missing from /proc/meminfo")
+    return meminfo_bytes("MemAvailable")
 
 
 def shm_free_bytes() -> int:
@@ -89,17 +105,29 @@ def size_cache(
     free = free_memory_bytes(device) - reserve_bytes
     if shm and device.type == "cpu":
         free = min(free, shm_free_bytes())
+    fits = int(free * (cfg.max_memory_percent or GPU_MEMORY_PERCENT)) - workspace
     if cfg.num_blocks is not None:
         num_chunks, source = cfg.num_blocks + RESERVED_CHUNKS, "num_blocks"
     else:
-        budget = int(free * cfg.max_memory_percent) - workspace
-        num_chunks, source = budget // chunk_bytes, "memory"
+        if cfg.kv_cache_space is not None:
+            budget, source = int(cfg.kv_cache_space * GIB), "kv_cache_space"
+        elif cfg.max_memory_percent is not None or device.type == "cuda":
+            budget, source = fits, "max_memory_percent" if cfg.max_memory_percent else "default"
+        else:
+            budget, source = min(DEFAULT_CPU_KV_CACHE, meminfo_bytes("MemTotal") // 4, fits), "default"
+        num_chunks = budget // chunk_bytes
         if num_chunks <= RESERVED_CHUNKS:
             raise RuntimeError(
-                f"no room for a KV cache: {free / GIB:.2f} GiB free x {cfg.max_memory_percent} "
-                f"- {workspace / GIB:.2f} GiB workspace < {RESERVED_CHUNKS + 1} chunks of {chunk_bytes} B"
+                f"no room for a KV cache: {budget / GIB:.2f} GiB ({source}; {free / GIB:.2f} GiB free, "
+                f"{workspace / GIB:.2f} GiB step workspace) < {RESERVED_CHUNKS + 1} chunks of {chunk_bytes} B"
             )
     swap_slots = int(cfg.cpu_offload_space * GIB) // chunk_bytes
+    if shm and device.type == "cpu" and (num_chunks + swap_slots) * chunk_bytes > shm_free_bytes():
+        raise RuntimeError(
+            f"a KV pool of {num_chunks * chunk_bytes / GIB:.2f} GiB and a swap pool of "
+            f"{swap_slots * chunk_bytes / GIB:.2f} GiB do not fit the {shm_free_bytes() / GIB:.2f} GiB "
+            f"free in {shm_dir()} (writing past it would crash the stack)"
+        )
     gathered_page_bytes = (
         2 * geometry.page_size * geometry.num_kv_heads * geometry.head_dim * geometry.dtype_bytes
     )

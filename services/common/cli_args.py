@@ -22,6 +22,7 @@ CB_SETTINGS: tuple[tuple[str, Any, str], ...] = (
     ("num_blocks", int, "KV blocks (overrides memory-based sizing)"),
     ("max_batch_tokens", int, "tokens computed per step"),
     ("long_prefill_token_threshold", int, "most prompt tokens one request computes per step (0: no cap)"),
+    ("kv_cache_space", float, "GiB of KV cache (overrides max_memory_percent)"),
     ("max_memory_percent", float, "fraction of free memory for the KV cache"),
     ("max_requests_per_batch", int, "rows of logits (sampling requests) per step"),
     ("allow_block_sharing", bool, "prefix caching"),
@@ -101,7 +102,9 @@ def add_env_argument(
 
 # What an unset setting means when CBConfig's default is None.
 _UNSET_MEANS = {
-    "num_blocks": "sized from free memory x max_memory_percent",
+    "num_blocks": "from kv_cache_space or max_memory_percent",
+    "kv_cache_space": "4 GiB on a CPU, at most a quarter of RAM",
+    "max_memory_percent": "0.9 on a GPU",
     "safety_margin": ", ".join(f"{k} {v}" for k, v in DEFAULT_SAFETY_MARGIN.items()),
     "use_cuda_graph": "off",
 }

@@ -31,7 +31,11 @@ class CBConfig:
     # Caps one request's prefill chunk per step (vLLM's name and meaning), so that a very long prompt
     # leaves part of the token budget to the prompts that arrive behind it. 0: no cap.
     long_prefill_token_threshold: int = 0
-    max_memory_percent: float = 0.9
+    # KV pool size, first match wins: `num_blocks`; `kv_cache_space` GiB; `max_memory_percent` of free
+    # memory; else the device's default (see cachemgr/sizing.py: 90% of free memory on a GPU, a fixed
+    # size on a CPU host, which other programs share).
+    kv_cache_space: float | None = None
+    max_memory_percent: float | None = None
     max_requests_per_batch: int = 64
     allow_block_sharing: bool = True
     scheduler_type: SchedulerType = "fifo"
@@ -56,7 +60,9 @@ class CBConfig:
             raise ValueError(
                 f"scheduler_type must be one of {sorted(DEFAULT_SAFETY_MARGIN)}, got {self.scheduler_type!r}"
             )
-        if not 0.0 < self.max_memory_percent <= 1.0:
+        if self.kv_cache_space is not None and not self.kv_cache_space > 0:
+            raise ValueError(f"kv_cache_space must be > 0 GiB, got {self.kv_cache_space!r}")
+        if self.max_memory_percent is not None and not 0.0 < self.max_memory_percent <= 1.0:
             raise ValueError(f"max_memory_percent must be in (0, 1], got {self.max_memory_percent!r}")
         if self.safety_margin is not None and not 0.0 <= self.safety_margin < 1.0:
             raise ValueError(f"safety_margin must be in [0, 1), got {self.safety_margin!r}")

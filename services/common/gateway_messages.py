@@ -69,6 +69,9 @@ class Load(msgspec.Struct, frozen=True):
     offloads: int = 0
     soft_resets: int = 0
     swap_restores: int = 0
+    kv_pool_bytes: int = 0
+    kv_pool_committed_bytes: int = 0
+    host_available_bytes: int = 0
     steps: int = 0
     # Bookkeeping that must drain to zero when idle (checked by the soak test, exported as metrics).
     worker_streams: int = 0  # requests the worker tracks on behalf of gateways

@@ -101,6 +101,12 @@ class _LoadCollector(Collector):
             "cbserve:kv_cache_cached_blocks": ("KV blocks holding reclaimable cached prefixes.",
                                                load.kv_blocks_cached),
             "cbserve:kv_cache_total_blocks": ("KV blocks in the pool.", load.kv_blocks_total),
+            "cbserve:kv_pool_bytes": ("Bytes of the KV pool.", load.kv_pool_bytes),
+            "cbserve:kv_pool_committed_bytes": ("Bytes of the KV pool written at least once (a host "
+                                                "commits pages on first write).",
+                                                load.kv_pool_committed_bytes),
+            "cbserve:host_available_bytes": ("Memory the host can still give (MemAvailable).",
+                                             load.host_available_bytes),
             "cbserve:worker_streams": ("Requests the worker tracks for gateways.", load.worker_streams),
             "cbserve:cache_requests": ("Requests the cachemgr holds state for.", load.cache_requests),
             "cbserve:swap_pool_usage_perc": ("Fraction of swap-pool slots in use.",
