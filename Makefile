@@ -34,7 +34,7 @@ TORCH_REQUIREMENT = variant='$(TORCH_VARIANT)'; \
 	(*) echo "TORCH_VARIANT must be cpu, cuda or auto, got '$$variant'" >&2; exit 2 ;; \
 	esac
 
-.PHONY: serve test test-slow soak bench bench-peers lint model torch-requirement clean
+.PHONY: serve test test-slow soak soak-memory bench bench-peers lint model torch-requirement clean
 
 torch-requirement:
 	@$(TORCH_REQUIREMENT)
@@ -92,6 +92,11 @@ test-slow: $(TEST_STAMP) model
 # The long soak: thousands of mixed requests (normal, cancelled, expired, stop strings, bad).
 soak: $(TEST_STAMP) model
 	CBSERVE_SOAK_REQUESTS=3000 $(BIN)/pytest -q -s tests/test_soak.py
+
+# Memory: 20,000 distinct 128-token prompts through `cbserve up`'s defaults (about an hour); the curve
+# lands in soak-memory/. CBSERVE_SOAK_MEMORY_REQUESTS and _PROMPT_TOKENS change the load.
+soak-memory: $(TEST_STAMP) model
+	$(BIN)/pytest -q -s -m soak_memory tests/test_soak_memory.py
 
 bench: model
 	$(BIN)/cbserve bench offline
