@@ -1,4 +1,5 @@
-"""Engine behaviour beyond greedy parity: sampling, seeds, logprobs, stops, cancellation, bad input."""
+"""Engine behaviour beyond greedy parity: sampling, seeds, logprobs (of samples and of prompts), stops,
+cancellation, bad input."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from services.common.sampling_params import SamplingParams
+from services.worker.batch import BatchItem
 from services.worker.engine import Engine
-from services.worker.request import FinishReason, RequestStatus
-from tests.test_engine_parity import assert_no_leak, make_prompts
+from services.worker.request import FinishReason, Request, RequestStatus
+from tests.test_engine_parity import assert_no_leak, make_prompts, reference
 
 
 @pytest.fixture
@@ -50,6 +53,107 @@ def test_logprobs_match_the_model(engine: Engine) -> None:
         assert lp is not None
         assert lp.token_logprob == pytest.approx(expected[i, req.output_ids[i]].item(), abs=1e-4)
         assert [t for t, _ in lp.top] == expected[i].topk(4).indices.tolist()
+
+
+def reference_prompt_logprobs(model_dir: Path, prompt: list[int]) -> torch.Tensor:
+    """log_softmax of transformers' fp32 logits over the prompt: row i scores prompt token i + 1."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt])).logits[0, :-1]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def assert_prompt_logprobs(req: Request, model_dir: Path) -> None:
+    """Exactly one entry per prompt token after the first, each equal to the reference's."""
+    n = req.params.prompt_logprobs
+    assert n is not None
+    expected = reference_prompt_logprobs(model_dir, req.prompt_ids)
+    assert len(req.prompt_logprobs) == len(req.prompt_ids) - 1
+    for i, lp in enumerate(req.prompt_logprobs):
+        row = expected[i]
+        assert lp.token_logprob == pytest.approx(row[req.prompt_ids[i + 1]].item(), abs=1e-4), i
+        top = row.topk(n)
+        assert [t for t, _ in lp.top] == top.indices.tolist(), i
+        assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=1e-4), i
+
+
+@pytest.mark.parametrize(
+    ("family", "cb"),
+    [
+        ("llama", {"max_batch_tokens": 256}),  # one step; our fused forward
+        ("qwen3", {"max_batch_tokens": 256}),  # one step; transformers' forward
+        ("llama", {"max_batch_tokens": 16}),  # chunked by the token budget
+        ("qwen3", {"max_batch_tokens": 16}),
+        ("llama", {"max_batch_tokens": 256, "max_requests_per_batch": 6}),  # chunked by logits rows
+    ],
+)
+def test_prompt_logprobs_match_the_model(
+    family: str, cb: dict[str, int], tiny_models: Callable[[str], Path]
+) -> None:
+    model_dir = tiny_models(family)
+    wanting, plain = make_prompts(seed=8, count=2)
+    with Engine.from_pretrained(model_dir, num_blocks=64, page_size=8, **cb) as engine:
+        req = engine.add_request(
+            wanting, SamplingParams(max_new_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=5)
+        )
+        other = engine.add_request(plain, SamplingParams(max_new_tokens=4, ignore_eos=True))
+        engine.run_until_done()
+        assert_prompt_logprobs(req, model_dir)
+        assert len(req.logprobs) == 4
+        assert other.prompt_logprobs == []
+        expected = reference(model_dir, "sdpa", [wanting, plain])
+        assert [req.output_ids, other.output_ids] == [ids[:4] for ids in expected]
+        if cb["max_batch_tokens"] == 16 or "max_requests_per_batch" in cb:
+            assert engine.runner.builder.prompt_chunks > 0
+        assert_no_leak(engine)
+
+
+def test_prompt_logprobs_read_no_cached_prefix(tiny_models: Callable[[str], Path]) -> None:
+    model_dir = tiny_models("llama")
+    prompt = make_prompts(seed=9, count=1)[0] * 2  # several full pages
+    with Engine.from_pretrained(model_dir, num_blocks=64, page_size=8, max_batch_tokens=32) as engine:
+        engine.generate([prompt], 2, ignore_eos=True)  # the prompt's pages are now cached
+        req = engine.add_request(prompt, SamplingParams(max_new_tokens=2, ignore_eos=True, prompt_logprobs=3))
+        engine.run_until_done()
+        assert req.num_cached_tokens == 0
+        assert_prompt_logprobs(req, model_dir)
+        # The cache was there to read, and other requests still do.
+        again = engine.add_request(prompt, SamplingParams(max_new_tokens=2, ignore_eos=True))
+        engine.run_until_done()
+        assert again.num_cached_tokens >= len(prompt) // 8 * 8 - 8
+        assert_no_leak(engine)
+
+
+def test_prompt_logprobs_survive_soft_resets_once(tiny_models: Callable[[str], Path]) -> None:
+    """A soft reset mid-prefill re-prefills from the cache of the request's own pages: the rows
+    taken before the reset are not taken again, and those after it are still computed."""
+    model_dir = tiny_models("llama")
+    rng = random.Random(1)
+    prompts = [[rng.randint(3, 255) for _ in range(n)] for n in (60, 70, 50, 65, 55)]
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True, prompt_logprobs=3)
+    with Engine.from_pretrained(model_dir, num_blocks=16, page_size=8, max_batch_tokens=32) as engine:
+        reqs = [engine.add_request(p, params) for p in prompts]
+        reset_owing = 0  # soft resets of requests whose prompt logprobs were incomplete
+        while engine.has_work:
+            owing = sum(1 for r in reqs if r.prompt_logprobs_owed)
+            resets = engine.stats()["soft_resets"]
+            engine.step()
+            if engine.stats()["soft_resets"] > resets and owing:
+                reset_owing += 1
+        assert reset_owing > 0
+        for req in reqs:
+            assert_prompt_logprobs(req, model_dir)
+        assert [r.output_ids for r in reqs] == reference(model_dir, "sdpa", prompts)
+        assert_no_leak(engine)
+
+
+def test_only_prompt_logprob_rows_add_logits_rows(engine: Engine) -> None:
+    """A request without prompt logprobs computes the LM head on its sampling row alone."""
+    tables = [[3, 4]]
+    plain = [BatchItem(0, [5, 6, 7], tables, True), BatchItem(0, [8, 9], tables, False)]
+    assert engine.runner.build(plain).logits_indices.tolist() == [2]
+    wanting = [*plain, BatchItem(4, [10, 11, 12, 13], tables, True, range(5, 7))]
+    assert engine.runner.build(wanting).logits_indices.tolist() == [2, 8, 6, 7]
 
 
 def test_min_new_tokens_and_stop_token_ids(engine: Engine) -> None:
@@ -103,6 +207,7 @@ def test_cancel_in_any_state_releases_everything(engine: Engine, target: str) ->
         ([5], SamplingParams(max_new_tokens=0), "max_new_tokens"),
         ([5], SamplingParams(stop_token_ids=(999,)), "stop_token_ids"),
         ([5], SamplingParams(logprobs=100), "logprobs"),
+        ([5], SamplingParams(prompt_logprobs=21), "prompt_logprobs must be in \\[0, 20\\], got 21"),
     ],
 )
 def test_bad_input_is_refused_and_changes_nothing(

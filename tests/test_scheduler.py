@@ -82,6 +82,16 @@ def test_max_requests_per_batch_bounds_sampling_rows_only() -> None:
     assert step(sched, bm) == [("r0", 0, 4), ("r1", 0, 4), ("long", 0, 56)]
 
 
+def test_prompt_logprobs_rows_bound_the_chunk() -> None:
+    sched, bm = make(CBConfig(max_batch_tokens=64, max_requests_per_batch=4))
+    sched.add(request("r0", 4))
+    sched.add(Request("p", list(range(10, 40)), SamplingParams(prompt_logprobs=2), 0))
+    sched.add(request("r1", 4))
+    # r0 takes a logits row; every position "p" computes is a row (its prompt logprobs), so it gets
+    # the three left, and r1, which would sample, waits.
+    assert step(sched, bm) == [("r0", 0, 4), ("p", 0, 3)]
+
+
 def test_stops_eos_stop_token_and_length() -> None:
     sched, bm = make(CBConfig())
     sched.add(request("eos", 2))

@@ -16,6 +16,8 @@ class SamplingParams:
     `temperature == 0` means greedy. `top_k == 0`, `top_p == 1`, `min_p == 0` and
     `repetition_penalty == 1` switch the corresponding filter off. `logprobs=None` returns no
     logprobs; `logprobs=n` returns the sampled token's logprob plus the top-n (n may be 0).
+    `prompt_logprobs=n` does the same for every prompt token after the first (vLLM's semantics);
+    such a request computes the LM head on all its prompt rows and reads no prefix cache.
     """
 
     temperature: float = 0.0
@@ -29,6 +31,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     MAX_LOGPROBS = 20
 
@@ -65,7 +68,9 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"{n('stop_token_ids')} out of vocabulary (size {vocab_size}): {bad}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:
-            raise ValueError(f"{n('logprobs')} must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= self.MAX_LOGPROBS:
+                raise ValueError(f"{n(name)} must be in [0, {self.MAX_LOGPROBS}], got {value!r}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"{n('seed')} must be in [0, 2**63), got {self.seed!r}")

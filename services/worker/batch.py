@@ -21,19 +21,24 @@ from services.worker.kernels import PagedDecode, PagedPrefill
 
 @dataclass(frozen=True)
 class BatchItem:
-    """Compute `token_ids` (the request's tokens at positions `[start, start + len)`) with `tables`."""
+    """Compute `token_ids` (the request's tokens at positions `[start, start + len)`) with `tables`.
+
+    `logit_rows` are positions (of those computed) whose logits the step also returns, besides the
+    last token's when it samples: a prompt-logprobs request's prompt rows; empty for any other."""
 
     start: int
     token_ids: list[int]
     tables: list[list[int]]
     sample: bool
+    logit_rows: range = range(0)
 
 
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [1, T_pad]
     position_ids: torch.Tensor  # [1, T_pad]
-    logits_indices: torch.Tensor  # [R]: packed index of each sampling row's last token
+    # [R + P]: packed index of each sampling item's last token, then of the items' `logit_rows`
+    logits_indices: torch.Tensor
     attention: AttentionBatch
 
 
@@ -151,6 +156,10 @@ class BatchBuilder:
         self.position_buf[:num_tokens] = positions
         sample_idx = [i for i, it in enumerate(items) if it.sample]
         logits_indices = (offsets + lens - 1)[sample_idx]
+        extra = [torch.arange(it.logit_rows.start, it.logit_rows.stop) - it.start + offsets[i]
+                 for i, it in enumerate(items) if it.logit_rows]  # fmt: skip
+        if extra:
+            logits_indices = torch.cat([logits_indices, *extra])
 
         page = self.page_size
         tables = {view: self._table(items, view) for view in self.views}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,8 +31,8 @@ from services.worker.batch import BatchItem
 from services.worker.cache_client import CacheClient
 from services.worker.model_runner import ModelRunner
 from services.worker.request import FinishReason, Request
-from services.worker.sampler import Sampler, SamplingRow
-from services.worker.scheduler import Scheduler, StepBatch
+from services.worker.sampler import Sampler, SamplingRow, token_logprobs
+from services.worker.scheduler import Scheduled, Scheduler, StepBatch
 
 log = structlog.get_logger(__name__)
 
@@ -140,6 +141,11 @@ class Engine:
         if bad:
             raise ValueError(f"prompt ids out of vocabulary (size {self.vocab_size}): {bad[:8]}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if params.prompt_logprobs is not None:
+            # Prompt logprobs need every prompt row computed, so the request may read no cached block
+            # (vLLM turns prefix-cache reads off for it): a salt of its own matches no block but its
+            # own, which a re-prefill after a soft reset may reuse (see `prompt_logprob_rows`).
+            cache_salt = f"{cache_salt}/prompt-logprobs/{uuid.uuid4().hex}"
         req = Request(
             rid,
             prompt,
@@ -199,7 +205,13 @@ class Engine:
     def _run(self, batch: StepBatch, times: StepPhases) -> list[int]:
         t0 = time.perf_counter()
         items = [
-            BatchItem(s.start, s.request.tokens(s.start, s.start + s.num_tokens), s.request.tables, s.sample)
+            BatchItem(
+                s.start,
+                s.request.tokens(s.start, s.start + s.num_tokens),
+                s.request.tables,
+                s.sample,
+                s.request.prompt_logprob_rows(s.start, s.start + s.num_tokens),
+            )
             for s in batch.scheduled
         ]
         built = self.runner.build(items)
@@ -208,8 +220,14 @@ class Engine:
         t2 = time.perf_counter()
         times.build, times.forward = t1 - t0, t2 - t1
         sampling = batch.sampling
-        if not sampling:
-            return []
+        self._take_prompt_logprobs(logits[len(sampling) :], batch.scheduled, items)
+        token_ids: list[int] = []
+        if sampling:
+            token_ids = self._sample(logits[: len(sampling)], sampling)
+        times.sample = time.perf_counter() - t2
+        return token_ids
+
+    def _sample(self, logits: torch.Tensor, sampling: list[Scheduled]) -> list[int]:
         rows = [
             SamplingRow(
                 params=s.request.params,
@@ -225,8 +243,23 @@ class Engine:
         for s, lp in zip(sampling, out.logprobs, strict=True):
             if s.request.params.logprobs is not None:
                 s.request.logprobs.append(lp)
-        times.sample = time.perf_counter() - t2
         return out.token_ids
+
+    def _take_prompt_logprobs(
+        self, logits: torch.Tensor, scheduled: list[Scheduled], items: list[BatchItem]
+    ) -> None:
+        """Append the prompt logprobs of the rows past the sampling ones (`items`' `logit_rows`)."""
+        if not logits.shape[0]:
+            return
+        chosen: list[int] = []
+        top_n: list[int] = []
+        for s, item in zip(scheduled, items, strict=True):
+            rows = item.logit_rows  # position i's logits score token i + 1
+            chosen += s.request.prompt_ids[rows.start + 1 : rows.stop + 1]
+            top_n += [min(s.request.params.prompt_logprobs or 0, self.vocab_size)] * len(item.logit_rows)
+        lps = iter(token_logprobs(logits, torch.tensor(chosen, device=logits.device), top_n))
+        for s, item in zip(scheduled, items, strict=True):
+            s.request.prompt_logprobs += itertools.islice(lps, len(item.logit_rows))
 
     def run_until_done(self) -> None:
         idle = 0

@@ -6,7 +6,7 @@ adds), three separate projections where one would do, and module and mask bookke
 is four packed GEMMs (q|k|v, o, gate|up, down), the paged attention, and four fused passes
 (csrc/fused_ops.cpp): norm, rotary in place on the q|k|v rows, SiLU-times-up, add-and-norm. Weights
 are the model's own, concatenated and packed once into panels; the final norm and the LM head run only
-on the rows that sample.
+on the rows whose logits are asked for (those that sample, and prompt logprobs' rows).
 
 Results equal transformers' up to fp32 summation order; `FusedLlama.build` returns None (the model
 then runs transformers' forward) for anything else: another architecture, a rotary embedding that
@@ -100,7 +100,7 @@ class FusedLlama:
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, batch: AttentionBatch
     ) -> torch.Tensor:
-        """`input_ids`, `positions` `[T]` -> logits `[R, vocab]` of the packed rows `rows`."""
+        """`input_ids`, `positions` `[T]` -> logits `[len(rows), vocab]` of the packed rows `rows`."""
         ops, eps = self.ops, self.eps
         t, hd = input_ids.shape[0], self.head_dim
         q_width, kv_width = self.num_heads * hd, self.kv_heads * hd

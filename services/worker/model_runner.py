@@ -79,7 +79,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits `[R, vocab]` (float32) for the batch's sampling items, in order."""
+        """Logits `[R + P, vocab]` (float32) of the rows `batch.logits_indices` names, in order."""
         if self.fused is not None:
             ids, positions = batch.input_ids[0], batch.position_ids[0]
             return self.fused(ids, positions, batch.logits_indices, batch.attention)

@@ -50,6 +50,9 @@ class Request:
     tables: list[list[int]] = field(default_factory=list)  # mirror of the cachemgr's block tables
     generator: torch.Generator | None = None
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # With `params.prompt_logprobs`: entry i is prompt token i + 1's (the first token has none),
+    # from the logits at position i. Filled as prompt chunks compute; complete at the first sample.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str = ""
     arrived_at: float = 0.0  # time.monotonic() when added
@@ -68,6 +71,28 @@ class Request:
         if end <= n:
             return self.prompt_ids[start:end]
         return (self.prompt_ids + self.output_ids)[start:end]
+
+    @property
+    def prompt_logprobs_owed(self) -> int:
+        """Prompt logprobs still to take (0 when the request asks for none)."""
+        if self.params.prompt_logprobs is None:
+            return 0
+        return len(self.prompt_ids) - 1 - len(self.prompt_logprobs)
+
+    def prompt_logprob_rows(self, start: int, end: int) -> range:
+        """Positions in `[start, end)` whose logits give prompt logprobs not yet taken.
+
+        A re-prefill after a soft reset starts no later than the logprobs taken (its prefix hits are
+        pages it computed itself: see `Engine.add_request`), so no row is taken twice."""
+        if not self.prompt_logprobs_owed:
+            return range(0)
+        taken = len(self.prompt_logprobs)
+        if start > taken:
+            raise RuntimeError(
+                f"{self.request_id}: computing from position {start} skips the prompt logprobs of positions "
+                f"{taken}..{start - 1}"
+            )
+        return range(max(start, taken), min(end, len(self.prompt_ids) - 1))
 
     @property
     def num_remaining(self) -> int:

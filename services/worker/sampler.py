@@ -6,7 +6,8 @@ request's `torch.Generator`, which the engine owns and passes in every step.
 Processing order matches HF transformers' `generate` so that a request behaves the same here as
 under `model.generate`: repetition penalty, suppression, then temperature, top-k, top-p, min-p
 (HF warper semantics, `min_tokens_to_keep=1`), then the draw. Logprobs are taken from the raw
-logits, before any of that (vLLM's default), so they describe the model, not the sampler settings.
+logits, before any of that (vLLM's default), so they describe the model, not the sampler settings;
+`token_logprobs` computes them, for sampled rows here and for prompt rows in the engine.
 """
 
 from __future__ import annotations
@@ -315,17 +316,23 @@ def _sample_general(logits: torch.Tensor, plan: _Plan) -> torch.Tensor:
 def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, plan: _Plan) -> list[TokenLogprobs]:
     """Raw-logit logprobs for the rows in `plan.logprob_rows`, in that order."""
     sub, idx = _on_subset(logits, plan.logprob_rows)
-    lp = torch.log_softmax(sub, dim=-1)
-    chosen = tokens if idx is None else tokens[idx]
+    return token_logprobs(sub, tokens if idx is None else tokens[idx], plan.logprob_n)
+
+
+def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, top_n: Sequence[int]) -> list[TokenLogprobs]:
+    """Logprobs of token `chosen[i]` and the `top_n[i]` most likely under the raw logits of row i.
+
+    Sampled tokens and prompt tokens alike: `logits` `[N, V]`, `chosen` `[N]`, each `top_n[i] <= V`."""
+    lp = torch.log_softmax(logits, dim=-1)
     token_lp: list[float] = lp.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
-    n_max = max(plan.logprob_n)
+    n_max = max(top_n)
     top_vals: list[list[float]] = []
     top_ids: list[list[int]] = []
     if n_max > 0:
         top = torch.topk(lp, n_max, dim=-1, sorted=True)
         top_vals, top_ids = top.values.tolist(), top.indices.tolist()
     out: list[TokenLogprobs] = []
-    for j, n in enumerate(plan.logprob_n):
+    for j, n in enumerate(top_n):
         pairs = list(zip(top_ids[j][:n], top_vals[j][:n], strict=True)) if n else []
         out.append(TokenLogprobs(token_logprob=token_lp[j], top=pairs))
     return out

@@ -120,6 +120,13 @@ class Scheduler:
             if tokens_left == 0:
                 break
             n = min(req.num_remaining, tokens_left, cfg.long_prefill_token_threshold or tokens_left)
+            owed = req.prompt_logprobs_owed
+            if owed:
+                # Each prompt position it computes is a row of logits, and the logits memory was sized
+                # for `max_requests_per_batch` rows: the rows left bound its chunk.
+                n = min(n, rows_left)
+                if n == 0:
+                    continue
             samples = n == req.num_remaining
             if samples and rows_left == 0:
                 continue  # a chunk that stops short of sampling needs no logits row
@@ -130,7 +137,7 @@ class Scheduler:
                 continue
             pages_left -= pages
             tokens_left -= n
-            rows_left -= samples
+            rows_left -= min(n, owed) + samples
             entries.append(
                 PlanEntry(
                     request_id=req.request_id,
