@@ -23,12 +23,14 @@ from typing import Any
 
 import grpc
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from services.cachemgr.sizing import meminfo_bytes
 from services.common.kv_geometry import RESERVED_CHUNKS, KVGeometry
 from services.gateway.api import pb
 from tests.stack import Stack, greedy_request
+from tests.test_engine import reference_prompt_logprobs
 from tests.tiny_models import tiny_config
 
 CALL_TIMEOUT_S = 60.0
@@ -112,6 +114,12 @@ def _logprobs(s: Stack) -> Any:
     return request
 
 
+def _prompt_logprobs(s: Stack) -> Any:
+    request = greedy_request(tiny_prompt(1), 4)
+    request.output.prompt_logprobs = 21
+    return request
+
+
 def _no_messages(s: Stack) -> Any:
     request = greedy_request([], 4)
     request.chat.SetInParent()
@@ -139,6 +147,7 @@ BAD_REQUESTS: dict[str, tuple[str, Build]] = {
         "tiny_stack", lambda s: greedy_request(tiny_prompt(2, s.info.max_model_len), 1),
     ),
     "logprobs_21": ("tiny_stack", _logprobs),
+    "prompt_logprobs_21": ("tiny_stack", _prompt_logprobs),
     "stop_token_id_out_of_vocab": ("tiny_stack", lambda s: greedy_request([5, 6], 4, stop_token_ids=[256])),
     "seed_2_63": ("tiny_stack", _sampling(seed=2**63)),
     "text_without_tokenizer": ("tiny_stack", lambda s: pb.GenerateRequest(text="hello")),
@@ -326,6 +335,31 @@ def test_logprobs_of_greedy_tokens(tiny_stack: Stack) -> None:
         assert all(v <= 0.0 for v in values)
         assert lp.top[0].token_id == lp.token_id
         assert lp.logprob == pytest.approx(lp.top[0].logprob, abs=1e-4)
+
+
+def test_prompt_logprobs_equal_transformers_once_and_read_no_cache(tiny_stack: Stack) -> None:
+    """Every prompt is chunked on the tiny stack (24 tokens a step). The prompt is served plainly
+    first, so its pages are cached; the prompt-logprobs call computes it all the same. Its 599
+    entries come in two chunks (512 at most each), the second with the first token."""
+    prompt = tiny_prompt(60, 600)
+    tiny_stack.generate(greedy_request(prompt, 1), timeout_s=CALL_TIMEOUT_S)
+    request = greedy_request(prompt, 4)
+    request.output.prompt_logprobs = 3
+    *responses, last = tiny_stack.stub.Generate(request, timeout=CALL_TIMEOUT_S)
+    chunks = [r.chunk for r in responses]
+    assert [(len(c.prompt_logprobs), len(c.token_ids)) for c in chunks[:2]] == [(512, 0), (87, 1)]
+    assert not any(c.prompt_logprobs for c in chunks[2:])
+    assert [t for c in chunks for t in c.token_ids] == tiny_stack.reference(prompt, 4)
+    entries = [lp for c in chunks for lp in c.prompt_logprobs]
+    expected = reference_prompt_logprobs(tiny_stack.model_dir, prompt)
+    assert [lp.token_id for lp in entries] == prompt[1:]
+    got = torch.tensor([lp.logprob for lp in entries])
+    assert torch.allclose(got, expected[torch.arange(len(entries)), torch.tensor(prompt[1:])], atol=1e-4)
+    assert [[t.token_id for t in lp.top] for lp in entries] == expected.topk(3).indices.tolist()
+    # None of it was read from the cache, which still serves everyone else.
+    assert last.final.usage.cached_prompt_tokens == 0
+    assert tiny_stack.generate(greedy_request(prompt, 1))[2].usage.cached_prompt_tokens >= 592
+    tiny_stack.assert_idle()
 
 
 # -------------------------------------------------------------------------------------- request id

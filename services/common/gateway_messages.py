@@ -53,6 +53,9 @@ class RequestOutput(msgspec.Struct, array_like=True, frozen=True):
     code: str = ""
     cached_tokens: int = -1  # prompt tokens served from the prefix cache; sent once, when known
     queue_seconds: float = -1.0  # arrival at the worker -> first scheduled; sent once
+    # Asked-for prompt logprobs, of prompt tokens 1.. (the first has none); sent once, with the
+    # first token.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class Load(msgspec.Struct, frozen=True):

@@ -126,6 +126,7 @@ API_NAMES = {
     "min_new_tokens": "stopping.min_tokens",
     "stop_token_ids": "stopping.stop_token_ids",
     "logprobs": "output.logprobs",
+    "prompt_logprobs": "output.prompt_logprobs",
 }
 
 
@@ -179,6 +180,7 @@ def prepare(request: Any, tokenizer: Any, facts: WorkerFacts, limits: Limits) ->
             ignore_eos=stop.ignore_eos,
             stop_token_ids=tuple(stop.stop_token_ids),
             logprobs=out.logprobs if out.HasField("logprobs") else None,
+            prompt_logprobs=out.prompt_logprobs if out.HasField("prompt_logprobs") else None,
         )
         params.validate(facts.vocab_size, API_NAMES)
     except ValueError as exc:

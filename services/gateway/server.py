@@ -54,6 +54,9 @@ FINISH_REASONS = {
 }
 # Ends the worker reported itself: it holds nothing more of the request, so nothing to abort there.
 WORKER_ENDS = frozenset(FINISH_REASONS)
+# A long prompt's logprobs (up to 21 candidates with their text per token) go out in parts of this
+# many tokens, each far below the 4 MiB a gRPC client accepts by default.
+PROMPT_LOGPROBS_PER_CHUNK = 512
 # A call cancelled this close to its deadline (or past it) ended by the deadline.
 DEADLINE_SLACK_S = 0.1
 HEALTH_SERVICES = ("", SERVICE_NAME)
@@ -217,12 +220,16 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
                 text, matched = matcher.push(delta)
                 if out.finish and matched is None:
                     text += matcher.flush()
+            *leading, prompt_logprobs = self._prompt_logprob_parts(out)
+            for part in leading:
+                yield pb.GenerateResponse(chunk=pb.GenerateChunk(prompt_logprobs=part))
             chunk = pb.GenerateChunk(
                 token_ids=out.token_ids if prepared.want_token_ids else (),
                 text=text if prepared.want_text else "",
                 logprobs=[self._logprobs(lp) for lp in out.logprobs or ()],
+                prompt_logprobs=prompt_logprobs,
             )
-            if chunk.token_ids or chunk.text or chunk.logprobs:
+            if chunk.token_ids or chunk.text or chunk.logprobs or chunk.prompt_logprobs:
                 yield pb.GenerateResponse(chunk=chunk)
             if matched is not None:
                 self.client.release(internal, abort=True)  # the worker stops computing it now
@@ -234,6 +241,13 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
                 stream.end = out.finish
                 yield self._final(stream, trace_id, FINISH_REASONS[out.finish], stop_token_id=stop_token)
                 return
+
+    def _prompt_logprob_parts(self, out: RequestOutput) -> list[list[Any]]:
+        """The output's prompt logprobs in parts of at most `PROMPT_LOGPROBS_PER_CHUNK` (one empty
+        part when there are none): the last goes with the output's tokens, the others before them."""
+        entries = [self._logprobs(lp) for lp in out.prompt_logprobs or ()]
+        n = PROMPT_LOGPROBS_PER_CHUNK
+        return [entries[i : i + n] for i in range(0, len(entries), n)] or [[]]
 
     def _logprobs(self, lp: TokenLogprob) -> Any:
         text = self._token_text

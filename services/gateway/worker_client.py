@@ -58,11 +58,15 @@ class _Stream:
 
 
 def resubmission(request: NewRequest, generated: list[int]) -> NewRequest:
-    """What a lost request continues as: the tokens it streamed become part of its prompt."""
+    """What a lost request continues as: the tokens it streamed become part of its prompt. Prompt
+    logprobs came with the first token: asked for again only if none was streamed."""
     n = len(generated)
     p = request.params
     params = dataclasses.replace(
-        p, max_new_tokens=p.max_new_tokens - n, min_new_tokens=max(0, p.min_new_tokens - n)
+        p,
+        max_new_tokens=p.max_new_tokens - n,
+        min_new_tokens=max(0, p.min_new_tokens - n),
+        prompt_logprobs=None if generated else p.prompt_logprobs,
     )
     return msgspec.structs.replace(request, prompt_ids=[*request.prompt_ids, *generated], params=params)
 

@@ -92,6 +92,15 @@ def _logprobs(req: Request, start: int, end: int) -> list[TokenLogprob] | None:
     ]
 
 
+def _prompt_logprobs(req: Request) -> list[TokenLogprob] | None:
+    if req.params.prompt_logprobs is None:
+        return None
+    return [
+        TokenLogprob(token, lp.token_logprob, lp.top)
+        for token, lp in zip(req.prompt_ids[1:], req.prompt_logprobs, strict=True)
+    ]
+
+
 class WorkerServer:
     def __init__(
         self,
@@ -361,6 +370,7 @@ class WorkerServer:
                 code=code,
                 cached_tokens=req.num_cached_tokens if first else -1,
                 queue_seconds=req.scheduled_at - req.arrived_at if first and req.scheduled_at else -1.0,
+                prompt_logprobs=_prompt_logprobs(req) if start == 0 < end else None,
             )
         )
 
