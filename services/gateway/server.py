@@ -42,6 +42,9 @@ from services.gateway.inputs import (
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.security import Access, AccessInterceptor, TlsFiles
 from services.gateway.stop_strings import StopStringMatcher
+from services.gateway.vllm_engine import GENERATE_METHOD as VLLM_GENERATE
+from services.gateway.vllm_engine import SERVICE_NAME as VLLM_SERVICE
+from services.gateway.vllm_engine import VllmEngineService, add_vllm_service
 from services.gateway.worker_client import WorkerClient
 
 log = structlog.get_logger(__name__)
@@ -445,7 +448,7 @@ def _interceptors(access: Access, service: TextGenerationService) -> list[grpc.a
         AccessInterceptor(
             access,
             open_services=open_services,
-            stream_methods=[f"/{SERVICE_NAME}/Generate"],
+            stream_methods=[f"/{SERVICE_NAME}/Generate", VLLM_GENERATE],
             on_refused=service.count_refusal,
         )
     ]
@@ -516,8 +519,11 @@ async def serve(
         ]
     )
     add_service(service, server)
+    add_vllm_service(VllmEngineService(service, Path(model_dir)), server)  # the SMG worker protocol
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, VLLM_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server
+    )
     # Probes that cannot do TLS or present a client certificate (Kubernetes' gRPC probes, a compose
     # healthcheck) get the health service alone on a port of its own.
     health_server = grpc.aio.server() if settings.health_port is not None else None

@@ -1,0 +1,351 @@
+"""`vllm.grpc.engine.VllmEngine`, the SMG worker protocol, served beside `cbserve.v1` on the gateway's port.
+
+The `smg` model gateway fronts a fleet of such workers: it tokenizes, renders chat templates,
+routes, detokenizes and trims stop strings itself, and speaks token ids to the worker. Each Generate
+call is translated (vllm_requests.py) into a `cbserve.v1.GenerateRequest` and run by the
+TextGenerationService itself, so that both APIs share one admission (draining, the queue limit),
+validation, stop matching, metrics and logs, and the abort that frees a request's blocks however its
+call ends. The messages come out as vLLM's own servicer shapes them, which is what smg reads:
+- `stream` true: one chunk per worker step with its new ids (`completion_tokens` counts that
+  chunk's ids), then a `complete` with the finish reason, the matched stop and the usage; its
+  `output_ids` is empty (the chunks carried every id).
+- `stream` false: one `complete` with every id (and logprob).
+- Finish reasons: "stop" (end of sequence, a stop id or a stop string: the last two named in
+  `matched_stop`), "length", "abort".
+`Abort` ends the named streams with a `complete` whose finish reason is "abort"; both it and a
+cancelled call abort the request in the worker.
+
+Not served: `SubscribeKvEvents` (not yet: the router's cache-aware policy then approximates each
+worker's cache from its own routing), `FlushCache` (neither the worker nor the cachemgr can drop
+evictable blocks on demand), `Embed` and the profiler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import io
+import time
+import zipfile
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from google.protobuf.message_factory import GetMessageClass
+from smg_grpc_proto import vllm_engine_pb2 as vllm
+from smg_grpc_proto import vllm_engine_pb2_grpc as vllm_grpc
+from smg_grpc_proto.generated import common_pb2
+
+from services.gateway.api import pb
+from services.gateway.inputs import InvalidRequest
+from services.gateway.vllm_requests import to_cbserve, vllm_field_names
+
+if TYPE_CHECKING:
+    from services.gateway.server import TextGenerationService
+
+SERVICE_NAME: str = vllm.DESCRIPTOR.services_by_name["VllmEngine"].full_name
+GENERATE_METHOD = f"/{SERVICE_NAME}/Generate"
+FINISH_REASONS = {
+    pb.FINISH_REASON_EOS: "stop",
+    pb.FINISH_REASON_STOP_SEQUENCE: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_ABORTED: "abort",
+}
+TOKENIZER_CHUNK_BYTES = 64 << 10
+# What a caller needs to build the model's tokenizer and chat template where it runs (GetTokenizer).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.json", "config.json",
+                   "generation_config.json")  # fmt: skip
+TOKENIZER_GLOBS = ("*.jinja", "*.tiktoken")
+NOT_SERVED = {
+    "SubscribeKvEvents": "KV cache events are not published by cbserve yet",
+    "FlushCache": "cbserve cannot drop its cached prefixes on demand yet",
+    "Embed": "cbserve serves generation only, not embeddings",
+    "StartProfile": "cbserve has no profiler to start over gRPC",
+    "StopProfile": "cbserve has no profiler to stop over gRPC",
+}
+
+
+def _version() -> str:
+    try:
+        return metadata.version("cbserve")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return ""
+
+
+class _VllmNamedContext:
+    """The call's context as TextGenerationService.Generate sees it: its refusals name each field as
+    the VllmEngine caller set it."""
+
+    def __init__(self, context: grpc.aio.ServicerContext) -> None:
+        self._context = context
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        await self._context.abort(code, vllm_field_names(details))
+
+
+@dataclass
+class _Call:
+    """One Generate call's cbserve stream, run as a task of its own so that Abort can end it."""
+
+    run: asyncio.Task[None]
+    aborted: bool = False
+
+
+def _output_logprobs(entries: Sequence[Any], with_top: bool) -> Any:
+    out = vllm.OutputLogProbs()
+    for lp in entries:
+        out.token_ids.append(lp.token_id)
+        out.token_logprobs.append(lp.logprob)
+        if with_top:  # as vLLM: alternatives only when some were asked for
+            out.top_logprobs.add(values=[t.logprob for t in lp.top], token_ids=[t.token_id for t in lp.top])
+    return out
+
+
+def _tokenizer_zip(model_dir: Path) -> bytes:
+    names = [n for n in TOKENIZER_FILES if (model_dir / n).is_file()]
+    names += sorted({p.name for g in TOKENIZER_GLOBS for p in model_dir.glob(g) if p.is_file()})
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        for name in dict.fromkeys(names):
+            archive.write(model_dir / name, name)
+    return buffer.getvalue()
+
+
+class VllmEngineService(vllm_grpc.VllmEngineServicer):
+    def __init__(self, text: TextGenerationService, model_dir: Path) -> None:
+        from transformers import AutoConfig
+
+        self.text = text
+        self.model_dir = model_dir
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        self._config_ids = {
+            "model_type": str(getattr(config, "model_type", "") or ""),
+            "pad_token_id": int(getattr(config, "pad_token_id", None) or 0),  # 0 when none, as vLLM
+            "bos_token_id": int(getattr(config, "bos_token_id", None) or 0),
+        }
+        self.started = time.time()
+        self.last_receive = 0.0  # when the latest Generate call arrived (epoch seconds)
+        self._calls: dict[str, _Call] = {}
+        self._version = _version()
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> None:
+        self.text.count_refusal(code, details)
+        await context.abort(code, details)
+
+    # ----------------------------------------------------------------------------------- Generate
+
+    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        if request is None:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "the request does not parse")
+        self.last_receive = time.time()
+        rid = request.request_id
+        try:
+            if rid in self._calls:
+                raise InvalidRequest(f"request_id {rid!r} is already in flight")
+            translated = to_cbserve(request)
+        except InvalidRequest as exc:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        responses: asyncio.Queue[Any] = asyncio.Queue()
+
+        async def run() -> None:
+            generate = self.text.Generate(translated, _VllmNamedContext(context))
+            async with contextlib.aclosing(generate) as stream:
+                async for response in stream:
+                    responses.put_nowait(response)
+
+        call = _Call(asyncio.create_task(run()))
+        call.run.add_done_callback(lambda _: responses.put_nowait(None))
+        if rid:
+            self._calls[rid] = call
+        try:
+            async for message in self._translate(request, responses, call):
+                yield message
+        finally:
+            if self._calls.get(rid) is call:
+                del self._calls[rid]
+            # The caller cancelled or went away: the cbserve stream's own end aborts the request.
+            call.run.cancel()
+            await asyncio.wait([call.run])
+
+    async def _translate(
+        self, request: Any, responses: asyncio.Queue[Any], call: _Call
+    ) -> AsyncIterator[Any]:
+        """vLLM's messages from the cbserve stream's (`None` once it has ended)."""
+        prompt_tokens = len(request.tokenized.input_ids)  # a text prompt's count comes with the complete
+        with_logprobs = request.sampling_params.HasField("logprobs")
+        with_top = with_logprobs and request.sampling_params.logprobs > 0
+        ids: list[int] = []  # kept for the complete message when not streaming
+        logprobs: list[Any] = []
+        generated = 0
+        while (response := await responses.get()) is not None:
+            if response.HasField("final"):
+                yield self._complete(response.final, ids, logprobs if with_logprobs else None, with_top)
+                return
+            chunk = response.chunk
+            if not chunk.token_ids:
+                continue  # prompt logprobs alone, which this protocol has no way to ask for
+            n = len(chunk.token_ids)
+            generated += n
+            if request.stream:
+                message = vllm.GenerateStreamChunk(token_ids=chunk.token_ids, prompt_tokens=prompt_tokens,
+                                                   completion_tokens=n)  # fmt: skip
+                if with_logprobs:
+                    message.output_logprobs.CopyFrom(_output_logprobs(chunk.logprobs, with_top))
+                yield vllm.GenerateResponse(chunk=message)
+            else:
+                ids += chunk.token_ids
+                logprobs += chunk.logprobs
+        if call.aborted:
+            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": generated}
+            complete = vllm.GenerateComplete(output_ids=ids, finish_reason="abort", **usage)
+            yield vllm.GenerateResponse(complete=complete)
+            return
+        error = call.run.exception()
+        if error is not None:
+            raise error  # the cbserve stream's status (already sent, if it was an abort)
+
+    @staticmethod
+    def _complete(final: Any, ids: list[int], logprobs: list[Any] | None, with_top: bool) -> Any:
+        usage = final.usage
+        complete = vllm.GenerateComplete(
+            output_ids=ids,
+            finish_reason=FINISH_REASONS[final.finish_reason],
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            cached_tokens=usage.cached_prompt_tokens,
+        )
+        if final.stop_sequence:
+            complete.matched_stop_str = final.stop_sequence
+        elif final.HasField("stop_token_id"):
+            complete.matched_token_id = final.stop_token_id
+        if logprobs:
+            complete.output_logprobs.CopyFrom(_output_logprobs(logprobs, with_top))
+        return vllm.GenerateResponse(complete=complete)
+
+    async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        for rid in request.request_ids:  # ids not in flight (already ended) are no error, as in vLLM
+            call = self._calls.get(rid)
+            if call is not None and not call.run.done():
+                call.aborted = True
+                call.run.cancel()
+        return vllm.AbortResponse()
+
+    # ------------------------------------------------------------------------------ unary methods
+
+    async def HealthCheck(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if self.text.draining:
+            return vllm.HealthCheckResponse(healthy=False, message="draining")
+        if not self.text.client.ready:
+            return vllm.HealthCheckResponse(healthy=False, message="worker not ready")
+        return vllm.HealthCheckResponse(healthy=True, message="serving")
+
+    async def _facts(self, context: grpc.aio.ServicerContext) -> Any:
+        facts = self.text.client.facts
+        if facts is None:
+            await self._refuse(context, grpc.StatusCode.UNAVAILABLE, "worker not ready")
+        return facts
+
+    async def GetModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        facts = await self._facts(context)
+        info = self.text.model_info
+        return vllm.GetModelInfoResponse(
+            model_path=info["model_id"],  # the served name: clients are not told where it lies
+            served_model_name=info["model_id"],
+            is_generation=True,
+            max_context_length=facts.max_request_tokens,
+            max_req_input_len=max(facts.max_request_tokens - 1, 0),
+            vocab_size=facts.vocab_size,
+            architectures=[info["architecture"]] if info["architecture"] else [],
+            eos_token_ids=info["eos_token_ids"],
+            **self._config_ids,
+        )
+
+    async def GetServerInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        facts = await self._facts(context)
+        return vllm.GetServerInfoResponse(
+            active_requests=self.text.active,
+            is_paused=self.text.draining,
+            last_receive_timestamp=self.last_receive,
+            uptime_seconds=time.time() - self.started,
+            server_type="cbserve",
+            data_parallel_size=1,
+            block_size=facts.page_size,
+            model_dtype=facts.dtype,
+        )
+
+    async def GetLoads(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """The counters GetLoad reports, for rank 0 (a stack is one rank; `dp_rank` and `include`
+        select nothing else)."""
+        facts = await self._facts(context)
+        try:
+            load = await self.text.client.query_load()
+        except TimeoutError:
+            await self._refuse(context, grpc.StatusCode.UNAVAILABLE, "worker did not answer the load query")
+        total = load.kv_blocks_total * facts.page_size
+        used = load.kv_blocks_used * facts.page_size
+        queries = load.prefix_cache_queries
+        return vllm.GetLoadsResponse(
+            timestamp=datetime.now(UTC).isoformat(),
+            version=self._version,
+            dp_rank_count=1,
+            loads=[
+                vllm.SchedulerLoad(
+                    dp_rank=0,
+                    num_running_reqs=load.requests_running,
+                    num_waiting_reqs=load.requests_waiting,
+                    num_total_reqs=load.requests_running + load.requests_waiting,
+                    num_used_tokens=used,
+                    max_total_num_tokens=total,
+                    token_usage=used / total if total else 0.0,
+                    cache_hit_rate=load.prefix_cache_hits / queries if queries else 0.0,
+                )
+            ],
+        )
+
+    async def GetTokenizer(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        """The model's tokenizer files as one zip archive, in chunks; the last carries its SHA-256."""
+        if not self.text.model_info["has_tokenizer"]:
+            await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer")
+        data = await asyncio.to_thread(_tokenizer_zip, self.model_dir)
+        digest = hashlib.sha256(data).hexdigest()
+        for start in range(0, len(data), TOKENIZER_CHUNK_BYTES):
+            end = start + TOKENIZER_CHUNK_BYTES
+            last = end >= len(data)
+            yield common_pb2.GetTokenizerChunk(data=data[start:end], sha256=digest if last else "")
+
+
+def _not_served(method: str) -> Any:
+    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{SERVICE_NAME}/{method}: {NOT_SERVED[method]}")
+
+    return refuse
+
+
+def add_vllm_service(service: VllmEngineService, server: grpc.aio.Server) -> None:
+    """Register `service` as the generated stubs would, with the same request parsing as `cbserve.v1`
+    (a request that does not parse is INVALID_ARGUMENT, not UNKNOWN)."""
+    from services.gateway.server import _parse_or_none, _refuse_unparsed
+
+    handlers = {}
+    for method in vllm.DESCRIPTOR.services_by_name["VllmEngine"].methods:
+        impl = getattr(service, method.name) if method.name not in NOT_SERVED else _not_served(method.name)
+        streaming = method.server_streaming
+        if streaming:  # Generate checks for an unparsed request itself (it is a generator)
+            kind, handler = grpc.unary_stream_rpc_method_handler, impl
+        else:
+            kind, handler = grpc.unary_unary_rpc_method_handler, _refuse_unparsed(impl)
+        handlers[method.name] = kind(
+            handler,
+            request_deserializer=_parse_or_none(GetMessageClass(method.input_type)),
+            response_serializer=GetMessageClass(method.output_type).SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

@@ -1,0 +1,115 @@
+"""From a `vllm.grpc.engine.GenerateRequest` (the SMG worker protocol) to a `cbserve.v1.GenerateRequest`.
+
+Pure translation; the cbserve request then goes through the same validation as any other
+(`inputs.prepare`), so only what `cbserve.v1` cannot say is refused here. Every refusal is an
+`InvalidRequest` naming the field as the caller set it, and its value.
+
+Fields and their nearest behaviour:
+- `tokenized.input_ids` become `token_ids` (`original_text` is only for reference); `text` is
+  tokenized as cbserve's own `text` input is.
+- Zero means unset where vLLM's own servicer reads it so: `top_p`, `top_k`, `min_p`,
+  `repetition_penalty`, `min_tokens`; an unset `temperature` is 1, as in vLLM.
+- `skip_special_tokens`, `spaces_between_special_tokens` and `include_stop_str_in_output` shape text,
+  and the caller gets token ids only and detokenizes itself: they are accepted and change nothing
+  here (stop strings still end generation; the caller trims its own text).
+- Not in cbserve, refused when set: `frequency_penalty`, `presence_penalty`, `logit_bias`,
+  `prompt_logprobs`, `logprobs` -1 (all), `n` > 1, `truncate_prompt_tokens`, structured-output
+  constraints, multimodal inputs, KV transfer (disaggregated prefill), a `data_parallel_rank` other
+  than 0 (a cbserve stack is one rank).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from services.gateway.api import pb
+from services.gateway.inputs import InvalidRequest
+
+INT32_MAX = 2**31 - 1
+
+# What `cbserve.v1` calls a field -> what a VllmEngine caller set: "stopping.max_tokens" was
+# "sampling_params.max_tokens" (every sampling, stopping and output field comes from sampling_params).
+_CBSERVE_FIELD = re.compile(r"\b(?:sampling|stopping|output)\.(?=\w)")
+
+
+def vllm_field_names(details: str) -> str:
+    """A cbserve refusal as a VllmEngine caller reads it: fields under their VllmEngine names."""
+    return _CBSERVE_FIELD.sub("sampling_params.", details)
+
+
+def _int32_ids(name: str, ids: Any) -> list[int]:
+    values = [int(t) for t in ids]
+    bad = [t for t in values if t > INT32_MAX]
+    if bad:
+        raise InvalidRequest(f"{name} holds ids beyond any vocabulary: {bad[:8]}")
+    return values
+
+
+def _refuse_unsupported(request: Any) -> None:
+    s = request.sampling_params
+    unsupported = {
+        "sampling_params.frequency_penalty": s.frequency_penalty,
+        "sampling_params.presence_penalty": s.presence_penalty,
+        "sampling_params.logit_bias": dict(s.logit_bias),
+        "sampling_params.prompt_logprobs": s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
+        "sampling_params.truncate_prompt_tokens": (
+            s.truncate_prompt_tokens if s.HasField("truncate_prompt_tokens") else None
+        ),
+        "extra_mm_inputs": len(request.extra_mm_inputs),
+        "data_parallel_rank": request.data_parallel_rank,  # 0 (this stack's one rank) when unset
+    }
+    for name, value in unsupported.items():
+        if value:
+            raise InvalidRequest(f"{name} is not supported by cbserve, got {value!r}")
+    constraint = s.WhichOneof("constraint")
+    if constraint is not None:
+        raise InvalidRequest(f"sampling_params.{constraint}: structured outputs are not supported by cbserve")
+    for name in ("mm_inputs", "media_refs", "kv_transfer_params", "kv_transfer_params_json"):
+        if request.HasField(name):
+            raise InvalidRequest(f"{name} is not supported by cbserve (text-only, no disaggregated prefill)")
+    if s.n > 1:
+        raise InvalidRequest(f"sampling_params.n must be 1 (one sequence per request), got {s.n}")
+    if s.HasField("logprobs") and s.logprobs < 0:
+        raise InvalidRequest(f"sampling_params.logprobs must be in [0, 20] (no 'all'), got {s.logprobs}")
+    if s.HasField("seed") and s.seed < 0:
+        raise InvalidRequest(f"sampling_params.seed must be >= 0, got {s.seed}")
+
+
+def to_cbserve(request: Any) -> Any:
+    """The `cbserve.v1.GenerateRequest` that runs `request`; it asks for token ids only (no text)."""
+    _refuse_unsupported(request)
+    out = pb.GenerateRequest(request_id=request.request_id)
+    kind = request.WhichOneof("input")
+    if kind == "tokenized":
+        out.token_ids.ids.extend(_int32_ids("tokenized.input_ids", request.tokenized.input_ids))
+        out.token_ids.SetInParent()  # an empty list is still this input (refused later as an empty prompt)
+    elif kind == "text":
+        out.text = request.text
+    else:
+        raise InvalidRequest("no input: set tokenized or text")
+    s, sampling, stopping = request.sampling_params, out.sampling, out.stopping
+    if s.HasField("temperature"):
+        sampling.temperature = s.temperature
+    if s.top_p:
+        sampling.top_p = s.top_p
+    if s.top_k:
+        sampling.top_k = min(s.top_k, INT32_MAX)  # beyond any vocabulary: the same as the whole of it
+    if s.min_p:
+        sampling.min_p = s.min_p
+    if s.repetition_penalty:
+        sampling.repetition_penalty = s.repetition_penalty
+    if s.HasField("seed"):
+        sampling.seed = s.seed
+    if s.HasField("max_tokens"):
+        stopping.max_tokens = s.max_tokens
+    if s.min_tokens:
+        stopping.min_tokens = s.min_tokens
+    stopping.stop.extend(s.stop)
+    stopping.stop_token_ids.extend(_int32_ids("sampling_params.stop_token_ids", s.stop_token_ids))
+    stopping.ignore_eos = s.ignore_eos
+    out.output.text = False
+    out.output.token_ids = True
+    if s.HasField("logprobs"):
+        out.output.logprobs = s.logprobs
+    return out

@@ -1,0 +1,332 @@
+"""`vllm.grpc.engine.VllmEngine` (the SMG worker protocol) end to end, through smg-grpc-proto's own stubs,
+against the real three-process stacks (tests/stack.py): its streams equal cbserve's own API token for
+token, usage counts right, Abort and cancel free the request, and what cbserve cannot do is refused
+with a status naming the field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import zipfile
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import pytest
+from smg_grpc_proto import vllm_engine_pb2 as vllm
+from smg_grpc_proto import vllm_engine_pb2_grpc as vllm_grpc
+from smg_grpc_proto.generated import common_pb2
+
+from services.gateway.api import pb
+from services.gateway.vllm_engine import SERVICE_NAME
+from services.gateway.vllm_requests import to_cbserve
+from tests.stack import Stack, greedy_request
+from tests.test_stack_requests import (
+    CALL_TIMEOUT_S,
+    assert_aborted_in_worker,
+    assert_serves_exactly,
+    tiny_prompt,
+    trace,
+)
+
+
+def engine(stack: Stack) -> Any:
+    return vllm_grpc.VllmEngineStub(stack.channel)
+
+
+def vllm_request(prompt: list[int], max_tokens: int, *, stream: bool = True, **sampling: Any) -> Any:
+    """Greedy over token ids, past EOS (as `greedy_request` builds the cbserve one)."""
+    request = vllm.GenerateRequest(
+        request_id=trace("vllm"), tokenized=vllm.TokenizedInput(input_ids=prompt), stream=stream
+    )
+    s = request.sampling_params
+    s.temperature, s.max_tokens, s.ignore_eos = 0.0, max_tokens, True
+    for name, value in sampling.items():
+        if isinstance(value, list):
+            getattr(s, name).extend(value)
+        else:
+            setattr(s, name, value)
+    return request
+
+
+def run(stack: Stack, request: Any) -> tuple[list[Any], Any]:
+    """(the stream's chunks, its one complete message, which must come last)."""
+    chunks, complete = [], None
+    for response in engine(stack).Generate(request, timeout=CALL_TIMEOUT_S):
+        assert complete is None, "a message after the complete one"
+        if response.HasField("chunk"):
+            chunks.append(response.chunk)
+        else:
+            complete = response.complete
+    assert complete is not None, "stream ended without a complete message"
+    return chunks, complete
+
+
+def streamed_ids(chunks: list[Any]) -> list[int]:
+    return [t for chunk in chunks for t in chunk.token_ids]
+
+
+# ------------------------------------------------------------------------------------- Generate
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
+def test_greedy_tokens_and_usage_equal_the_cbserve_api(tiny_stack: Stack, stream: bool) -> None:
+    prompt = tiny_prompt(60, 20)
+    ids, _, _, _ = tiny_stack.generate(greedy_request(prompt, 10), timeout_s=CALL_TIMEOUT_S)
+    chunks, complete = run(tiny_stack, vllm_request(prompt, 10, stream=stream))
+    if stream:
+        assert streamed_ids(chunks) == ids and list(complete.output_ids) == []
+        assert sum(c.completion_tokens for c in chunks) == len(ids)  # each chunk counts its own ids
+        assert all(c.prompt_tokens == len(prompt) for c in chunks)
+    else:
+        assert chunks == [] and list(complete.output_ids) == ids
+    assert complete.finish_reason == "length"
+    assert (complete.prompt_tokens, complete.completion_tokens) == (len(prompt), len(ids))
+    # The cbserve call just ran the same prompt: its full pages (all but the last token's) are hits.
+    page = tiny_stack.info.page_size
+    assert complete.cached_tokens == (len(prompt) - 1) // page * page == 16
+    tiny_stack.assert_idle()
+
+
+def test_stop_token_id_is_the_matched_stop(tiny_stack: Stack) -> None:
+    prompt = tiny_prompt(61)
+    reference = tiny_stack.reference(prompt, 16)
+    cut = next(i for i in range(3, 16) if reference[i] not in reference[:i])
+    chunks, complete = run(tiny_stack, vllm_request(prompt, 16, stop_token_ids=[reference[cut]]))
+    assert streamed_ids(chunks) == reference[: cut + 1]
+    assert complete.finish_reason == "stop" and complete.WhichOneof("matched_stop") == "matched_token_id"
+    assert complete.matched_token_id == reference[cut]
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
+def test_logprobs_equal_the_cbserve_api(tiny_stack: Stack, stream: bool) -> None:
+    prompt = tiny_prompt(63)
+    request = greedy_request(prompt, 5)
+    request.output.logprobs = 2
+    expected = [
+        lp for r in tiny_stack.stub.Generate(request, timeout=CALL_TIMEOUT_S) if r.HasField("chunk")
+        for lp in r.chunk.logprobs
+    ]  # fmt: skip
+    chunks, complete = run(tiny_stack, vllm_request(prompt, 5, stream=stream, logprobs=2))
+    got = [c.output_logprobs for c in chunks] if stream else [complete.output_logprobs]
+    ids = [t for lp in got for t in lp.token_ids]
+    values = [v for lp in got for v in lp.token_logprobs]
+    tops = [top for lp in got for top in lp.top_logprobs]
+    assert ids == [lp.token_id for lp in expected]
+    assert values == pytest.approx([lp.logprob for lp in expected])
+    assert [list(t.token_ids) for t in tops] == [[a.token_id for a in lp.top] for lp in expected]
+    # logprobs 0: the sampled token's alone, with no alternatives (as vLLM).
+    _, complete = run(tiny_stack, vllm_request(prompt, 5, stream=False, logprobs=0))
+    assert len(complete.output_logprobs.token_ids) == 5 and not complete.output_logprobs.top_logprobs
+
+
+def test_text_input_equals_the_cbserve_api(smol_stack: Stack) -> None:
+    text = "The capital of France is"
+    request = pb.GenerateRequest(text=text)
+    request.sampling.temperature, request.stopping.max_tokens, request.stopping.ignore_eos = 0.0, 6, True
+    ids, _, final, _ = smol_stack.generate(request, timeout_s=CALL_TIMEOUT_S)
+    vllm_text = vllm_request([], 6, stream=False)
+    vllm_text.text = text  # replaces the tokenized input
+    _, complete = run(smol_stack, vllm_text)
+    assert list(complete.output_ids) == ids and complete.prompt_tokens == final.usage.prompt_tokens
+
+
+# --------------------------------------------------------------------------------- Abort, cancel
+
+
+def test_abort_ends_the_stream_and_frees_the_request(tiny_stack: Stack) -> None:
+    prompt = tiny_prompt(64)
+    request = vllm_request(prompt, tiny_stack.info.max_model_len - len(prompt))
+    call = engine(tiny_stack).Generate(request, timeout=CALL_TIMEOUT_S)
+    first = next(call)
+    assert first.HasField("chunk")
+    engine(tiny_stack).Abort(vllm.AbortRequest(request_ids=[request.request_id, "never-seen"]), timeout=10)
+    rest = list(call)
+    assert all(r.HasField("chunk") for r in rest[:-1])
+    complete = rest[-1].complete
+    assert complete.finish_reason == "abort"
+    assert complete.completion_tokens == len(streamed_ids([first.chunk] + [r.chunk for r in rest[:-1]]))
+    tiny_stack.wait_idle(timeout_s=5)
+    assert_aborted_in_worker(tiny_stack, request.request_id)
+    assert_serves_exactly(tiny_stack, tiny_prompt(65))
+
+
+def test_cancel_frees_the_request(tiny_stack: Stack) -> None:
+    prompt = tiny_prompt(66)
+    request = vllm_request(prompt, tiny_stack.info.max_model_len - len(prompt))
+    call = engine(tiny_stack).Generate(request, timeout=CALL_TIMEOUT_S)
+    for _ in range(3):
+        assert next(call).HasField("chunk")
+    call.cancel()
+    with pytest.raises(grpc.RpcError) as info:
+        next(call)
+    assert info.value.code() == grpc.StatusCode.CANCELLED
+    tiny_stack.wait_idle(timeout_s=5)
+    assert_aborted_in_worker(tiny_stack, request.request_id)
+
+
+# ----------------------------------------------------------------------------------- bad requests
+
+
+def _set(**fields: Any) -> Callable[[Any], None]:
+    def change(request: Any) -> None:
+        for name, value in fields.items():
+            setattr(request.sampling_params, name, value)
+
+    return change
+
+
+def _no_input(request: Any) -> None:
+    request.ClearField("tokenized")
+
+
+def _constraint(request: Any) -> None:
+    request.sampling_params.json_schema = "{}"
+
+
+def _logit_bias(request: Any) -> None:
+    request.sampling_params.logit_bias[5] = 1.0
+
+
+def _mm_inputs(request: Any) -> None:
+    request.mm_inputs.im_token_id = 5
+
+
+def _out_of_vocab(request: Any) -> None:
+    request.tokenized.input_ids.append(256)
+
+
+def _beyond_int32(request: Any) -> None:
+    request.tokenized.input_ids.append(2**32 - 1)
+
+
+def _text(request: Any) -> None:
+    request.text = "no tokenizer here"
+
+
+def _too_long(request: Any) -> None:
+    request.sampling_params.max_tokens = 1024
+
+
+# case -> (change to a valid request, what the status details must name)
+BAD_REQUESTS: dict[str, tuple[Callable[[Any], None], str]] = {
+    "no_input": (_no_input, "no input"),
+    "out_of_vocab_id": (_out_of_vocab, "out of vocabulary"),
+    "id_beyond_int32": (_beyond_int32, "tokenized.input_ids"),
+    "text_without_tokenizer": (_text, "tokenizer"),
+    "temperature_500": (_set(temperature=500.0), "sampling_params.temperature"),
+    "top_p_2": (_set(top_p=2.0), "sampling_params.top_p"),
+    "min_tokens_over_max": (_set(min_tokens=9), "sampling_params.min_tokens"),
+    "max_tokens_over_context": (_too_long, "sampling_params.max_tokens"),
+    "logprobs_21": (_set(logprobs=21), "sampling_params.logprobs"),
+    "logprobs_all": (_set(logprobs=-1), "sampling_params.logprobs"),
+    "seed_negative": (_set(seed=-1), "sampling_params.seed"),
+    "frequency_penalty": (_set(frequency_penalty=0.5), "sampling_params.frequency_penalty"),
+    "presence_penalty": (_set(presence_penalty=0.5), "sampling_params.presence_penalty"),
+    "prompt_logprobs": (_set(prompt_logprobs=1), "sampling_params.prompt_logprobs"),
+    "truncate_prompt_tokens": (_set(truncate_prompt_tokens=4), "sampling_params.truncate_prompt_tokens"),
+    "n_2": (_set(n=2), "sampling_params.n"),
+    "logit_bias": (_logit_bias, "sampling_params.logit_bias"),
+    "json_schema": (_constraint, "sampling_params.json_schema"),
+    "mm_inputs": (_mm_inputs, "mm_inputs"),
+    "data_parallel_rank": (lambda r: setattr(r, "data_parallel_rank", 1), "data_parallel_rank"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_request_names_the_field_and_leaves_the_stack_serving(tiny_stack: Stack, case: str) -> None:
+    change, named = BAD_REQUESTS[case]
+    request = vllm_request(tiny_prompt(67), 8)
+    change(request)
+    with pytest.raises(grpc.RpcError) as info:
+        run(tiny_stack, request)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert named in info.value.details()
+    assert_serves_exactly(tiny_stack, tiny_prompt(3))
+
+
+def test_unparsable_request_is_invalid_argument(tiny_stack: Stack) -> None:
+    generate = tiny_stack.channel.unary_stream(f"/{SERVICE_NAME}/Generate")
+    with pytest.raises(grpc.RpcError) as info:
+        list(generate(b"\xff\xff\xff", timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_methods_not_served_say_why(tiny_stack: Stack) -> None:
+    stub = engine(tiny_stack)
+    calls = {
+        "SubscribeKvEvents": lambda: list(
+            stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=10)
+        ),
+        "FlushCache": lambda: stub.FlushCache(common_pb2.FlushCacheRequest(), timeout=10),
+        "Embed": lambda: stub.Embed(vllm.EmbedRequest(), timeout=10),
+    }
+    for name, call in calls.items():
+        with pytest.raises(grpc.RpcError) as info:
+            call()
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED, name
+        assert name in info.value.details()
+
+
+# ------------------------------------------------------------------------------- unary methods
+
+
+def test_health_model_and_server_info(tiny_stack: Stack) -> None:
+    stub = engine(tiny_stack)
+    assert stub.HealthCheck(vllm.HealthCheckRequest(), timeout=10).healthy
+    info = stub.GetModelInfo(vllm.GetModelInfoRequest(), timeout=10)
+    cbserve = tiny_stack.info
+    assert info.served_model_name == info.model_path == cbserve.model_id == "llama"
+    assert info.vocab_size == cbserve.vocab_size and info.max_context_length == cbserve.max_model_len
+    assert info.max_req_input_len == cbserve.max_prompt_tokens
+    assert list(info.eos_token_ids) == list(cbserve.eos_token_ids) and info.is_generation
+    assert list(info.architectures) == [cbserve.architecture] and info.model_type == "llama"
+    server = stub.GetServerInfo(vllm.GetServerInfoRequest(), timeout=10)
+    assert server.server_type == "cbserve" and server.block_size == cbserve.page_size
+    assert server.model_dtype == cbserve.dtype and server.data_parallel_size == 1
+    assert server.uptime_seconds > 0 and server.active_requests == 0
+
+
+def test_loads_are_get_load_counters(tiny_stack: Stack) -> None:
+    prompt = tiny_prompt(68, 24)
+    run(tiny_stack, vllm_request(prompt, 2))
+    run(tiny_stack, vllm_request(prompt, 2))  # a prefix-cache hit
+    reply = engine(tiny_stack).GetLoads(vllm.GetLoadsRequest(), timeout=10)
+    load = tiny_stack.load()
+    assert reply.dp_rank_count == 1 and len(reply.loads) == 1 and reply.timestamp
+    (rank,) = reply.loads
+    page = tiny_stack.info.page_size
+    assert (rank.num_running_reqs, rank.num_waiting_reqs, rank.num_used_tokens) == (0, 0, 0)
+    assert rank.max_total_num_tokens == load.kv_blocks_total * page and rank.token_usage == 0.0
+    assert rank.cache_hit_rate == pytest.approx(load.prefix_cache_hits / load.prefix_cache_queries)
+    assert 0.0 < rank.cache_hit_rate < 1.0
+
+
+def test_tokenizer_is_the_model_directorys(smol_stack: Stack, tiny_stack: Stack) -> None:
+    chunks = list(engine(smol_stack).GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=30))
+    data = b"".join(c.data for c in chunks)
+    assert [bool(c.sha256) for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert chunks[-1].sha256 == hashlib.sha256(data).hexdigest()
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        names = set(archive.namelist())
+        assert {"tokenizer.json", "tokenizer_config.json"} <= names
+        assert archive.read("tokenizer.json") == (smol_stack.model_dir / "tokenizer.json").read_bytes()
+    with pytest.raises(grpc.RpcError) as info:
+        list(engine(tiny_stack).GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=10))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_zero_means_unset_as_in_vllm() -> None:
+    request = vllm.GenerateRequest(tokenized=vllm.TokenizedInput(input_ids=[5, 6]))
+    out = to_cbserve(request)
+    assert list(out.token_ids.ids) == [5, 6] and not out.output.text and out.output.token_ids
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed"):
+        assert not out.sampling.HasField(name), name  # cbserve's defaults: those of vLLM
+    assert not out.stopping.HasField("max_tokens") and not out.output.HasField("logprobs")
+    s = request.sampling_params
+    s.temperature, s.top_p, s.top_k, s.min_p, s.repetition_penalty, s.seed = 0.0, 0.5, 4, 0.1, 1.2, 7
+    s.min_tokens, s.max_tokens, s.logprobs = 2, 9, 0
+    out = to_cbserve(request)
+    assert (out.sampling.temperature, out.sampling.top_k, out.sampling.seed) == (0.0, 4, 7)
+    assert (out.stopping.min_tokens, out.stopping.max_tokens, out.output.logprobs) == (2, 9, 0)
