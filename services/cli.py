@@ -260,8 +260,8 @@ def generate_request(args: argparse.Namespace) -> Any:
     return completion_request(
         args.prompt, chat=args.chat, max_tokens=args.max_tokens, temperature=args.temperature,
         top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed, stops=args.stop,
-        ignore_eos=args.ignore_eos, logprobs=args.logprobs, priority=args.priority,
-        cache_salt=args.cache_salt,
+        ignore_eos=args.ignore_eos, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs,
+        priority=args.priority, cache_salt=args.cache_salt,
     )  # fmt: skip
 
 
@@ -273,11 +273,16 @@ def _generate(args: argparse.Namespace) -> int:
     credentials = _client_credentials(args)
     request = generate_request(args)
     try:
-        final, logprobs = stream_to(args.target, request, credentials=credentials)
+        final, logprobs, prompt_logprobs = stream_to(args.target, request, credentials=credentials)
     except grpc.RpcError as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
+    if prompt_logprobs:
+        print("prompt (from its second token):", file=sys.stderr)
+        print_logprobs(prompt_logprobs, sys.stderr)
     if logprobs:
+        if prompt_logprobs:
+            print("generated:", file=sys.stderr)
         print_logprobs(logprobs, sys.stderr)
     if final is not None and args.verbose:
         from google.protobuf.json_format import MessageToJson
@@ -483,6 +488,13 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     generate.add_argument("--logprobs", type=int, metavar="N",
                           help="print each token's logprob and its N most likely alternatives (stderr)")
+    generate.add_argument(
+        "--prompt-logprobs",
+        type=int,
+        metavar="N",
+        help="print each prompt token's logprob (from the second) and its N most likely alternatives "
+        "(stderr)",
+    )
     generate.add_argument("--priority", type=int, default=0, help="higher is scheduled first")
     generate.add_argument("--cache-salt", default="", help="share cached prefixes only with this salt")
     generate.add_argument("--verbose", "-v", action="store_true", help="print the final message (stderr)")

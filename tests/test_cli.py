@@ -96,7 +96,8 @@ def test_max_tokens_is_one_name_and_the_old_one_still_works() -> None:
 def test_generate_flags_reach_the_request() -> None:
     args = build_parser().parse_args(
         ["generate", "hi", "--chat", "--top-p", "0.9", "--top-k", "5", "--min-p", "0.05", "--logprobs", "2",
-         "--ignore-eos", "--priority", "3", "--cache-salt", "tenant-a", "--max-tokens", "4", "--seed", "7"]
+         "--ignore-eos", "--priority", "3", "--cache-salt", "tenant-a", "--max-tokens", "4", "--seed", "7",
+         "--prompt-logprobs", "1"]
     )  # fmt: skip
     request = generate_request(args)
     assert request.chat.messages[0].content == "hi"
@@ -104,12 +105,14 @@ def test_generate_flags_reach_the_request() -> None:
     assert (s.temperature, s.top_k, s.seed) == (0.0, 5, 7)
     assert s.top_p == pytest.approx(0.9) and s.min_p == pytest.approx(0.05)
     assert (request.stopping.max_tokens, request.stopping.ignore_eos, request.output.logprobs) == (4, True, 2)
+    assert request.output.prompt_logprobs == 1
     assert (request.priority, request.cache_salt) == (3, "tenant-a")
     # Unset flags stay unset, so the server's defaults apply; but the command is greedy unless told.
     bare = generate_request(build_parser().parse_args(["generate", "hi"]))
     assert bare.sampling.HasField("temperature") and bare.sampling.temperature == 0.0
     assert not any(bare.sampling.HasField(f) for f in ("top_p", "top_k", "min_p", "seed"))
     assert not bare.stopping.HasField("max_tokens") and not bare.output.HasField("logprobs")
+    assert not bare.output.HasField("prompt_logprobs")
 
 
 # -------------------------------------------------------------------------------------- Ctrl-C

@@ -191,13 +191,17 @@ def test_generate_command_with_every_sampling_flag(
 ) -> None:
     argv = ["generate", "--target", smol_stack.target, "--chat", "What is the capital of France?",
             "--max-tokens", "5", "--ignore-eos", "--logprobs", "2", "--top-k", "5", "--top-p", "0.9",
-            "--min-p", "0.01", "--seed", "1", "--priority", "4", "--cache-salt", "cli", "-v"]  # fmt: skip
+            "--min-p", "0.01", "--seed", "1", "--priority", "4", "--cache-salt", "cli", "-v",
+            "--prompt-logprobs", "0"]  # fmt: skip
     assert main(argv) == 0
     out, err = capsys.readouterr()
     assert out.strip()
-    logprob_lines = [line for line in err.splitlines() if re.match(r"^\s*-?\d+\.\d{4}  ", line)]
-    assert len(logprob_lines) == 5, err
     final = json.loads(err[err.index("{") :])
     assert final["usage"]["completionTokens"] == 5 and final["finishReason"] == "FINISH_REASON_LENGTH"
+    prompt_part, generated_part = err.split("generated:\n")
+    assert prompt_part.startswith("prompt (from its second token):\n")
+    line = re.compile(r"^\s*-?\d+\.\d{4}  ")
+    assert len([x for x in prompt_part.splitlines() if line.match(x)]) == final["usage"]["promptTokens"] - 1
+    assert len([x for x in generated_part.splitlines() if line.match(x)]) == 5, err
     added = [e for e in smol_stack.events("request added") if e.get("request_id") == final["requestId"]]
     assert added and added[0]["priority"] == 4

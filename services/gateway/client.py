@@ -71,6 +71,7 @@ def completion_request(
     stops: Sequence[str] = (),
     ignore_eos: bool = False,
     logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
     priority: int = 0,
     cache_salt: str = "",
 ) -> Any:
@@ -91,17 +92,19 @@ def completion_request(
     request.stopping.ignore_eos = ignore_eos
     if logprobs is not None:
         request.output.logprobs = logprobs
+    if prompt_logprobs is not None:
+        request.output.prompt_logprobs = prompt_logprobs
     return request
 
 
 def stream_to(
     target: str, request: Any, *, out: TextIO | None = None, credentials: Credentials = Credentials()
-) -> tuple[Any, list[Any]]:
+) -> tuple[Any, list[Any], list[Any]]:
     """Stream one completion's text to `out` (default: the `sys.stdout` of the moment, not of import
     time, which a test's capture may have replaced since); returns the final message (None if the
-    stream was cut short) and the tokens' logprobs, if the request asked for them."""
+    stream was cut short), the tokens' logprobs and the prompt's, where the request asked for them."""
     out = out if out is not None else sys.stdout
-    final, logprobs = None, []
+    final, logprobs, prompt_logprobs = None, [], []
     try:
         with channel(target, credentials) as ch:
             stub = pb_grpc.TextGenerationStub(ch)
@@ -110,16 +113,18 @@ def stream_to(
                     out.write(response.chunk.text)
                     out.flush()
                     logprobs += response.chunk.logprobs
+                    prompt_logprobs += response.chunk.prompt_logprobs
                 else:
                     final = response.final
     finally:  # also on Ctrl-C: the shell's prompt starts on a line of its own
         out.write("\n")
         out.flush()
-    return final, logprobs
+    return final, logprobs, prompt_logprobs
 
 
 def print_logprobs(logprobs: Sequence[Any], out: TextIO) -> None:
-    """One line per generated token: its logprob and text, then the most likely alternatives."""
+    """One line per token (generated, or of the prompt): its logprob and text, then the most likely
+    alternatives."""
     for lp in logprobs:
         top = ", ".join(f"{t.token!r} {t.logprob:.3f}" for t in lp.top)
         out.write(f"{lp.logprob:9.4f}  {lp.token!r}" + (f"  [{top}]" if top else "") + "\n")
