@@ -6,11 +6,13 @@
 //        [--deadline-ms N] [--metadata k=v ...]
 //   node client.mjs --target HOST:PORT --health       # grpc.health.v1.Health/Check
 //   node client.mjs --target HOST:PORT --model-info   # cbserve.v1.TextGeneration/GetModelInfo
+//   node client.mjs --target HOST:PORT --detokenize '<DetokenizeRequest, proto3 JSON>'
 //
 // Every call sends the --metadata pairs (e.g. `authorization=Bearer KEY`). --tls-ca PEM connects with
 // TLS, trusting that CA; --tls-cert PEM --tls-key PEM add a client certificate (mutual TLS).
 //
-// Generate prints {"token_ids", "text", "final", "chunks", "metadata"}. A gRPC error prints
+// Generate prints {"token_ids", "text", "prompt_logprobs", "final", "chunks", "metadata"}
+// (`prompt_logprobs`: every chunk's, joined); Detokenize prints the reply. A gRPC error prints
 // {"error": {"code", "name", "details"}} and still exits 0 (the caller asserts on it). A broken
 // stream shape (not exactly one `final`, or anything after it) or a bad invocation exits non-zero.
 //
@@ -48,6 +50,7 @@ function parseCli(argv) {
       metadata: { type: 'string', multiple: true, default: [] },
       health: { type: 'boolean', default: false },
       'model-info': { type: 'boolean', default: false },
+      detokenize: { type: 'string' },
       'tls-ca': { type: 'string' },
       'tls-cert': { type: 'string' },
       'tls-key': { type: 'string' },
@@ -55,8 +58,15 @@ function parseCli(argv) {
     strict: true,
   });
   if (!values.target) throw new UsageError('--target HOST:PORT is required');
-  const modes = [values.health, values['model-info'], values.request !== undefined].filter(Boolean);
-  if (modes.length !== 1) throw new UsageError('give exactly one of --request, --health, --model-info');
+  const modes = [
+    values.health,
+    values['model-info'],
+    values.request !== undefined,
+    values.detokenize !== undefined,
+  ].filter(Boolean);
+  if (modes.length !== 1) {
+    throw new UsageError('give exactly one of --request, --health, --model-info, --detokenize');
+  }
   if (values['deadline-ms'] !== undefined && !/^\d+$/.test(values['deadline-ms'])) {
     throw new UsageError('--deadline-ms takes a non-negative integer');
   }
@@ -113,32 +123,33 @@ function clean(value) {
 
 // Every key of `given` must survive an encode/decode round trip (which, with defaults: true,
 // lists every known field); a key that does not is not a field of the message.
-function checkKnownFields(given, decoded, where) {
+function checkKnownFields(given, decoded, where, flag) {
   if (Array.isArray(given)) {
-    given.forEach((item, i) => checkKnownFields(item, decoded?.[i], `${where}[${i}]`));
+    given.forEach((item, i) => checkKnownFields(item, decoded?.[i], `${where}[${i}]`, flag));
     return;
   }
   if (given === null || typeof given !== 'object') return;
   for (const [key, value] of Object.entries(given)) {
     const at = where ? `${where}.${key}` : key;
     if (decoded === null || typeof decoded !== 'object' || !(key in decoded)) {
-      throw new UsageError(`unknown field ${at} in --request (field names are lowerCamelCase)`);
+      throw new UsageError(`unknown field ${at} in ${flag} (field names are lowerCamelCase)`);
     }
-    checkKnownFields(value, decoded[key], at);
+    checkKnownFields(value, decoded[key], at, flag);
   }
 }
 
-function parseRequest(text, method) {
+// `text`, the value of the command-line flag `flag`, as a request message of `method`.
+function parseRequest(text, method, flag) {
   let request;
   try {
     request = JSON.parse(text);
   } catch (err) {
-    throw new UsageError(`--request is not JSON: ${err.message}`);
+    throw new UsageError(`${flag} is not JSON: ${err.message}`);
   }
   if (request === null || typeof request !== 'object' || Array.isArray(request)) {
-    throw new UsageError('--request must be a JSON object');
+    throw new UsageError(`${flag} must be a JSON object`);
   }
-  checkKnownFields(request, method.requestDeserialize(method.requestSerialize(request)), '');
+  checkKnownFields(request, method.requestDeserialize(method.requestSerialize(request)), '', flag);
   return request;
 }
 
@@ -174,7 +185,7 @@ function checkShape(messages, completed) {
 
 async function generate(args) {
   const { TextGeneration } = loadPackage(API_PROTO).cbserve.v1;
-  const request = parseRequest(args.request, TextGeneration.service.Generate);
+  const request = parseRequest(args.request, TextGeneration.service.Generate, '--request');
   const client = new TextGeneration(args.target, credentials(args));
   const messages = [];
   let initialMetadata = null;
@@ -199,6 +210,7 @@ async function generate(args) {
   return {
     token_ids: chunks.flatMap((c) => c.tokenIds),
     text: chunks.map((c) => c.text).join(''),
+    prompt_logprobs: clean(chunks.flatMap((c) => c.promptLogprobs)),
     final: clean(messages.at(-1).final),
     chunks: chunks.length,
     metadata: metadataToJson(initialMetadata),
@@ -230,10 +242,30 @@ async function modelInfo(args) {
   }
 }
 
+async function detokenize(args) {
+  const { TextGeneration } = loadPackage(API_PROTO).cbserve.v1;
+  const request = parseRequest(args.detokenize, TextGeneration.service.Detokenize, '--detokenize');
+  const client = new TextGeneration(args.target, credentials(args));
+  try {
+    return await unary(client, 'Detokenize', request, args);
+  } catch (err) {
+    return grpcError(err);
+  } finally {
+    client.close();
+  }
+}
+
+function command(args) {
+  if (args.health) return health;
+  if (args['model-info']) return modelInfo;
+  if (args.detokenize !== undefined) return detokenize;
+  return generate;
+}
+
 async function main() {
   try {
     const args = parseCli(process.argv.slice(2));
-    const run = args.health ? health : args['model-info'] ? modelInfo : generate;
+    const run = command(args);
     process.stdout.write(`${JSON.stringify(await run(args))}\n`);
   } catch (err) {
     if (err instanceof UsageError || String(err?.code).startsWith('ERR_PARSE_ARGS_')) {
