@@ -93,7 +93,7 @@ test-slow: $(TEST_STAMP) model
 soak: $(TEST_STAMP) model
 	CBSERVE_SOAK_REQUESTS=3000 $(BIN)/pytest -q -s tests/test_soak.py
 
-# Memory: 20,000 distinct 128-token prompts through `cbserve up`'s defaults (about an hour); the curve
+# Memory: 20,000 distinct 64-token prompts through `cbserve up`'s defaults (about an hour); the curve
 # lands in soak-memory/. CBSERVE_SOAK_MEMORY_REQUESTS and _PROMPT_TOKENS change the load.
 soak-memory: $(TEST_STAMP) model
 	$(BIN)/pytest -q -s -m soak_memory tests/test_soak_memory.py

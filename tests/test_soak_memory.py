@@ -28,7 +28,7 @@ from services.common.kv_geometry import RESERVED_CHUNKS
 from tests.stack import Stack, greedy_request
 
 REQUESTS = int(os.environ.get("CBSERVE_SOAK_MEMORY_REQUESTS", "20000"))
-PROMPT_TOKENS = int(os.environ.get("CBSERVE_SOAK_MEMORY_PROMPT_TOKENS", "128"))
+PROMPT_TOKENS = int(os.environ.get("CBSERVE_SOAK_MEMORY_PROMPT_TOKENS", "64"))
 OUT = Path(os.environ.get("CBSERVE_SOAK_MEMORY_OUT", "soak-memory"))
 CONCURRENCY = 16
 NEW_TOKENS = 2
