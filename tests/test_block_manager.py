@@ -35,7 +35,7 @@ from hypothesis.stateful import (
 from services.cachemgr.allocator import RECYCLED, pages_for
 from services.cachemgr.block_manager import BlockManager, CacheState, block_hash
 from services.common.kv_geometry import RESERVED_CHUNKS, KVGeometry
-from services.common.messages import PROTOCOL_VERSION, PlanEntry, StepGrant, StepPlan
+from services.common.messages import PROTOCOL_VERSION, KvEvents, PlanEntry, StepGrant, StepPlan, StoredBlock
 
 P = 4  # page_size of every geometry below
 
@@ -395,6 +395,21 @@ def test_a_prefix_hit_makes_cached_blocks_most_recently_used() -> None:
     assert list(bm.pool.evictable) == [b_chunks[1], *a_chunks]
 
 
+def test_kv_events_announce_unsalted_pages_and_their_eviction() -> None:
+    bm = make_bm(FULL, 4)
+    d = Driver(bm)
+    a, b = toks(0, 9), toks(100, 9)
+    g = d.step(E("a", 9, a), E("s", 4, b[:4], arrival=1, salt="tenant"))
+    assert g.kv_events == KvEvents(cleared=True)  # a new cache: subscribers start from nothing
+    g = d.step(frees=["s", "a"])  # a's two full pages and s's one are committed, then released
+    a0 = block_hash(b"", a[:4], b"")
+    a1 = block_hash(a0, a[4:8], b"")
+    assert g.kv_events == KvEvents(stored=[StoredBlock(a0, b"", a[:4]), StoredBlock(a1, a0, a[4:8])])
+    assert d.step().kv_events is None  # nothing changed
+    g = d.step(E("b", 9, b, arrival=2))  # 3 chunks: the free partial page, then two evictions (LRU)
+    assert g.kv_events == KvEvents(removed=[a1])  # s's salted page, released first, went silently
+
+
 # ============================================================================== committed memory
 # A host pool's pages cost memory from their first write on; the pool should touch new chunks only
 # when neither a released scratch chunk nor (within capacity) nothing else is at hand.
@@ -738,6 +753,9 @@ class WorkerModel(RuleBasedStateMachine):
         self.kv: dict[int, list[object]] = {}
         self.swap_kv: dict[int, list[object]] = {}
         self.consistent = True  # False while a step is half applied (after a failed check)
+        # A router's view of the prefix cache, built from the grants' KV events alone.
+        self.mirror: dict[bytes, bytes] = {}
+        self.unsalted: set[bytes] = set()  # every digest an unsalted request's pages could have
 
     # ------------------------------------------------------------------ setup
 
@@ -800,6 +818,28 @@ class WorkerModel(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ one step
 
+    def apply_kv_events(self, grant: StepGrant) -> None:
+        """Mirror the cache as a subscriber would; it must end up knowing exactly the unsalted cached
+        pages, each announced with the tokens and parent that hash to it."""
+        bm = self.bm
+        assert bm is not None
+        events = grant.kv_events
+        if events is not None:
+            if events.cleared:
+                self.mirror.clear()
+            for block in events.stored:
+                assert block.digest not in self.mirror
+                assert block.digest == block_hash(block.parent, block.token_ids, b"")  # unsalted, exact
+                self.mirror[block.digest] = block.parent
+            for digest in events.removed:
+                del self.mirror[digest]
+        for r in self.reqs.values():
+            parent = b""
+            for i in range(len(r.tokens) // P if not r.salt else 0):
+                parent = block_hash(parent, r.tokens[i * P : (i + 1) * P], b"")
+                self.unsalted.add(parent)
+        assert set(self.mirror) == set(bm.pool.by_hash) & self.unsalted
+
     def run_step(self, chosen: list[tuple[WReq, int]], data: st.DataObject | None) -> StepGrant:
         bm = self.bm
         assert bm is not None
@@ -823,6 +863,7 @@ class WorkerModel(RuleBasedStateMachine):
         grant = bm.step(StepPlan(self.steps, entries, frees=frees, aborts=aborts))
         bm.check()
         assert grant.step == self.steps
+        self.apply_kv_events(grant)
 
         # ---- the grant's shape
         granted_ids = [g.request_id for g in grant.granted]

@@ -30,10 +30,12 @@ from services.common.kv_geometry import KVGeometry
 from services.common.messages import (
     PROTOCOL_VERSION,
     Granted,
+    KvEvents,
     PlanEntry,
     Rejected,
     StepGrant,
     StepPlan,
+    StoredBlock,
 )
 
 
@@ -105,6 +107,11 @@ class BlockManager:
         self.max_step_tokens = max_step_tokens
         self.requests: dict[str, CacheRequest] = {}
         self.stats = CacheStats()
+        # KV events (see messages.KvEvents): announced digests, so that evicting a salted page,
+        # which was never announced, is not announced either.
+        self._announced: set[bytes] = set()
+        self._stored: list[StoredBlock] = []
+        self._cleared = self.sharing
 
     # ----------------------------------------------------------------------------------------- step
 
@@ -154,7 +161,18 @@ class BlockManager:
             blocked = still
         self.swap.end_step()
         out.blocked = [e.request_id for e in blocked]
+        out.kv_events = self._drain_kv_events()
         return out.build()
+
+    def _drain_kv_events(self) -> KvEvents | None:
+        removed = [d for d in self.pool.evicted if d in self._announced]
+        self._announced.difference_update(removed)
+        self.pool.evicted.clear()
+        if not (self._cleared or self._stored or removed):
+            return None
+        events = KvEvents(self._cleared, self._stored, removed)
+        self._cleared, self._stored = False, []
+        return events
 
     @staticmethod
     def _check_plan(plan: StepPlan) -> None:
@@ -368,9 +386,12 @@ class BlockManager:
         p = self.page_size
         for i in range(len(req.block_hashes), req.num_computed // p):
             parent = req.block_hashes[-1] if req.block_hashes else b""
-            digest = block_hash(parent, req.token_ids[i * p : (i + 1) * p], req.salt)
+            tokens = req.token_ids[i * p : (i + 1) * p]
+            digest = block_hash(parent, tokens, req.salt)
             req.block_hashes.append(digest)
-            self.pool.register(table[i], digest)
+            if self.pool.register(table[i], digest) and not req.salt:
+                self._announced.add(digest)
+                self._stored.append(StoredBlock(digest, parent, tokens))
 
     def _forget(self, rid: str) -> None:
         req = self.requests.pop(rid, None)
@@ -409,6 +430,8 @@ class BlockManager:
         """Assert every invariant in the module docstring (used by property tests)."""
         self.pool.check()
         self.swap.check()
+        if not self._announced <= self.pool.by_hash.keys():
+            raise AssertionError("a page announced as cached is no longer cached")
         refs: Counter[int] = Counter()
         for alloc in self.allocators:
             for rid, table in alloc.tables.items():
@@ -457,6 +480,7 @@ class _GrantBuilder:
         self.rejected: list[Rejected] = []
         self.swap_out: list[tuple[int, int]] = []
         self.swap_in: list[tuple[int, int]] = []
+        self.kv_events: KvEvents | None = None
 
     def grant(self, req: CacheRequest, start: int, n: int, tables: list[list[int]], replace: bool) -> None:
         req.in_flight = n
@@ -472,4 +496,5 @@ class _GrantBuilder:
             rejected=self.rejected,
             swap_out=self.swap_out,
             swap_in=self.swap_in,
+            kv_events=self.kv_events,
         )

@@ -33,6 +33,7 @@ class ChunkPool:
         self.evictable: OrderedDict[int, bytes] = OrderedDict()
         self.hash_of: dict[int, bytes] = {}
         self.by_hash: dict[bytes, int] = {}
+        self.evicted: list[bytes] = []  # digests evicted since the owner last drained them
 
     @property
     def capacity(self) -> int:
@@ -65,6 +66,7 @@ class ChunkPool:
             else:
                 chunk, digest = self.evictable.popitem(last=False)
                 del self.hash_of[chunk], self.by_hash[digest]
+                self.evicted.append(digest)
             self.refcount[chunk] = 1
             out.append(chunk)
         return out
@@ -92,16 +94,18 @@ class ChunkPool:
     def lookup(self, digest: bytes) -> int | None:
         return self.by_hash.get(digest)
 
-    def register(self, chunk: int, digest: bytes) -> None:
-        """Record that `chunk` (in use, full, computed) holds the content named by `digest`.
+    def register(self, chunk: int, digest: bytes) -> bool:
+        """Record that `chunk` (in use, full, computed) holds the content named by `digest`; True if
+        the cache gained it.
 
         A digest already owned by another chunk keeps its owner: the duplicate stays unhashed and
         returns to the free side when released.
         """
         if digest in self.by_hash or chunk in self.hash_of:
-            return
+            return False
         self.hash_of[chunk] = digest
         self.by_hash[digest] = chunk
+        return True
 
     def num_evictable_in(self, chunks: list[int]) -> int:
         return sum(1 for c in chunks if self.refcount[c] == 0)

@@ -63,6 +63,27 @@ class Rejected(msgspec.Struct, array_like=True, frozen=True):
     reason: str
 
 
+class StoredBlock(msgspec.Struct, array_like=True, frozen=True):
+    """A full page whose KV entered the prefix cache: its chained hash, its parent's (b"" for a
+    prompt's first page) and its tokens, which is what a router needs to mirror the cache."""
+
+    digest: bytes
+    parent: bytes
+    token_ids: list[int]
+
+
+class KvEvents(msgspec.Struct, frozen=True):
+    """What one step did to the prefix cache, for routers that track each replica's cache (SMG's
+    `SubscribeKvEvents`). Salted pages are left out: they can serve only their own tenant, whom a
+    router cannot tell by tokens. Within a step every `stored` page precedes every `removed` hash
+    (pages are registered at the step's start; eviction happens while it places requests).
+    `cleared`: this BlockManager is new (its cachemgr started), so whatever a subscriber knew is gone."""
+
+    cleared: bool = False
+    stored: list[StoredBlock] = []
+    removed: list[bytes] = []
+
+
 class StepGrant(msgspec.Struct, frozen=True, tag="grant"):
     step: int
     granted: list[Granted]
@@ -72,6 +93,7 @@ class StepGrant(msgspec.Struct, frozen=True, tag="grant"):
     rejected: list[Rejected]  # can never fit (bad request): fail it
     swap_out: list[tuple[int, int]]  # (chunk, swap slot): copy before this step's forward
     swap_in: list[tuple[int, int]]  # (swap slot, chunk): copy after swap_out, before the forward
+    kv_events: KvEvents | None = None  # None: the prefix cache did not change
     version: int = PROTOCOL_VERSION
 
 
