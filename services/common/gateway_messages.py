@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
+from services.common.messages import KvEvents
 from services.common.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
@@ -121,4 +122,5 @@ class WorkerMessage(msgspec.Struct, frozen=True):
     outputs: list[RequestOutput] = []
     status: WorkerStatus | None = None
     step: StepTimes | None = None
+    kv_events: list[KvEvents] = []  # the prefix cache's changes since the last message, in order
     version: int = PROTOCOL_VERSION

@@ -44,6 +44,7 @@ from services.common.gateway_messages import (
     WorkerStatus,
 )
 from services.common.wire import decode_or_drop
+from services.gateway.kv_event_log import KvEventLog
 
 log = structlog.get_logger(__name__)
 
@@ -97,6 +98,7 @@ class WorkerClient:
         self.facts: WorkerFacts | None = None
         self.load = Load()
         self.worker_id = ""
+        self.kv_events = KvEventLog()  # the prefix cache's changes, for routers (SubscribeKvEvents)
         self._streams: dict[str, _Stream] = {}
         self._adds: list[NewRequest] = []
         self._aborts: list[str] = []
@@ -216,6 +218,8 @@ class WorkerClient:
                 self._on_status(message.status)
             for output in message.outputs:
                 self._deliver(output)
+            for events in message.kv_events:
+                await self.kv_events.append(events)
             if message.step is not None and self.on_step is not None:
                 self.on_step(message.step)
 

@@ -24,7 +24,7 @@ from transformers import PreTrainedModel
 from services.cachemgr.kv_cache import KVCache
 from services.common.config import CBConfig
 from services.common.kv_geometry import KVGeometry
-from services.common.messages import StepGrant
+from services.common.messages import KvEvents, StepGrant
 from services.common.model_source import load_model
 from services.common.sampling_params import SamplingParams
 from services.worker.batch import BatchItem
@@ -108,6 +108,8 @@ class Engine:
         self.last_step_size = 0  # requests computed in the latest step (progress, for stall detection)
         self.last_step_times = StepPhases()
         self.phase_totals = StepPhases()  # since start: the step profile summed
+        # Told each step's prefix-cache changes (a server forwards them to routers); None: dropped.
+        self.on_kv_events: Callable[[KvEvents], None] | None = None
 
     @classmethod
     def from_pretrained(
@@ -182,6 +184,8 @@ class Engine:
         t1 = time.perf_counter()
         grant: StepGrant = self.cache.step(plan)
         t2 = time.perf_counter()
+        if grant.kv_events is not None and self.on_kv_events is not None:
+            self.on_kv_events(grant.kv_events)
         if on_committed is not None:
             on_committed()  # the caller's work: no phase of this step counts it
         t3 = time.perf_counter()

@@ -42,6 +42,7 @@ from services.common.gateway_messages import (
     WorkerStatus,
 )
 from services.common.kv_geometry import RESERVED_CHUNKS
+from services.common.messages import KvEvents
 from services.common.sampling_params import SamplingParams
 from services.common.wire import decode_or_drop, internal_key, key_matches
 from services.worker.cache_client import CacheUnavailable, RemoteCache
@@ -63,6 +64,7 @@ class Gateway:
     # This turn's news, sent as one message by `_flush`.
     outputs: list[RequestOutput] = field(default_factory=list)
     status: WorkerStatus | None = None
+    kv_events: list[KvEvents] = field(default_factory=list)
 
 
 def _key(gateway: Gateway, request_id: str) -> str:
@@ -183,6 +185,7 @@ class WorkerServer:
             return
         try:
             self.engine = Engine(self.model, self.config, cache=cache)
+            self.engine.on_kv_events = self._queue_kv_events
             self._warm_up(self.engine)
         except CacheUnavailable as exc:
             log.warning("cachemgr lost during warm-up", error=str(exc))
@@ -453,14 +456,22 @@ class WorkerServer:
         if periodic:
             self._last_status = now
 
+    def _queue_kv_events(self, events: KvEvents) -> None:
+        for gateway in self.gateways.values():  # every gateway: each may have routers subscribed
+            gateway.kv_events.append(events)
+
     def _flush(self) -> None:
-        """One message per gateway per turn: its outputs, its status if due, the step profile."""
+        """One message per gateway per turn: its outputs, its status if due, the step profile, the
+        prefix cache's changes."""
         profile, self._profile = self._profile, None
         for gateway in self.gateways.values():
-            if gateway.outputs or gateway.status is not None:
+            if gateway.outputs or gateway.status is not None or gateway.kv_events:
                 step = profile if gateway.outputs else None
-                self._send(gateway, WorkerMessage(self.worker_id, gateway.outputs, gateway.status, step))
-                gateway.outputs, gateway.status = [], None
+                message = WorkerMessage(
+                    self.worker_id, gateway.outputs, gateway.status, step, gateway.kv_events
+                )
+                self._send(gateway, message)
+                gateway.outputs, gateway.status, gateway.kv_events = [], None, []
 
     def _send(self, gateway: Gateway, message: WorkerMessage) -> None:
         try:
