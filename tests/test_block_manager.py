@@ -410,6 +410,22 @@ def test_kv_events_announce_unsalted_pages_and_their_eviction() -> None:
     assert g.kv_events == KvEvents(removed=[a1])  # s's salted page, released first, went silently
 
 
+def test_flush_cache_drops_cached_pages_only_and_says_so() -> None:
+    bm = make_bm(FULL, 8)
+    d = Driver(bm)
+    a, b = toks(0, 8), toks(100, 8)
+    d.step(E("a", 8, a), E("b", 8, b, arrival=1))
+    d.step(frees=["a"])  # a's pages committed and cached; b's committed and still held
+    held = list(table(bm, "b"))
+    flushed = bm.flush_cache()
+    bm.check()
+    a0 = block_hash(b"", a[:4], b"")
+    assert flushed.blocks == 2 and flushed.kv_events == KvEvents(removed=[block_hash(a0, a[4:8], b""), a0])
+    assert bm.stats_dict()["evictable_blocks"] == 0 and table(bm, "b") == held
+    g = d.step(E("a2", 9, [*a, 1], arrival=2), E("b2", 9, [*b, 1], arrival=3))
+    assert granted(g) == {"a2": (0, 9), "b2": (8, 1)}  # a's prefix is gone, b's (in use) still hits
+
+
 # ============================================================================== committed memory
 # A host pool's pages cost memory from their first write on; the pool should touch new chunks only
 # when neither a released scratch chunk nor (within capacity) nothing else is at hand.

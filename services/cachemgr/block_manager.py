@@ -29,6 +29,7 @@ from services.cachemgr.swap_space import SwapSpace
 from services.common.kv_geometry import KVGeometry
 from services.common.messages import (
     PROTOCOL_VERSION,
+    Flushed,
     Granted,
     KvEvents,
     PlanEntry,
@@ -163,6 +164,10 @@ class BlockManager:
         out.blocked = [e.request_id for e in blocked]
         out.kv_events = self._drain_kv_events()
         return out.build()
+
+    def flush_cache(self) -> Flushed:
+        """Between steps: drop the cached prefixes no request holds, and say so to routers."""
+        return Flushed(self.pool.drop_evictable(), self._drain_kv_events())
 
     def _drain_kv_events(self) -> KvEvents | None:
         removed = [d for d in self.pool.evicted if d in self._announced]

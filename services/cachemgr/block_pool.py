@@ -91,6 +91,16 @@ class ChunkPool:
                 else:
                     self.free.append(chunk)
 
+    def drop_evictable(self) -> int:
+        """Forget every cached chunk no request holds; returns how many."""
+        dropped = len(self.evictable)
+        for chunk, digest in self.evictable.items():
+            del self.hash_of[chunk], self.by_hash[digest]
+            self.evicted.append(digest)
+            self.free.append(chunk)
+        self.evictable.clear()
+        return dropped
+
     def lookup(self, digest: bytes) -> int | None:
         return self.by_hash.get(digest)
 

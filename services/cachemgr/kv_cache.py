@@ -17,7 +17,7 @@ from services.cachemgr.pool_memory import PoolMemory, create_pool_memory
 from services.cachemgr.sizing import CacheSizing, meminfo_bytes, size_cache
 from services.common.config import CBConfig
 from services.common.kv_geometry import RESERVED_CHUNKS, KVGeometry
-from services.common.messages import StepGrant, StepPlan
+from services.common.messages import Flushed, StepGrant, StepPlan
 
 log = structlog.get_logger(__name__)
 
@@ -76,6 +76,9 @@ class KVCache:
             "kv_pool_committed_bytes": (committed + RESERVED_CHUNKS) * self.sizing.chunk_bytes,
             "host_available_bytes": meminfo_bytes("MemAvailable"),
         }
+
+    def flush_cache(self) -> Flushed:
+        return self.block_manager.flush_cache()
 
     def release_all(self) -> int:
         return self.block_manager.release_all()

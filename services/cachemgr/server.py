@@ -25,6 +25,7 @@ from services.common.messages import (
     Attach,
     Attached,
     Failure,
+    FlushCache,
     FromCachemgr,
     Stats,
     StatsQuery,
@@ -72,6 +73,10 @@ class CacheServer:
             return Failure("not attached: send Attach first")
         if isinstance(message, StatsQuery):
             return Stats(self.cache.stats())
+        if isinstance(message, FlushCache):
+            flushed = self.cache.flush_cache()
+            log.info("cache flushed", blocks=flushed.blocks)
+            return flushed
         assert isinstance(message, StepPlan)
         try:
             return self.cache.step(message)

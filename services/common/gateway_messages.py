@@ -31,6 +31,7 @@ class GatewayMessage(msgspec.Struct, frozen=True):
     adds: list[NewRequest] = []
     aborts: list[str] = []
     load_query: int = 0  # nonzero: answer with a status carrying this id
+    flush_cache: int = 0  # nonzero: drop the cached prefixes no request holds, answer with this id
     key: str = ""  # the stack's internal key (common/wire.py); a message without it is dropped
     version: int = PROTOCOL_VERSION
 
@@ -123,4 +124,5 @@ class WorkerMessage(msgspec.Struct, frozen=True):
     status: WorkerStatus | None = None
     step: StepTimes | None = None
     kv_events: list[KvEvents] = []  # the prefix cache's changes since the last message, in order
+    flushed: list[tuple[int, int]] = []  # (flush_cache id, cached blocks dropped, -1: no cache reachable)
     version: int = PROTOCOL_VERSION

@@ -122,6 +122,18 @@ class Attached(msgspec.Struct, frozen=True, tag="attached"):
     version: int = PROTOCOL_VERSION
 
 
+class FlushCache(msgspec.Struct, frozen=True, tag="flush_cache"):
+    """Drop every cached prefix no request holds (SMG's FlushCache); pages in use stay."""
+
+    version: int = PROTOCOL_VERSION
+
+
+class Flushed(msgspec.Struct, frozen=True, tag="flushed"):
+    blocks: int  # cached blocks dropped
+    kv_events: KvEvents | None  # their removal, for routers (no step may follow soon)
+    version: int = PROTOCOL_VERSION
+
+
 class Stats(msgspec.Struct, frozen=True, tag="stats"):
     stats: dict[str, int]
     version: int = PROTOCOL_VERSION
@@ -134,5 +146,5 @@ class Failure(msgspec.Struct, frozen=True, tag="failure"):
     version: int = PROTOCOL_VERSION
 
 
-ToCachemgr = Attach | StepPlan | StatsQuery
-FromCachemgr = Attached | StepGrant | Stats | Failure
+ToCachemgr = Attach | StepPlan | StatsQuery | FlushCache
+FromCachemgr = Attached | StepGrant | Stats | Flushed | Failure

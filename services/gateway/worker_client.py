@@ -103,6 +103,7 @@ class WorkerClient:
         self._adds: list[NewRequest] = []
         self._aborts: list[str] = []
         self._load_waiters: dict[int, asyncio.Future[Load]] = {}
+        self._flush_waiters: dict[int, asyncio.Future[int]] = {}
         self._query_ids = itertools.count(1)
         self._flush_scheduled = False
         # The worker's silence, in awake time: the heartbeat task reads it every heartbeat_s.
@@ -163,6 +164,18 @@ class WorkerClient:
         finally:
             self._load_waiters.pop(query, None)
 
+    async def flush_cache(self, timeout_s: float = 5.0) -> int:
+        """Have the cachemgr drop the cached prefixes no request holds; returns how many blocks, or
+        -1 when the worker could not reach it."""
+        query = next(self._query_ids)
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._flush_waiters[query] = future
+        self._send(flush_cache=query)
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._flush_waiters.pop(query, None)
+
     # -------------------------------------------------------------------------------------- sending
 
     def _schedule_flush(self) -> None:
@@ -177,10 +190,16 @@ class WorkerClient:
             self._send(adds, aborts)
 
     def _send(
-        self, adds: list[NewRequest] | None = None, aborts: list[str] | None = None, load_query: int = 0
+        self,
+        adds: list[NewRequest] | None = None,
+        aborts: list[str] | None = None,
+        load_query: int = 0,
+        flush_cache: int = 0,
     ) -> None:
         """Send one `GatewayMessage` (no arguments: a heartbeat) carrying the internal key."""
-        message = GatewayMessage(self.gateway_id, adds or [], aborts or [], load_query, key=self.key)
+        message = GatewayMessage(
+            self.gateway_id, adds or [], aborts or [], load_query, flush_cache, key=self.key
+        )
         # With IMMEDIATE set, no connected worker (or a full queue) means not writable: fail what
         # cannot be sent now rather than let it wait for a worker that may never read it.
         if not self._socket.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
@@ -220,6 +239,10 @@ class WorkerClient:
                 self._deliver(output)
             for events in message.kv_events:
                 await self.kv_events.append(events)
+            for query, blocks in message.flushed:
+                waiter = self._flush_waiters.get(query)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(blocks)
             if message.step is not None and self.on_step is not None:
                 self.on_step(message.step)
 

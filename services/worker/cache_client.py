@@ -26,6 +26,8 @@ from services.common.messages import (
     Attach,
     Attached,
     Failure,
+    FlushCache,
+    Flushed,
     FromCachemgr,
     Stats,
     StatsQuery,
@@ -48,6 +50,8 @@ class CacheClient(Protocol):
     def step(self, plan: StepPlan) -> StepGrant: ...
 
     def stats(self) -> dict[str, int]: ...
+
+    def flush_cache(self) -> Flushed: ...
 
     def close(self) -> None: ...
 
@@ -156,6 +160,12 @@ class RemoteCache:
         if not isinstance(reply, Stats):
             raise CacheUnavailable(f"expected stats, got {type(reply).__name__}")
         return reply.stats
+
+    def flush_cache(self) -> Flushed:
+        reply = self._call(FlushCache(), self.timeout_s)
+        if not isinstance(reply, Flushed):
+            raise CacheUnavailable(f"expected flushed, got {type(reply).__name__}")
+        return reply
 
     def close(self) -> None:
         self.memory.close()

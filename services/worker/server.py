@@ -65,6 +65,7 @@ class Gateway:
     outputs: list[RequestOutput] = field(default_factory=list)
     status: WorkerStatus | None = None
     kv_events: list[KvEvents] = field(default_factory=list)
+    flushed: list[tuple[int, int]] = field(default_factory=list)
 
 
 def _key(gateway: Gateway, request_id: str) -> str:
@@ -139,6 +140,7 @@ class WorkerServer:
         self._last_status = 0.0
         self._clock = AwakeClock()  # for gateways' silence: read every turn, before and after the step
         self._pending_queries: dict[bytes, int] = {}
+        self._pending_flushes: dict[bytes, int] = {}
         self._profile: StepTimes | None = None  # the latest step's, sent with this turn's messages
 
     # ------------------------------------------------------------------------------------ lifecycle
@@ -248,6 +250,7 @@ class WorkerServer:
         # that arrived meanwhile look missing.
         self._drain()
         self._expire_gateways()
+        self._flush_cache()
         self._send_status()
         if self.engine is None or not self.engine.has_work:
             self._flush()  # else the next step sends this news once its plan has committed the KV
@@ -285,6 +288,8 @@ class WorkerServer:
             self._add(gateway, new)
         if message.load_query:
             self._pending_queries[routing_id] = message.load_query
+        if message.flush_cache:
+            self._pending_flushes[routing_id] = message.flush_cache
 
     def _add(self, gateway: Gateway, new: NewRequest) -> None:
         key = _key(gateway, new.request_id)
@@ -456,6 +461,26 @@ class WorkerServer:
         if periodic:
             self._last_status = now
 
+    def _flush_cache(self) -> None:
+        """Between steps, so that no grant in flight names a page being dropped."""
+        if not self._pending_flushes:
+            return
+        blocks = -1
+        if self.engine is not None:
+            try:
+                flushed = self.engine.cache.flush_cache()
+            except CacheUnavailable as exc:
+                log.error("cachemgr unavailable for a cache flush", error=str(exc))
+            else:
+                blocks = flushed.blocks
+                if flushed.kv_events is not None:
+                    self._queue_kv_events(flushed.kv_events)
+                log.info("prefix cache flushed", blocks=blocks)
+        for routing_id, query in self._pending_flushes.items():
+            if routing_id in self.gateways:
+                self.gateways[routing_id].flushed.append((query, blocks))
+        self._pending_flushes.clear()
+
     def _queue_kv_events(self, events: KvEvents) -> None:
         for gateway in self.gateways.values():  # every gateway: each may have routers subscribed
             gateway.kv_events.append(events)
@@ -465,13 +490,13 @@ class WorkerServer:
         prefix cache's changes."""
         profile, self._profile = self._profile, None
         for gateway in self.gateways.values():
-            if gateway.outputs or gateway.status is not None or gateway.kv_events:
+            if gateway.outputs or gateway.status is not None or gateway.kv_events or gateway.flushed:
                 step = profile if gateway.outputs else None
                 message = WorkerMessage(
-                    self.worker_id, gateway.outputs, gateway.status, step, gateway.kv_events
+                    self.worker_id, gateway.outputs, gateway.status, step, gateway.kv_events, gateway.flushed
                 )
                 self._send(gateway, message)
-                gateway.outputs, gateway.status, gateway.kv_events = [], None, []
+                gateway.outputs, gateway.status, gateway.kv_events, gateway.flushed = [], None, [], []
 
     def _send(self, gateway: Gateway, message: WorkerMessage) -> None:
         try:
