@@ -242,10 +242,14 @@ class VllmEngineService(vllm_grpc.VllmEngineServicer):
     # ------------------------------------------------------------------------------ unary methods
 
     async def HealthCheck(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """Healthy, or UNAVAILABLE: smg takes a worker whose health check answers at all for a vLLM
+        one and registers it at once, and one registered before it was ready would stay nameless
+        (GetModelInfo is UNAVAILABLE until the worker is)."""
+        # Not counted as refused requests: a router probes every second while the stack warms up.
         if self.text.draining:
-            return vllm.HealthCheckResponse(healthy=False, message="draining")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining")
         if not self.text.client.ready:
-            return vllm.HealthCheckResponse(healthy=False, message="worker not ready")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker not ready")
         return vllm.HealthCheckResponse(healthy=True, message="serving")
 
     async def _facts(self, context: grpc.aio.ServicerContext) -> Any:
