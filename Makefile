@@ -64,8 +64,10 @@ model: $(RUNTIME_STAMP)
 	$(BIN)/cbserve prepare-model
 
 # The three processes (cachemgr, worker, gateway) on this machine; Ctrl-C drains and stops them.
+# HTTP_PORT=N adds OpenAI's HTTP API on port N: the smg router (the `router` extra) in front.
 serve: model
-	$(BIN)/cbserve up
+	$(if $(HTTP_PORT),$(BIN)/pip install --quiet -e '.[router]')
+	$(BIN)/cbserve up $(if $(HTTP_PORT),--http-port $(HTTP_PORT))
 
 # Hypothesis tests replay fixed examples in every run; `make fuzz` (the end of `make test`) and
 # `make test-slow` draw fresh ones from this seed, printed first: `make fuzz SEED=...` replays a failure.

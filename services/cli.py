@@ -209,12 +209,26 @@ def _up(args: argparse.Namespace) -> int:
     from services.supervisor import run_up, unavailable_port
 
     cb_config(args)  # refuse bad settings here, not in three children
-    _public_port(args)
+    tls, access = _public_port(args)
     ports = {"--port": args.port, "--metrics-port": args.metrics_port, "--health-port": args.health_port}
+    if args.http_port:  # and smg's metrics port
+        ports |= {"--http-port": args.http_port, "--router-metrics-port": args.router_metrics_port}
     problem = unavailable_port(args.host, ports)
     if problem is not None:
         raise usage_error(problem)
-    model_dir(args.model)  # refused (or the default prepared) once here, not in three children
+    directory = model_dir(args.model)  # refused (or the default prepared) once here, not in each child
+    router: list[str] = []
+    if args.http_port:
+        from services.router import RouterUnavailable, router_argv
+
+        try:
+            router = router_argv(
+                host=args.host, http_port=args.http_port, metrics_port=args.router_metrics_port,
+                gateway_port=args.port, model_dir=directory, gateway_tls=tls is not None,
+                gateway_api_keys=access.keys is not None,
+            )  # fmt: skip
+        except RouterUnavailable as exc:
+            raise usage_error(f"--http-port: {exc}") from None
     settings = cb_settings(args)
     for name in SERVICE_SETTINGS:
         if getattr(args, name, None) is not None:
@@ -223,7 +237,7 @@ def _up(args: argparse.Namespace) -> int:
         settings["api_keys"] = ",".join(args.api_keys)
     return run_up(
         args.model, args.device, args.dtype, args.port, args.metrics_port, args.host,
-        settings_env(settings), drain_grace_s=args.drain_grace,
+        settings_env(settings), drain_grace_s=args.drain_grace, router=router,
     )  # fmt: skip
 
 
@@ -390,6 +404,18 @@ def _add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
                      help="a plaintext port serving grpc.health.v1 alone, for probes that do no TLS (0: off)")
 
 
+def _add_router_arguments(parser: argparse.ArgumentParser) -> None:
+    from services.common.cli_args import PORT, add_env_argument
+    from services.router import DEFAULT_METRICS_PORT, INSTALL_HINT
+
+    group = parser.add_argument_group(f"OpenAI-compatible HTTP through the smg router ({INSTALL_HINT})")
+    add_env_argument(group, "--http-port", type=PORT, default=0,
+                     help="serve /v1/chat/completions, /v1/completions and /v1/models on this port: smg runs "
+                          "in front of the gateway as a fourth child (0: off)")  # fmt: skip
+    add_env_argument(group, "--router-metrics-port", type=PORT, default=DEFAULT_METRICS_PORT,
+                     help="smg's Prometheus port (with --http-port)")  # fmt: skip
+
+
 def _add_client_arguments(parser: argparse.ArgumentParser) -> None:
     from services.common.cli_args import add_env_argument
 
@@ -444,6 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
     up = commands.add_parser("up", help="run cachemgr, worker and gateway on this machine, supervised")
     _add_model_arguments(up)
     _add_gateway_arguments(up)
+    _add_router_arguments(up)
     _add_worker_arguments(up)
     add_cb_arguments(up)
     up.set_defaults(handler=_up)

@@ -1,11 +1,13 @@
 """`cbserve up`: the three processes on one machine, supervised.
 
 The cachemgr, worker and gateway run as child processes (`cbserve cachemgr|worker|gateway`) on
-`ipc://` sockets in a private runtime folder. Their JSON logs go straight to this terminal (they
+`ipc://` sockets in a private runtime folder; with `--http-port`, the smg router (router.py) runs in
+front of the gateway as a fourth. Their JSON logs go straight to this terminal (they
 inherit stderr). A child that dies is started again (the worker re-attaches to the cachemgr, whose
 KV pool outlived it), unless it exited with the configuration-error status (a port in use, a bad
 setting): then it would fail again, and the whole stack stops with that status. SIGTERM or Ctrl-C
-stops the gateway first, so that it drains its streams, then the worker, then the cachemgr.
+stops the router first, then the gateway, so that it drains its streams, then the worker, then the
+cachemgr.
 """
 
 from __future__ import annotations
@@ -127,7 +129,7 @@ class Supervisor:
                 child.history.append(now)
 
     def _shutdown(self) -> None:
-        # Gateway first (it drains), then the worker (it releases blocks), then the cachemgr.
+        # The router, then the gateway (it drains), the worker (it releases blocks), the cachemgr.
         for child in reversed(self.children):
             proc = child.process
             if proc is None or proc.poll() is not None:
@@ -168,6 +170,7 @@ def run_up(
     host: str,
     settings_env: dict[str, str],
     drain_grace_s: float,
+    router: Sequence[str] = (),  # the smg command line (router.py); empty: no router
 ) -> int:
     runtime = Path(tempfile.mkdtemp(prefix="cbserve-"))
     cachemgr_address = f"ipc://{runtime}/cachemgr.sock"
@@ -187,6 +190,8 @@ def run_up(
                                      "--cachemgr-address", cachemgr_address)),
         Child("gateway", cbserve_argv(*gateway)),
     ]  # fmt: skip
+    if router:
+        children.append(Child("router", list(router)))
     log.info("stack starting", runtime=str(runtime), port=port, metrics_port=metrics_port)
     try:
         return Supervisor(children, env, stop_timeout_s=drain_grace_s + 10).run()

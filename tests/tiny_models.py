@@ -16,7 +16,7 @@ Invariants:
 - Weights are drawn with std `INIT_STD` (far above transformers' 0.02) so greedy decoding walks through
   varied tokens instead of repeating one; tests that compare two code paths need that diversity.
 - Directories hold no tokenizer: tests feed token ids. `eos_token_id` is `EOS_ID` (tests that want a
-  fixed length pass ignore_eos).
+  fixed length pass ignore_eos). The exception, `tiny_text_model_dir`, borrows a real tokenizer.
 - Sliding windows are shorter than the prompts tests use, so the window is actually exercised.
 """
 
@@ -147,16 +147,37 @@ def tiny_model_dir(family: str, root: Path) -> Path:
     The directory appears atomically (built beside it, then renamed), so a reader never sees a
     half-written model and a second call is just an existence check.
     """
+    return _build(family, tiny_config(family), root / family)
+
+
+def tiny_text_model_dir(family: str, root: Path, tokenizer_dir: Path) -> Path:
+    """Return `root/<family>-text`: `family`'s geometry over the whole vocabulary of the tokenizer in
+    `tokenizer_dir`, saved with that tokenizer (and its chat template) and its special token ids.
+    A model that takes and gives text at a tiny model's speed, for what tokenizes outside cbserve
+    (the smg router). Its output is random text, possibly special tokens too."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     config = tiny_config(family)
-    target = root / family
+    config.vocab_size = len(tokenizer)
+    eos = tokenizer.eos_token_id
+    bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos
+    config.bos_token_id, config.eos_token_id = bos, eos
+    config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    return _build(family, config, root / f"{family}-text", tokenizer)
+
+
+def _build(family: str, config: PreTrainedConfig, target: Path, tokenizer: Any = None) -> Path:
     if (target / "config.json").is_file():
         return target
-    root.mkdir(parents=True, exist_ok=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(_SEEDS[family])
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    staging = Path(tempfile.mkdtemp(prefix=f".{family}.tmp-", dir=root))
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         model.save_pretrained(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
         staging.rename(target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

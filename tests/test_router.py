@@ -1,0 +1,245 @@
+"""OpenAI's HTTP API through the smg router, driven by the official `openai` client: `cbserve up
+--http-port` (smg as the stack's fourth child) and a fleet of two stacks behind one smg.
+
+The model is the tiny Llama over SmolLM2's tokenizer (tests/tiny_models.py): smg tokenizes, renders
+the chat template and detokenizes itself, so the model must carry a tokenizer; tiny keeps it fast.
+What smg answers is compared with what cbserve's own API answers for the same request, greedy:
+the same text and the same token counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from services.gateway.api import pb
+from services.router import gateway_url, smg_command
+from services.supervisor import die_with_parent, stop_process
+from tests.conftest import TINY_STACK_SETTINGS
+from tests.stack import Stack, free_port
+from tests.test_cli import run_main
+from tests.test_stack_requests import CHAT, chat_request
+from tests.tiny_models import tiny_text_model_dir
+
+ROUTER_START_S = 60.0
+CALL_TIMEOUT_S = 60.0
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def text_model(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_text_model_dir("llama", tmp_path_factory.mktemp("text_model"), smollm2_dir)
+
+
+def router_status(http_port: int) -> dict[str, Any] | None:
+    """smg's /readiness answer once it is ready (some worker registered and healthy), else None."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/readiness", timeout=2) as reply:
+            return json.loads(reply.read())
+    except OSError:  # refused, or 503 while no worker is ready
+        return None
+
+
+def wait_router(http_port: int, healthy: int = 1, timeout_s: float = ROUTER_START_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (status := router_status(http_port)) is None or status.get("healthy_workers") != healthy:
+        assert time.monotonic() < deadline, f"smg on {http_port} not ready with {healthy} workers: {status}"
+        time.sleep(0.5)
+
+
+def client(http_port: int) -> openai.OpenAI:
+    # No retries of the client's own: what must recover is smg.
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0,
+                         timeout=CALL_TIMEOUT_S)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def routed(text_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, int]]:
+    """`cbserve up --http-port`: (the stack, smg's HTTP port)."""
+    http = free_port()
+    up_args = ["--http-port", str(http), "--router-metrics-port", str(free_port())]
+    stack = Stack(text_model, tmp_path_factory.mktemp("routed"), up_args=up_args, **TINY_STACK_SETTINGS)
+    try:
+        wait_router(http)
+        yield stack, http
+    finally:
+        stack.stop()
+
+
+# --------------------------------------------------------------------- what cbserve's API answers
+
+
+def cbserve_answer(stack: Stack, kind: str, max_tokens: int) -> tuple[str, Any]:
+    """(text, final message) of cbserve's own API, greedy, stopping at EOS as OpenAI requests do."""
+    if kind == "chat":
+        request = chat_request(CHAT, max_tokens, ignore_eos=False)
+    else:
+        request = pb.GenerateRequest(text=PROMPT)
+        request.sampling.temperature, request.stopping.max_tokens = 0.0, max_tokens
+    _, text, final, _ = stack.generate(request, timeout_s=CALL_TIMEOUT_S)
+    return text, final
+
+
+def openai_answer(
+    api: openai.OpenAI, model: str, kind: str, max_tokens: int, stream: bool
+) -> tuple[str, Any]:
+    """(text, usage) of one greedy request through smg."""
+    common: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "stream": stream}
+    if stream:
+        common["stream_options"] = {"include_usage": True}
+    if kind == "chat":
+        reply = api.chat.completions.create(messages=CHAT, **common)  # type: ignore[arg-type]
+    else:
+        reply = api.completions.create(prompt=PROMPT, **common)
+    if not stream:
+        choice = reply.choices[0]
+        return (choice.message.content or "") if kind == "chat" else choice.text, reply.usage
+    parts, usage = [], None
+    for event in reply:
+        usage = event.usage or usage
+        for choice in event.choices:
+            parts.append((choice.delta.content or "") if kind == "chat" else choice.text)
+    return "".join(parts), usage
+
+
+def assert_same_answer(stack: Stack, http_port: int, kind: str, stream: bool, max_tokens: int = 12) -> None:
+    text, final = cbserve_answer(stack, kind, max_tokens)
+    got, usage = openai_answer(client(http_port), stack.info.model_id, kind, max_tokens, stream)
+    assert text and got == text
+    assert (usage.prompt_tokens, usage.completion_tokens) == (
+        final.usage.prompt_tokens, final.usage.completion_tokens,
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ cbserve up --http-port
+
+
+def test_models_lists_the_served_model(routed: tuple[Stack, int]) -> None:
+    stack, http = routed
+    assert [m.id for m in client(http).models.list().data] == [stack.info.model_id]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_greedy_answer_equals_the_cbserve_api(routed: tuple[Stack, int], kind: str, stream: bool) -> None:
+    stack, http = routed
+    assert_same_answer(stack, http, kind, stream)
+    stack.assert_idle()
+
+
+def test_the_router_is_a_supervised_child(routed: tuple[Stack, int]) -> None:
+    stack, http = routed
+    os.kill(stack.child_pid("router"), signal.SIGKILL)
+    deadline = time.monotonic() + ROUTER_START_S
+    while len([e for e in stack.events("started") if e.get("child") == "router"]) < 2:
+        assert time.monotonic() < deadline, stack.log_tail()
+        time.sleep(0.2)
+    wait_router(http)
+    assert_same_answer(stack, http, "completion", stream=False)
+
+
+def test_up_refuses_a_router_it_cannot_run(
+    tiny_models: Callable[[str], Path], text_model: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    def up(model: Path, *flags: str) -> str:
+        ports = ["--port", str(free_port()), "--metrics-port", "0", "--http-port", str(free_port()),
+                 "--router-metrics-port", str(free_port())]  # fmt: skip
+        argv = ["up", "--model", str(model), *ports, *flags]
+        code, _, err = run_main(argv, capsys)
+        assert code == 2, err
+        return err
+
+    assert "holds no tokenizer files" in up(tiny_models("llama"))
+    assert "plaintext gRPC without a key" in up(text_model, "--api-key", "k" * 24)
+    monkeypatch.setattr("services.router.smg_executable", lambda: None)
+    assert "pip install 'cbserve[router]'" in up(text_model)
+
+
+# ---------------------------------------------------------------------------- a fleet behind one smg
+
+
+@pytest.mark.slow
+def test_a_killed_gateway_is_routed_around_and_rejoins(
+    routed: tuple[Stack, int], text_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Two stacks behind one smg (round robin): greedy answers equal cbserve's whichever serves them.
+    Then one stack's gateway is killed while streams run on both: only streams it was serving may
+    fail, and every request sent after the kill is retried on the other stack by smg and completes.
+    The killed gateway comes back (its supervisor restarts it) and smg routes to it again."""
+    first, _ = routed
+    second = Stack(text_model, tmp_path_factory.mktemp("second"), **TINY_STACK_SETTINGS)
+    http = free_port()
+    argv = smg_command(host="127.0.0.1", http_port=http, metrics_port=free_port(), model_dir=str(text_model),
+                       worker_urls=[gateway_url("127.0.0.1", s.port) for s in (first, second)],
+                       policy="round_robin")  # fmt: skip
+    log = (tmp_path_factory.mktemp("fleet_router") / "smg.log").open("wb")
+    router = subprocess.Popen(argv, stdout=log, stderr=log, preexec_fn=die_with_parent)
+    try:
+        wait_router(http, healthy=2)
+        for kind in ("chat", "completion"):
+            for _ in range(2):  # round robin: one on each stack
+                assert_same_answer(first, http, kind, stream=True)
+        max_tokens = 160
+        expected, _ = cbserve_answer(first, "completion", max_tokens)
+        errors: dict[str, list[str | None]] = {"in flight": [], "after the kill": []}
+        streaming = threading.Semaphore(0)  # released by each stream's first text
+
+        def stream_one(phase: str) -> None:
+            parts: list[str] = []
+            try:
+                events = client(http).completions.create(
+                    model=first.info.model_id,
+                    prompt=PROMPT,
+                    max_tokens=max_tokens,
+                    temperature=0.0,
+                    stream=True,
+                )
+                for event in events:
+                    if not parts:
+                        streaming.release()
+                    parts += [c.text for c in event.choices]
+                text = "".join(parts)
+                errors[phase].append(None if text == expected else f"text differs: {text!r}")
+            except openai.APIError as exc:
+                errors[phase].append(repr(exc))
+
+        def start(phase: str, n: int) -> list[threading.Thread]:
+            threads = [threading.Thread(target=stream_one, args=(phase,)) for _ in range(n)]
+            for thread in threads:
+                thread.start()
+            return threads
+
+        threads = start("in flight", 6)
+        for _ in threads:
+            assert streaming.acquire(timeout=CALL_TIMEOUT_S), "a stream never started"
+        on_second = second.load().requests_running  # what the kill may fail
+        os.kill(second.child_pid("gateway"), signal.SIGKILL)
+        threads += start("after the kill", 6)
+        for thread in threads:
+            thread.join(2 * CALL_TIMEOUT_S)
+        assert not any(t.is_alive() for t in threads)
+        failed = [e for e in errors["in flight"] if e is not None]
+        assert len(failed) <= on_second and all("text differs" not in e for e in failed), errors
+        assert errors["after the kill"] == [None] * 6, errors
+        second.wait_serving()  # its supervisor restarted the gateway
+        wait_router(http, healthy=2, timeout_s=180)  # and smg's health checks found it again
+        served = len(second.events("request finished"))
+        for _ in range(4):
+            assert_same_answer(first, http, "completion", stream=False)
+        assert len(second.events("request finished")) > served
+    finally:
+        stop_process(router, 20)
+        log.close()
+        second.stop()
