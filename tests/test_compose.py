@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
@@ -29,6 +28,8 @@ import jsonschema
 import pytest
 import yaml
 from check_jsonschema.builtin_schemas import get_builtin_schema
+
+from tests.cli_contract import flags, parse_cbserve, subcommand_parsers, tcp, variables_read
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -129,19 +130,6 @@ def assert_valid(doc: dict[str, Any], what: str) -> None:
     errors = sorted(compose_validator().iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))
     report = "\n".join(f"  {'/'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in errors)
     assert not errors, f"{what} does not follow the Compose Specification:\n{report}"
-
-
-def flags(command: list[str]) -> dict[str, str]:
-    """`["sub", "--a", "1", "--b", "2"]` -> {"--a": "1", "--b": "2"} (every flag here takes a value)."""
-    args = command[1:]
-    assert len(args) % 2 == 0 and all(a.startswith("--") for a in args[::2]), f"unexpected command {command}"
-    return dict(zip(args[::2], args[1::2], strict=True))
-
-
-def tcp(address: str) -> tuple[str, int]:
-    match = re.fullmatch(r"tcp://([^:/]+):(\d+)", address)
-    assert match, f"{address!r} is not a tcp://HOST:PORT address"
-    return match[1], int(match[2])
 
 
 def duration_s(text: str | int | float) -> float:
@@ -412,53 +400,25 @@ def test_build_args_from_compose_are_declared_by_the_dockerfile() -> None:
 # --- Compose against the real command line ----------------------------------------------------------------
 
 
-def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return dict(action.choices)
-    return {}
-
-
-def _parse(
-    argv: list[str], env: dict[str, str | None], monkeypatch: pytest.MonkeyPatch
-) -> argparse.Namespace:
-    """Parse `cbserve ARGV` with the real parser, with the service's environment in place."""
-    from services.cli import build_parser
-
-    with monkeypatch.context() as patch:
-        for key, value in env.items():
-            if value is not None:
-                patch.setenv(key, value)
-        parser = build_parser()
-        try:
-            return parser.parse_args(argv)
-        except SystemExit as exc:
-            pytest.fail(f"`cbserve {shlex.join(argv)}` is rejected by the CLI (exit {exc.code})")
-
-
 @pytest.mark.parametrize("files", [(COMPOSE,), (COMPOSE, COMPOSE_GPU)], ids=["cpu", "gpu"])
 def test_commands_and_healthchecks_parse_with_the_real_cli(
     files: tuple[Path, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from services.cli import build_parser
-
-    parsers = _subparsers(build_parser())
+    parsers = subcommand_parsers()
     missing = sorted((SUBCOMMANDS | {"health"}) - set(parsers))
     assert not missing, f"`cbserve` has no subcommand {missing}; the compose file runs them"
 
     services = resolved(*files)["services"]
-    reads = {
-        n: {"CBSERVE_" + a.dest.upper() for a in parsers[n]._actions if a.option_strings} for n in SUBCOMMANDS
-    }
+    reads = {n: variables_read(parsers, n) for n in SUBCOMMANDS}
     for name, service in services.items():
         env = environment(service)
-        assert _parse(service["command"], env, monkeypatch).command == name
+        assert parse_cbserve(service["command"], env, monkeypatch).command == name
         if env.get("CBSERVE_DEVICE") is not None:
             assert "CBSERVE_DEVICE" in reads[name], (
                 f"{name} gets CBSERVE_DEVICE but `cbserve {name}` has no --device"
             )
         if healthcheck_command(service)[0] == "cbserve":
-            assert _parse(healthcheck_command(service)[1:], env, monkeypatch).command == "health"
+            assert parse_cbserve(healthcheck_command(service)[1:], env, monkeypatch).command == "health"
 
     # Every CBSERVE_ variable the file hands over is read by at least one of the three commands: as a
     # flag's default, or directly (a secret is never a flag, so that it does not show in `ps`).
