@@ -138,6 +138,18 @@ def test_greedy_answer_equals_the_cbserve_api(routed: tuple[Stack, int], kind: s
     stack.assert_idle()
 
 
+def test_a_client_that_goes_away_frees_its_request(routed: tuple[Stack, int]) -> None:
+    stack, http = routed
+    events = client(http).completions.create(model=stack.info.model_id, prompt=PROMPT, max_tokens=900,
+                                             temperature=0.0, stream=True)  # fmt: skip
+    for _, _ in zip(range(3), events, strict=False):
+        pass
+    assert stack.load().requests_running == 1
+    events.close()  # smg cancels its call to the gateway, which aborts the request in the worker
+    stack.wait_idle(timeout_s=5)
+    stack.assert_idle()
+
+
 def test_the_router_is_a_supervised_child(routed: tuple[Stack, int]) -> None:
     stack, http = routed
     os.kill(stack.child_pid("router"), signal.SIGKILL)
@@ -189,8 +201,9 @@ def test_a_killed_gateway_is_routed_around_and_rejoins(
     try:
         wait_router(http, healthy=2)
         for kind in ("chat", "completion"):
-            for _ in range(2):  # round robin: one on each stack
-                assert_same_answer(first, http, kind, stream=True)
+            for stream in (False, True):
+                for _ in range(2):  # round robin: one on each stack
+                    assert_same_answer(first, http, kind, stream)
         max_tokens = 160
         expected, _ = cbserve_answer(first, "completion", max_tokens)
         errors: dict[str, list[str | None]] = {"in flight": [], "after the kill": []}
