@@ -127,7 +127,7 @@ class VllmEngineService(vllm_grpc.VllmEngineServicer):
         self.text = text
         self.model_dir = model_dir
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-        self._config_ids = {
+        self._config_facts = {
             "model_type": str(getattr(config, "model_type", "") or ""),
             "pad_token_id": int(getattr(config, "pad_token_id", None) or 0),  # 0 when none, as vLLM
             "bos_token_id": int(getattr(config, "bos_token_id", None) or 0),
@@ -270,7 +270,7 @@ class VllmEngineService(vllm_grpc.VllmEngineServicer):
             vocab_size=facts.vocab_size,
             architectures=[info["architecture"]] if info["architecture"] else [],
             eos_token_ids=info["eos_token_ids"],
-            **self._config_ids,
+            **self._config_facts,
         )
 
     async def GetServerInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
