@@ -132,6 +132,22 @@ def test_text_input_equals_the_cbserve_api(smol_stack: Stack) -> None:
     assert list(complete.output_ids) == ids and complete.prompt_tokens == final.usage.prompt_tokens
 
 
+def test_stop_string_is_the_matched_stop(smol_stack: Stack) -> None:
+    text = "The capital of France is"
+    request = pb.GenerateRequest(text=text)
+    request.sampling.temperature, request.stopping.max_tokens, request.stopping.ignore_eos = 0.0, 12, True
+    _, whole, _, _ = smol_stack.generate(request, timeout_s=CALL_TIMEOUT_S)
+    stop = whole.split()[1]  # a word of the greedy text after its first
+    request.stopping.stop.append(stop)
+    ids, _, final, _ = smol_stack.generate(request, timeout_s=CALL_TIMEOUT_S)
+    assert final.stop_sequence == stop
+    vllm_text = vllm_request([], 12, stream=False, stop=[stop])
+    vllm_text.text = text
+    _, complete = run(smol_stack, vllm_text)
+    assert complete.finish_reason == "stop" and complete.matched_stop_str == stop
+    assert list(complete.output_ids) == ids  # up to the token that completed the stop (smg trims text)
+
+
 # --------------------------------------------------------------------------------- Abort, cancel
 
 
