@@ -29,7 +29,9 @@ from services.common.tensor_handles import shm_dir
 
 GIB = 1 << 30
 DEFAULT_CPU_KV_CACHE = 4 * GIB
-GPU_MEMORY_PERCENT = 0.9
+# The share of free memory a pool takes unless `max_memory_percent` says: its size on a GPU, a cap
+# on a CPU host (whose fixed default must still leave room for the step around it).
+DEFAULT_MEMORY_PERCENT = 0.9
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,7 @@ def size_cache(
     free = free_memory_bytes(device) - reserve_bytes
     if shm and device.type == "cpu":
         free = min(free, shm_free_bytes())
-    fits = int(free * (cfg.max_memory_percent or GPU_MEMORY_PERCENT)) - workspace
+    fits = int(free * (cfg.max_memory_percent or DEFAULT_MEMORY_PERCENT)) - workspace
     if cfg.num_blocks is not None:
         num_chunks, source = cfg.num_blocks + RESERVED_CHUNKS, "num_blocks"
     else:
