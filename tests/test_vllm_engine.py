@@ -275,7 +275,6 @@ def test_methods_not_served_say_why(tiny_stack: Stack) -> None:
         "SubscribeKvEvents": lambda: list(
             stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=10)
         ),
-        "FlushCache": lambda: stub.FlushCache(common_pb2.FlushCacheRequest(), timeout=10),
         "Embed": lambda: stub.Embed(vllm.EmbedRequest(), timeout=10),
     }
     for name, call in calls.items():
@@ -317,6 +316,16 @@ def test_loads_are_get_load_counters(tiny_stack: Stack) -> None:
     assert rank.max_total_num_tokens == load.kv_blocks_total * page and rank.token_usage == 0.0
     assert rank.cache_hit_rate == pytest.approx(load.prefix_cache_hits / load.prefix_cache_queries)
     assert 0.0 < rank.cache_hit_rate < 1.0
+
+
+def test_flush_cache_drops_the_cached_prefixes(tiny_stack: Stack) -> None:
+    run(tiny_stack, vllm_request(tiny_prompt(69, 24), 2))
+    assert tiny_stack.load().kv_blocks_cached > 0
+    reply = engine(tiny_stack).FlushCache(common_pb2.FlushCacheRequest(), timeout=10)
+    assert reply.success, reply.message
+    load = tiny_stack.load()
+    assert load.kv_blocks_cached == 0 and load.kv_blocks_free == load.kv_blocks_total
+    assert_serves_exactly(tiny_stack, tiny_prompt(69, 24))
 
 
 def test_tokenizer_is_the_model_directorys(smol_stack: Stack, tiny_stack: Stack) -> None:

@@ -15,9 +15,11 @@ call ends. The messages come out as vLLM's own servicer shapes them, which is wh
 `Abort` ends the named streams with a `complete` whose finish reason is "abort"; both it and a
 cancelled call abort the request in the worker.
 
+`FlushCache` drops the cached prefixes no request holds, at once: pages in use are never touched,
+so there is no idle scheduler to wait for (`timeout_s` is not needed).
+
 Not served: `SubscribeKvEvents` (not yet: the router's cache-aware policy then approximates each
-worker's cache from its own routing), `FlushCache` (neither the worker nor the cachemgr can drop
-evictable blocks on demand), `Embed` and the profiler.
+worker's cache from its own routing), `Embed` and the profiler.
 """
 
 from __future__ import annotations
@@ -64,7 +66,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 TOKENIZER_GLOBS = ("*.jinja", "*.tiktoken")
 NOT_SERVED = {
     "SubscribeKvEvents": "KV cache events are not published by cbserve yet",
-    "FlushCache": "cbserve cannot drop its cached prefixes on demand yet",
     "Embed": "cbserve serves generation only, not embeddings",
     "StartProfile": "cbserve has no profiler to start over gRPC",
     "StopProfile": "cbserve has no profiler to stop over gRPC",
@@ -314,6 +315,16 @@ class VllmEngineService(vllm_grpc.VllmEngineServicer):
                 )
             ],
         )
+
+    async def FlushCache(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._facts(context)
+        try:
+            blocks = await self.text.client.flush_cache()
+        except TimeoutError:
+            await self._refuse(context, grpc.StatusCode.UNAVAILABLE, "worker did not answer the flush")
+        if blocks < 0:
+            return common_pb2.FlushCacheResponse(success=False, message="the worker reached no cachemgr")
+        return common_pb2.FlushCacheResponse(success=True, message=f"dropped {blocks} cached blocks")
 
     async def GetTokenizer(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         """The model's tokenizer files as one zip archive, in chunks; the last carries its SHA-256."""
