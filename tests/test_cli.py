@@ -47,14 +47,20 @@ def help_text(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 
 
 def test_help_shows_the_defaults(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("CBSERVE_PORT", "CBSERVE_DRAIN_GRACE", "CBSERVE_MAX_MEMORY_PERCENT"):
+    for name in (
+        "CBSERVE_PORT",
+        "CBSERVE_DRAIN_GRACE",
+        "CBSERVE_MAX_MEMORY_PERCENT",
+        "CBSERVE_KV_CACHE_SPACE",
+    ):
         monkeypatch.delenv(name, raising=False)
     up = help_text(["up"], capsys)
     for shown in (
         "gRPC port [CBSERVE_PORT] (default: 50051)",
         "(0: off) [CBSERVE_METRICS_PORT] (default: 9090)",
         "after SIGTERM [CBSERVE_DRAIN_GRACE] (default: 30.0)",
-        "fraction of free memory for the KV cache (default: 0.9)",
+        "fraction of free memory for the KV cache (default: 0.9 on a GPU)",
+        "GiB of KV cache (overrides max_memory_percent) (default: 4 GiB on a CPU, at most a quarter of RAM)",
         "prefix caching (default: on)",
         "(default: fifo 0.15, prefill_first 0.0)",
     ):
