@@ -6,8 +6,11 @@ with a status naming the field.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
+import queue
+import threading
 import zipfile
 from collections.abc import Callable
 from typing import Any
@@ -18,8 +21,9 @@ from smg_grpc_proto import vllm_engine_pb2 as vllm
 from smg_grpc_proto import vllm_engine_pb2_grpc as vllm_grpc
 from smg_grpc_proto.generated import common_pb2
 
+from services.cachemgr.block_manager import block_hash
 from services.gateway.api import pb
-from services.gateway.vllm_engine import SERVICE_NAME
+from services.gateway.vllm_engine import SERVICE_NAME, block_hash_id
 from services.gateway.vllm_requests import to_cbserve
 from tests.stack import Stack, greedy_request
 from tests.test_stack_requests import (
@@ -272,10 +276,8 @@ def test_unparsable_request_is_invalid_argument(tiny_stack: Stack) -> None:
 def test_methods_not_served_say_why(tiny_stack: Stack) -> None:
     stub = engine(tiny_stack)
     calls = {
-        "SubscribeKvEvents": lambda: list(
-            stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=10)
-        ),
         "Embed": lambda: stub.Embed(vllm.EmbedRequest(), timeout=10),
+        "StartProfile": lambda: stub.StartProfile(common_pb2.StartProfileRequest(), timeout=10),
     }
     for name, call in calls.items():
         with pytest.raises(grpc.RpcError) as info:
@@ -326,6 +328,58 @@ def test_flush_cache_drops_the_cached_prefixes(tiny_stack: Stack) -> None:
     load = tiny_stack.load()
     assert load.kv_blocks_cached == 0 and load.kv_blocks_free == load.kv_blocks_total
     assert_serves_exactly(tiny_stack, tiny_prompt(69, 24))
+
+
+def test_kv_events_announce_a_prompts_pages_and_their_flush(tiny_stack: Stack) -> None:
+    """A subscriber sees the pages a request cached (hashes chained as cbserve's digests, tokens,
+    one page per block) and their removal when the cache is flushed; a salted request's pages never."""
+    page = tiny_stack.info.page_size
+    prompt, salted = tiny_prompt(71, 3 * page + 5), tiny_prompt(72, 2 * page)
+    digests, parent = [], b""
+    for i in range(3):
+        parent = block_hash(parent, prompt[i * page : (i + 1) * page], b"")
+        digests.append(parent)
+    expected = [block_hash_id(d) for d in digests]
+    batches: queue.Queue[Any] = queue.Queue()
+    call = engine(tiny_stack).SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=60)
+
+    def read() -> None:
+        with contextlib.suppress(grpc.RpcError):  # the cancel below ends the call
+            for batch in call:
+                batches.put(batch)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        salted_request = greedy_request(salted, 3)
+        salted_request.cache_salt = "tenant-a"
+        tiny_stack.generate(salted_request, timeout_s=CALL_TIMEOUT_S)
+        run(tiny_stack, vllm_request(prompt, 3))
+        assert engine(tiny_stack).FlushCache(common_pb2.FlushCacheRequest(), timeout=10).success
+        stored: list[Any] = []
+        removed: set[int] = set()
+        sequences: list[int] = []
+        while not set(expected) <= removed:
+            batch = batches.get(timeout=30)
+            sequences.append(batch.sequence_number)
+            for event in batch.events:
+                if event.HasField("stored"):
+                    stored.append(event.stored)
+                elif event.HasField("removed"):
+                    removed.update(event.removed.block_hashes)
+    finally:
+        call.cancel()
+    live = [s for s in sequences if s]  # a snapshot of what was cached before may come first
+    assert live == list(range(live[0], live[0] + len(live))), sequences  # no gap, no duplicate
+    mine = [s for s in stored if s.blocks and s.blocks[0].block_hash == expected[0]]
+    assert len(mine) == 1 and not mine[0].HasField("parent_block_hash")
+    assert [b.block_hash for b in mine[0].blocks] == expected
+    assert [list(b.token_ids) for b in mine[0].blocks] == [
+        prompt[i * page : (i + 1) * page] for i in range(3)
+    ]
+    assert all(b.block_size == page for b in mine[0].blocks)
+    salted_first = [tuple(salted[:page])]
+    assert not [b for s in stored for b in s.blocks if tuple(b.token_ids) in salted_first]
 
 
 def test_tokenizer_is_the_model_directorys(smol_stack: Stack, tiny_stack: Stack) -> None:

@@ -34,6 +34,9 @@ class KvBatch:
 class KvEventLog:
     def __init__(self, history: int = DEFAULT_HISTORY) -> None:
         self.sequence = 0  # of the latest batch; 0 before the first
+        # Whether the mirror holds every live page: the log saw the cache start empty (`cleared`).
+        # A gateway that starts beside a running cachemgr knows nothing of what it cached before.
+        self.complete = False
         self._history: deque[KvBatch] = deque(maxlen=history)
         # Live cached pages in the order they were stored: a page's parent, if cached, precedes it.
         self._live: dict[bytes, StoredBlock] = {}
@@ -46,6 +49,7 @@ class KvEventLog:
     async def append(self, events: KvEvents) -> None:
         if events.cleared:
             self._live.clear()
+            self.complete = True
         for block in events.stored:
             self._live[block.digest] = block
         for digest in events.removed:

@@ -18,8 +18,13 @@ cancelled call abort the request in the worker.
 `FlushCache` drops the cached prefixes no request holds, at once: pages in use are never touched,
 so there is no idle scheduler to wait for (`timeout_s` is not needed).
 
-Not served: `SubscribeKvEvents` (not yet: the router's cache-aware policy then approximates each
-worker's cache from its own routing), `Embed` and the profiler.
+`SubscribeKvEvents` streams the prefix cache's changes from the gateway's KvEventLog (see
+kv_event_log.py): one batch per worker step that changed the cache, numbered from 1; a subscriber
+without a usable cursor gets the live pages first as a one-chunk snapshot. Block hashes are the first
+8 bytes of cbserve's 16-byte chained digests as a signed int64, a block is one page (`block_size` =
+page size), consecutive pages of one chain are one `stored` event; salted pages are never announced.
+
+Not served: `Embed` and the profiler.
 """
 
 from __future__ import annotations
@@ -43,8 +48,10 @@ from smg_grpc_proto import vllm_engine_pb2 as vllm
 from smg_grpc_proto import vllm_engine_pb2_grpc as vllm_grpc
 from smg_grpc_proto.generated import common_pb2
 
+from services.common.messages import StoredBlock
 from services.gateway.api import pb
 from services.gateway.inputs import InvalidRequest
+from services.gateway.kv_event_log import KvBatch
 from services.gateway.vllm_requests import to_cbserve, vllm_field_names
 
 if TYPE_CHECKING:
@@ -65,7 +72,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json")  # fmt: skip
 TOKENIZER_GLOBS = ("*.jinja", "*.tiktoken")
 NOT_SERVED = {
-    "SubscribeKvEvents": "KV cache events are not published by cbserve yet",
     "Embed": "cbserve serves generation only, not embeddings",
     "StartProfile": "cbserve has no profiler to start over gRPC",
     "StopProfile": "cbserve has no profiler to stop over gRPC",
@@ -326,6 +332,12 @@ class VllmEngineService(vllm_grpc.VllmEngineServicer):
             return common_pb2.FlushCacheResponse(success=False, message="the worker reached no cachemgr")
         return common_pb2.FlushCacheResponse(success=True, message=f"dropped {blocks} cached blocks")
 
+    async def SubscribeKvEvents(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        facts = await self._facts(context)
+        log = self.text.client.kv_events
+        async for batch in log.subscribe(int(request.start_sequence_number)):
+            yield _kv_event_batch(batch, facts.page_size, complete=log.complete)
+
     async def GetTokenizer(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         """The model's tokenizer files as one zip archive, in chunks; the last carries its SHA-256."""
         if not self.text.model_info["has_tokenizer"]:
@@ -336,6 +348,57 @@ class VllmEngineService(vllm_grpc.VllmEngineServicer):
             end = start + TOKENIZER_CHUNK_BYTES
             last = end >= len(data)
             yield common_pb2.GetTokenizerChunk(data=data[start:end], sha256=digest if last else "")
+
+
+def block_hash_id(digest: bytes) -> int:
+    """A page's id as routers know it: the first 8 bytes of its digest, as vLLM's int64 hashes."""
+    return int.from_bytes(digest[:8], "little", signed=True)
+
+
+def _chains(stored: list[StoredBlock]) -> list[list[StoredBlock]]:
+    """Runs of pages where each one's parent is the page before it (one request's new pages)."""
+    runs: list[list[StoredBlock]] = []
+    for block in stored:
+        if runs and block.parent == runs[-1][-1].digest:
+            runs[-1].append(block)
+        else:
+            runs.append([block])
+    return runs
+
+
+def _kv_event_batch(batch: KvBatch, page_size: int, *, complete: bool) -> Any:
+    events = batch.events
+    out: list[Any] = []
+    if events.cleared:
+        out.append(common_pb2.KvCacheEvent(cleared=common_pb2.KvCacheCleared()))
+    for run in _chains(events.stored):
+        stored = common_pb2.KvBlocksStored(
+            blocks=[
+                common_pb2.KvBlock(
+                    block_hash=block_hash_id(b.digest), token_ids=b.token_ids, block_size=page_size
+                )
+                for b in run
+            ]
+        )
+        if run[0].parent:
+            stored.parent_block_hash = block_hash_id(run[0].parent)
+        out.append(common_pb2.KvCacheEvent(stored=stored))
+    if events.removed:
+        removed = common_pb2.KvBlocksRemoved(block_hashes=[block_hash_id(d) for d in events.removed])
+        out.append(common_pb2.KvCacheEvent(removed=removed))
+    if not batch.snapshot:  # live events are numbered; synthesized (snapshot) ones are 0
+        for i, event in enumerate(out, 1):
+            event.event_id = (batch.sequence << 16) + i
+    message = common_pb2.KvEventBatch(
+        sequence_number=batch.sequence, timestamp=batch.timestamp, events=out, dp_rank=0
+    )
+    if batch.snapshot:
+        message.snapshot.CopyFrom(
+            common_pb2.KvSnapshotChunk(
+                index=0, count=1, blocks=len(events.stored), unknown_before=0 if complete else 1
+            )
+        )
+    return message
 
 
 def _not_served(method: str) -> Any:
