@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 
+from services.bench.serve_metrics import parse_histogram
 from services.bench.serve_report import (
     PhaseData,
     RequestRecord,
     format_phase,
     long_prompt_itl,
-    parse_histogram,
     percentile,
     step_profile,
     summarize,

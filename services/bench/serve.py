@@ -1,5 +1,8 @@
-"""`cbserve bench serve`: a load generator driving a running gateway over gRPC (grpc.aio, one process,
-one asyncio loop, one channel; a coroutine per request, no thread).
+"""`cbserve bench serve`: a load generator driving a running server (one process, one asyncio loop; a
+coroutine per request, no thread), over cbserve's gRPC API (`--backend cbserve`, the default: one
+channel to a gateway) or OpenAI's HTTP API (`--backend openai`: any OpenAI-compatible server, smg in
+front of cbserve or vLLM's own server; see serve_openai.py). Workloads, schedule and report are the
+same for both (serve_backends.py says what a backend does).
 
     cbserve bench serve --target 127.0.0.1:50051 --workload random --num-requests 64 \\
         --request-rate 4 --input-len 128 --output-len 64 --metrics-url http://127.0.0.1:9090/metrics
@@ -7,21 +10,25 @@ one asyncio loop, one channel; a coroutine per request, no thread).
     cbserve bench serve --concurrency 8 --duration 60                                 # closed loop
     cbserve bench serve --workload shared-prefix --num-groups 4 --prefix-len 512 --input-len 32
     cbserve bench serve --workload jsonl --dataset prompts.jsonl --no-ignore-eos
+    cbserve bench serve --backend openai --target http://127.0.0.1:30080 --tokenizer MODEL_DIR \\
+        --metrics-url http://127.0.0.1:9090/metrics                                   # over HTTP
 
 Load: open loop with Poisson arrivals at `--request-rate` (`inf`: all at once), or one phase per rate
 of `--request-rates`; `--concurrency C` caps the requests in flight (closed loop with rate `inf`). A
 phase ends after `--num-requests` or at `--duration` seconds: then no more requests are sent, and those
 in flight are cancelled (the server frees their blocks) and counted as cancelled. Each phase starts
-once the server is idle, with fresh prompts (a repeat would be served from the prefix cache). For
-the same reason every run salts its requests' prefix cache (`cache_salt`) with a new random value: the
-same command run twice against one stack sends the same prompts, and the second run must not be
-served from the first run's blocks (`--cache-salt ""` lets it).
+once the server is idle (when its load is known), with fresh prompts (a repeat would be served from
+the prefix cache). For the same reason every run salts its requests' prefix cache with a new random
+value (gRPC: `cache_salt`; HTTP: the words the prompts are written in): the same command run twice
+against one stack sends the same requests, and the second run must not be served from the first
+run's blocks (`--cache-salt ""` lets it).
 
-Workloads: `random` (token-id prompts of random ids below the vocabulary size from GetModelInfo;
-lengths uniform within ±`--range-ratio` of `--input-len` / `--output-len`; EOS ignored so lengths are
-exact), `shared-prefix` (`--num-groups` long prefixes of `--prefix-len`, each request one prefix plus a
-unique suffix of about `--input-len`; the prefix-cache hit rate comes from GetLoad deltas and from the
-requests' `usage.cached_prompt_tokens` against the shared tokens after each group's first request),
+Workloads: `random` (token-id prompts of random ids below the vocabulary size, GetModelInfo's or
+`--tokenizer`'s model's; lengths uniform within ±`--range-ratio` of `--input-len` / `--output-len`;
+EOS ignored so lengths are exact), `shared-prefix` (`--num-groups` long prefixes of `--prefix-len`,
+each request one prefix plus a unique suffix of about `--input-len`; the prefix-cache hit rate comes
+from the load's deltas and from the requests' cached prompt tokens (usage) against the shared tokens
+after each group's first request),
 `long-prompt` (short random requests plus ONE `--long-prompt-len` prompt, sent once the first
 `--long-prompt-after` of them, a quarter by default, have their first token: a warm period, so that
 its prefill meets decoding streams), and `jsonl` (`--dataset`, one object a line with `prompt` text
@@ -44,11 +51,13 @@ On a 2-core CPU a step's time follows its tokens, so the budget is the latency k
 `--long-prefill-token-threshold` lets prompts that arrive behind the long one start sooner.
 
 Reported per phase: request, output-token and total-token throughput; TTFT, ITL and E2E latency (mean,
-p50, p90, p99); completed, failed (by status code) and cancelled counts; peak KV usage (GetLoad sampled
-every `--load-interval` s); prefix-cache hits, offloads and soft resets (GetLoad deltas); with
+p50, p90, p99); completed, failed (by status code) and cancelled counts; peak KV usage (the load sampled
+every `--load-interval` s); prefix-cache hits, offloads and soft resets (load deltas); with
 `--metrics-url`, the step profile (`cbserve:step_time_seconds` by phase, _sum/_count deltas of the
-gateway's Prometheus endpoint around the phase). Definitions are in `serve_report`. Exit status 1 when
-a request failed or a completed one did not get exactly its max_tokens (with EOS ignored).
+gateway's Prometheus endpoint around the phase). The load is GetLoad's over gRPC; over HTTP it is read
+from `--metrics-url` (cbserve's or vLLM's metrics), and unknown without it. Definitions are in
+`serve_report`. Exit status 1 when a request failed or a completed one did not get exactly its
+max_tokens (with EOS ignored).
 """
 
 from __future__ import annotations
@@ -64,13 +73,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from services.bench.serve_backends import (
+    DEFAULT_GRPC_TARGET,
+    Backend,
+    BackendError,
+    RequestFailed,
+    ServerInfo,
+    open_backend,
+)
+from services.bench.serve_metrics import parse_histogram, scrape
 from services.bench.serve_report import (
     LoadSample,
     PhaseData,
     RequestRecord,
     format_phase,
     format_sweep,
-    parse_histogram,
     plot_report,
     summarize_phase,
 )
@@ -103,7 +120,17 @@ def _rates(text: str) -> list[float]:
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default="127.0.0.1:50051", help="gateway host:port")
+    parser.add_argument("--backend", choices=("cbserve", "openai"), default="cbserve",
+                        help="cbserve: the gateway's gRPC API (default); openai: an OpenAI-compatible "
+                             "HTTP server's streaming /v1/completions (smg, vLLM)")  # fmt: skip
+    parser.add_argument("--target", default=None,
+                        help=f"cbserve: the gateway's host:port (default {DEFAULT_GRPC_TARGET}); "
+                             "openai: the server's URL, http://HOST:PORT")  # fmt: skip
+    parser.add_argument("--tokenizer", type=Path, default=None, metavar="MODEL_DIR",
+                        help="openai: the served model's directory, whose tokenizer writes token-id "
+                             "prompts as text of exact length (required)")  # fmt: skip
+    parser.add_argument("--served-model-name", default=None, metavar="NAME",
+                        help="openai: the model to request (default: the one /v1/models lists)")  # fmt: skip
     parser.add_argument("--workload", choices=WORKLOADS, default="random")
     parser.add_argument("--num-requests", type=int, default=64, help="requests per phase")
     load = parser.add_mutually_exclusive_group()
@@ -132,10 +159,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-salt", default=None,
                         help="prefix-cache salt of all requests (default: new each run)")  # fmt: skip
     parser.add_argument("--request-timeout", type=float, default=600.0, help="deadline of each call (s)")
-    parser.add_argument("--load-interval", type=float, default=0.5, help="seconds between GetLoad samples")
-    parser.add_argument(
-        "--metrics-url", default=None, help="gateway Prometheus endpoint, for the step profile"
-    )
+    parser.add_argument("--load-interval", type=float, default=0.5, help="seconds between load samples")
+    parser.add_argument("--metrics-url", default=None,
+                        help="the server's Prometheus endpoint: the step profile (cbserve) and, for "
+                             "openai, the load (cbserve's or vLLM's metrics)")  # fmt: skip
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                         help="one short untimed request first (default on)")  # fmt: skip
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
@@ -158,8 +185,14 @@ def plan_phases(args: argparse.Namespace) -> list[Phase]:
 
 
 def validate(args: argparse.Namespace) -> None:
-    """Refuse bad settings before connecting."""
+    """Refuse bad settings before connecting; the target defaults to the local gateway's."""
+    openai = args.backend == "openai"
+    if args.target is None and not openai:
+        args.target = DEFAULT_GRPC_TARGET
     problems = [
+        (openai and not str(args.target).startswith(("http://", "https://")),
+         f"--backend openai needs --target http://HOST:PORT, got {args.target}"),
+        (openai and args.tokenizer is None, "--backend openai needs --tokenizer MODEL_DIR"),
         (args.num_requests < 1, "--num-requests must be at least 1"),
         (args.concurrency is not None and args.concurrency < 1, "--concurrency must be at least 1"),
         (args.duration is not None and args.duration <= 0, "--duration must be positive"),
@@ -195,8 +228,11 @@ def build_requests(args: argparse.Namespace, phase: int, vocab_size: int) -> lis
     return jsonl_requests(args.dataset, n, args.output_len)
 
 
-def check_fits(requests: list[BenchRequest], max_model_len: int) -> None:
-    """Token-id prompts must fit the served model with their max_tokens (text prompts: the server says)."""
+def check_fits(requests: list[BenchRequest], max_model_len: int | None) -> None:
+    """Token-id prompts must fit the served model with their max_tokens (text prompts, or a server that
+    does not say its limit: the server checks)."""
+    if max_model_len is None:
+        return
     for r in requests:
         if r.prompt_len is not None and r.prompt_len + (r.max_tokens or 1) > max_model_len:
             raise SystemExit(
@@ -205,33 +241,14 @@ def check_fits(requests: list[BenchRequest], max_model_len: int) -> None:
             )
 
 
-def generate_request(req: BenchRequest, args: argparse.Namespace) -> Any:
-    from services.gateway.api import pb
-
-    request = pb.GenerateRequest(request_id=f"bench-{req.kind}-{req.index}")
-    if req.token_ids is not None:
-        request.token_ids.ids.extend(req.token_ids)
-    else:
-        request.text = req.text or ""
-    request.sampling.temperature = args.temperature
-    if args.temperature > 0:
-        request.sampling.seed = (args.seed * 1_000_003 + req.index) % 2**64  # reproducible outputs
-    if req.max_tokens is not None:
-        request.stopping.max_tokens = req.max_tokens
-    request.stopping.ignore_eos = args.ignore_eos
-    request.output.token_ids = True
-    request.cache_salt = args.cache_salt or ""
-    return request
-
-
 # ----------------------------------------------------------------------------------------- driver
 
 
 class PhaseRunner:
     """Sends one phase's requests on schedule and records what each stream does."""
 
-    def __init__(self, stub: Any, args: argparse.Namespace, on_done: Callable[[], None]) -> None:
-        self.stub, self.args, self.on_done = stub, args, on_done
+    def __init__(self, backend: Backend, args: argparse.Namespace, on_done: Callable[[], None]) -> None:
+        self.backend, self.args, self.on_done = backend, args, on_done
         self.t0 = time.perf_counter()  # reset when the phase starts
         self.tasks: list[asyncio.Task[None]] = []
 
@@ -285,25 +302,15 @@ class PhaseRunner:
     async def _one(self, req: BenchRequest, record: RequestRecord, slot: asyncio.Semaphore | None) -> None:
         import asyncio
 
-        import grpc
-
         record.status, record.start = "running", self.now()
-        call = self.stub.Generate(generate_request(req, self.args), timeout=self.args.request_timeout)
         try:
-            async for response in call:
-                if response.HasField("chunk"):
-                    if response.chunk.token_ids:
-                        record.chunk_times.append(self.now())
-                        record.chunk_tokens.append(len(response.chunk.token_ids))
-                else:
-                    _record_final(record, response.final)
+            await self.backend.stream(req, record, self.now)
             record.status = "ok"
         except asyncio.CancelledError:
-            call.cancel()
             record.status = "cancelled"
             raise
-        except grpc.aio.AioRpcError as exc:
-            record.status, record.error_code, record.error = "failed", exc.code().name, exc.details()
+        except RequestFailed as exc:
+            record.status, record.error_code, record.error = "failed", exc.code, exc.message
         except Exception as exc:  # a client-side failure must not end the benchmark
             record.status, record.error_code, record.error = "failed", "CLIENT_ERROR", repr(exc)
         finally:
@@ -313,69 +320,51 @@ class PhaseRunner:
             self.on_done()
 
 
-def _record_final(record: RequestRecord, final: Any) -> None:
-    from services.gateway.api import pb
-
-    record.finish_reason = pb.FinishReason.Name(final.finish_reason)
-    record.prompt_tokens = final.usage.prompt_tokens
-    record.cached_prompt_tokens = final.usage.cached_prompt_tokens
-    record.server_ttft = final.timings.time_to_first_token_seconds
-    record.server_queue = final.timings.queue_seconds
-
-
 # ------------------------------------------------------------------------------------ server state
 
 
-def load_dict(load: Any) -> dict[str, int]:
-    return {f.name: int(getattr(load, f.name)) for f in load.DESCRIPTOR.fields}
-
-
-async def get_load(stub: Any, timeout_s: float = 10.0) -> dict[str, int] | None:
-    import grpc
-
-    from services.gateway.api import pb
-
-    try:
-        return load_dict(await stub.GetLoad(pb.GetLoadRequest(), timeout=timeout_s))
-    except grpc.aio.AioRpcError:
-        return None
-
-
 async def sample_load(
-    stub: Any, samples: list[LoadSample], now: Callable[[], float], interval: float
+    backend: Backend, samples: list[LoadSample], now: Callable[[], float], interval: float
 ) -> None:
     """Runs until cancelled. A GetLoad waits for the worker's step to end, hence the generous timeout."""
     import asyncio
 
     while True:
-        load = await get_load(stub, timeout_s=max(4 * interval, 5.0))
+        load = await backend.load(timeout_s=max(4 * interval, 5.0))
         if load is not None:
             samples.append(LoadSample(now(), load["kv_blocks_used"], load["kv_blocks_total"],
                                       load["requests_running"], load["requests_waiting"]))  # fmt: skip
         await asyncio.sleep(interval)
 
 
-async def wait_idle(stub: Any, timeout_s: float = IDLE_TIMEOUT_S) -> None:
-    """Until nothing runs or waits, so a phase neither inherits nor leaves work."""
+async def wait_idle(backend: Backend, timeout_s: float = IDLE_TIMEOUT_S) -> None:
+    """Until nothing runs or waits and the figures have settled (unchanged over the backend's
+    `load_settle_s`), so that a phase neither inherits nor leaves work and its counter deltas are its
+    own. At once when the server's load is unknown."""
     import asyncio
 
+    if backend.load_source is None:
+        return
     deadline = time.monotonic() + timeout_s
+    idle: dict[str, int] | None = None
     while time.monotonic() < deadline:
-        load = await get_load(stub)
-        if load is not None and not (load["requests_running"] or load["requests_waiting"]):
+        load = await backend.load(timeout_s=10.0)
+        if load is None or load["requests_running"] or load["requests_waiting"]:
+            idle = None
+            await asyncio.sleep(0.1)
+        elif load == idle or not backend.load_settle_s:
             return
-        await asyncio.sleep(0.1)
+        else:
+            idle = load
+            await asyncio.sleep(backend.load_settle_s)
     print(f"warning: the server is still busy after {timeout_s:.0f} s; starting anyway", file=sys.stderr)
 
 
 def scrape_steps(url: str | None) -> dict[str, tuple[float, float]] | None:
-    import urllib.request
-
     if url is None:
         return None
     try:
-        with urllib.request.urlopen(url, timeout=10) as reply:
-            return parse_histogram(reply.read().decode())
+        return parse_histogram(scrape(url))
     except OSError as exc:
         print(f"warning: could not scrape {url}: {exc}", file=sys.stderr)
         return None
@@ -385,7 +374,7 @@ def scrape_steps(url: str | None) -> dict[str, tuple[float, float]] | None:
 
 
 async def run_phase(
-    stub: Any, args: argparse.Namespace, phase: Phase, requests: list[BenchRequest]
+    backend: Backend, args: argparse.Namespace, phase: Phase, requests: list[BenchRequest]
 ) -> PhaseData:
     import asyncio
 
@@ -395,48 +384,48 @@ async def run_phase(
     records = [
         RequestRecord(r.index, r.kind, r.max_tokens, r.prompt_len, r.group, r.shared_len) for r in requests
     ]
-    await wait_idle(stub)
+    await wait_idle(backend)
     steps_before = await asyncio.to_thread(scrape_steps, args.metrics_url)
-    load_before = await get_load(stub)
+    load_before = await backend.load(timeout_s=10.0)
     bar = tqdm(total=len(requests), desc=phase.name, unit="req", file=sys.stderr, disable=not args.progress)
-    runner = PhaseRunner(stub, args, lambda: bar.update(1))
+    runner = PhaseRunner(backend, args, lambda: bar.update(1))
     samples: list[LoadSample] = []
-    sampler = asyncio.create_task(sample_load(stub, samples, runner.now, args.load_interval))
+    sampler = asyncio.create_task(sample_load(backend, samples, runner.now, args.load_interval))
     try:
         wall = await runner.drive(requests, arrivals, records)
     finally:
         sampler.cancel()
         await asyncio.gather(sampler, return_exceptions=True)
         bar.close()
-    await wait_idle(stub)  # cancelled requests release their blocks; counters settle
-    load_after = await get_load(stub)
+    await wait_idle(backend)  # cancelled requests release their blocks; counters settle
+    load_after = await backend.load(timeout_s=10.0)
     steps_after = await asyncio.to_thread(scrape_steps, args.metrics_url)
     return PhaseData(
         phase.name, args.workload, phase.rate, args.concurrency, wall, records, load_before, load_after,
-        samples, steps_before, steps_after, check_lengths=args.ignore_eos,
+        samples, steps_before, steps_after, check_lengths=args.ignore_eos, backend=backend.description,
+        load_source=backend.load_source,
     )  # fmt: skip
 
 
-async def warmup(stub: Any, args: argparse.Namespace, vocab_size: int) -> None:
+async def warmup(backend: Backend, args: argparse.Namespace, info: ServerInfo) -> None:
+    """One untimed request; its prompt count also tells whether the server reads prompts as written."""
     rng = phase_rng(args.seed, -1, "warmup")
-    req = BenchRequest(
-        -1, _WARMUP_TOKENS, token_ids=[rng.randrange(vocab_size) for _ in range(_WARMUP_PROMPT_LEN)]
-    )
-    async for _ in stub.Generate(generate_request(req, args), timeout=args.request_timeout):
-        pass
+    prompt = [rng.randrange(info.vocab_size) for _ in range(_WARMUP_PROMPT_LEN)]
+    record = RequestRecord(-1, "warmup", _WARMUP_TOKENS, len(prompt))
+    try:
+        await backend.stream(BenchRequest(-1, _WARMUP_TOKENS, token_ids=prompt), record, time.perf_counter)
+    except RequestFailed as exc:
+        raise BackendError(f"{backend.description}: the warm-up request failed: {exc}") from exc
+    if record.prompt_tokens != len(prompt):
+        print(f"warning: the server counted {record.prompt_tokens} prompt tokens for a prompt of "
+              f"{len(prompt)}; over HTTP, is --tokenizer the served model's?", file=sys.stderr)  # fmt: skip
 
 
 async def run_all(args: argparse.Namespace) -> tuple[dict[str, Any], list[PhaseData]]:
-    import grpc
-
-    from services.gateway.api import pb, pb_grpc
-
-    options = [("grpc.max_receive_message_length", 16 << 20)]
-    async with grpc.aio.insecure_channel(args.target, options=options) as channel:
-        stub = pb_grpc.TextGenerationStub(channel)
-        info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+    async with open_backend(args) as backend:
+        info = await backend.info()
         if args.warmup:
-            await warmup(stub, args, info.vocab_size)
+            await warmup(backend, args, info)
         phases = []
         for phase in plan_phases(args):
             try:
@@ -444,25 +433,21 @@ async def run_all(args: argparse.Namespace) -> tuple[dict[str, Any], list[PhaseD
             except (OSError, ValueError) as exc:  # a bad --dataset file
                 raise SystemExit(f"cbserve bench serve: {exc}") from exc
             check_fits(requests, info.max_model_len)
-            phases.append(await run_phase(stub, args, phase, requests))
+            phases.append(await run_phase(backend, args, phase, requests))
             print(format_phase(summarize_phase(phases[-1])), flush=True)
-    model = {f.name: getattr(info, f.name) for f in info.DESCRIPTOR.fields}
-    model["eos_token_ids"] = list(info.eos_token_ids)
-    return model, phases
+    return info.facts, phases
 
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
-
-    import grpc
 
     validate(args)
     if args.cache_salt is None:
         args.cache_salt = secrets.token_hex(8)
     try:
         model, phases = asyncio.run(run_all(args))
-    except grpc.aio.AioRpcError as exc:
-        print(f"error: {args.target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+    except BackendError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 1
     summaries = [summarize_phase(p) for p in phases]
     if len(summaries) > 1:

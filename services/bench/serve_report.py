@@ -1,6 +1,6 @@
 """Measurements of `cbserve bench serve` and what is computed from them: per-request records, latency
-statistics, the phase summary (a JSON-able dict), the printed tables, the step profile parsed from the
-gateway's Prometheus text, and the plot. Nothing here talks to a server.
+statistics, the phase summary (a JSON-able dict), the printed tables, the step profile (from two
+scrapes of the gateway's step histogram, serve_metrics) and the plot. Nothing here talks to a server.
 
 Conventions:
 - Times are seconds from the phase start, taken on the client (`time.perf_counter`).
@@ -9,18 +9,20 @@ Conventions:
   chunk (the gateway's own histogram does the same). Tokens of the first chunk have no gap.
 - Throughput counts every token received in the phase (also of cancelled or failed streams: the server
   computed them) over the phase's wall time; prompt tokens count once the request got its first token.
+- A request's tokens are its chunks' (gRPC chunks carry token ids), or the server's usage count where
+  one chunk is not one token (HTTP streams send no chunk for a token without text).
 """
 
 from __future__ import annotations
 
 import math
-import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-STEP_METRIC = "cbserve:step_time_seconds"
+from services.bench.serve_metrics import STEP_METRIC
+
 STEP_PHASE_ORDER = ("schedule", "cache", "build", "forward", "sample", "emit", "total")
 
 
@@ -45,13 +47,14 @@ class RequestRecord:
     chunk_times: list[float] = field(default_factory=list)
     chunk_tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    completion_tokens: int | None = None  # the server's count (HTTP usage), when chunks are not tokens
     cached_prompt_tokens: int | None = None
     server_ttft: float | None = None
     server_queue: float | None = None
 
     @property
     def output_tokens(self) -> int:
-        return sum(self.chunk_tokens)
+        return sum(self.chunk_tokens) if self.completion_tokens is None else self.completion_tokens
 
     @property
     def ttft(self) -> float | None:
@@ -108,6 +111,8 @@ class PhaseData:
     steps_before: dict[str, tuple[float, float]] | None = None
     steps_after: dict[str, tuple[float, float]] | None = None
     check_lengths: bool = True
+    backend: str = ""  # which server, how reached
+    load_source: str | None = "GetLoad"  # None: the server's load is unknown (HTTP, no --metrics-url)
 
 
 # --------------------------------------------------------------------------------------- statistics
@@ -134,25 +139,6 @@ def summarize(values: list[float]) -> dict[str, float] | None:
 
 
 # ----------------------------------------------------------------------------------- step profile
-
-
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
-def parse_histogram(
-    text: str, name: str = STEP_METRIC, label: str = "phase"
-) -> dict[str, tuple[float, float]]:
-    """{label value: (sum, count)} of a Prometheus histogram in the text exposition format."""
-    totals: dict[str, list[float]] = {}
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match is None or match.group(1) not in (f"{name}_sum", f"{name}_count"):
-            continue
-        labels = dict(_LABEL.findall(match.group(2) or ""))
-        slot = 0 if match.group(1).endswith("_sum") else 1
-        totals.setdefault(labels.get(label, ""), [0.0, 0.0])[slot] = float(match.group(3))
-    return {k: (v[0], v[1]) for k, v in totals.items()}
 
 
 def step_profile(
@@ -188,6 +174,7 @@ def summarize_phase(data: PhaseData) -> dict[str, Any]:
     wall = max(data.duration_s, 1e-9)
     return {
         "name": data.name,
+        "backend": data.backend,
         "workload": data.workload,
         "request_rate": data.request_rate,
         "concurrency": data.concurrency,
@@ -204,6 +191,7 @@ def summarize_phase(data: PhaseData) -> dict[str, Any]:
             "itl": summarize([g for r in timed for g in r.itls()]),
             "e2e": summarize([t for r in timed if (t := r.e2e) is not None]),
         },
+        "load_source": data.load_source,
         "kv": _kv(data.load_samples),
         "load_deltas": _load_deltas(data.load_before, data.load_after),
         "prefix_cache": _prefix_usage(records) if data.workload == "shared-prefix" else None,
@@ -273,12 +261,14 @@ def _prefix_usage(records: list[RequestRecord]) -> dict[str, Any]:
             if r.group not in firsts or r.start < (firsts[r.group].start or 0.0):
                 firsts[r.group] = r
     later = [r for r in records if r.status == "ok" and r.group is not None and firsts.get(r.group) is not r]
-    shared = sum(r.shared_len for r in later)
-    cached = sum(r.cached_prompt_tokens or 0 for r in later)
+    # A server that does not say (vLLM without --enable-prompt-tokens-details): unknown, not 0.
+    told = [r for r in later if r.cached_prompt_tokens is not None]
+    shared = sum(r.shared_len for r in told)
+    cached = sum(r.cached_prompt_tokens or 0 for r in told)
     return {
         "requests_after_first": len(later),
         "shared_tokens": shared,
-        "cached_tokens": cached,
+        "cached_tokens": cached if told else None,
         "hit_rate": cached / shared if shared else None,
     }
 
@@ -334,6 +324,7 @@ def format_phase(s: dict[str, Any]) -> str:
     failed = ", ".join(f"{k} {v}" for k, v in sorted(n["failed"].items())) or "0"
     lines = [
         f" Serving benchmark: {s['name']} ".center(_RULE, "="),
+        _line("Server", s["backend"]),
         _line("Workload", f"{s['workload']}, {n['total']} requests"),
         _line("Completed requests", str(n["completed"])),
         _line("Failed requests", failed),
@@ -372,6 +363,8 @@ def _latency_lines(latency: dict[str, Any], short_only: bool) -> list[str]:
 def _load_lines(s: dict[str, Any]) -> list[str]:
     lines = ["-" * _RULE]
     kv, deltas, prefix = s["kv"], s["load_deltas"], s["prefix_cache"]
+    if s["load_source"] is None:
+        lines.append(_line("KV usage, prefix cache, preemptions", "unknown (needs --metrics-url)"))
     if kv is not None:
         used = f"{kv['peak_blocks_used']} / {kv['blocks_total']} ({kv['peak_usage']:.1%})"
         lines += [
@@ -383,7 +376,7 @@ def _load_lines(s: dict[str, Any]) -> list[str]:
         rate = deltas["prefix_hit_rate"]
         hits = f"{deltas['prefix_cache_hits']} / {deltas['prefix_cache_queries']} tokens"
         lines += [
-            _line("Prefix cache hits (GetLoad)", hits + ("" if rate is None else f" ({rate:.1%})")),
+            _line("Prefix cache hits (server counters)", hits + ("" if rate is None else f" ({rate:.1%})")),
             _line("Preemptions (offloads + soft resets)",
                   f"{deltas['preemptions']} ({deltas['offloads']} + {deltas['soft_resets']})"),
         ]  # fmt: skip
