@@ -121,7 +121,7 @@ def _rates(text: str) -> list[float]:
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=("cbserve", "openai"), default="cbserve",
-                        help="cbserve: the gateway's gRPC API (default); openai: an OpenAI-compatible "
+                        help="cbserve: the gateway's gRPC API; openai: an OpenAI-compatible "
                              "HTTP server's streaming /v1/completions (smg, vLLM)")  # fmt: skip
     parser.add_argument("--target", default=None,
                         help=f"cbserve: the gateway's host:port (default {DEFAULT_GRPC_TARGET}); "
