@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -275,14 +276,20 @@ def test_a_known_stream_is_timed_as_sent(
     [phase] = report["phases"]
     assert phase["backend"] == f"openai {fake.url}/v1/completions" and phase["load_source"] is None
     assert phase["requests"]["completed"] == 3 and phase["kv"] is None and phase["load_deltas"] is None
+    gaps = []
     for record in phase["records"]:
         times = record["chunk_times"]
         assert record["chunk_tokens"] == [1] * 5 and record["output_tokens"] == 6  # usage counts the sixth
         assert record["prompt_tokens"] == 2 and record["finish_reason"] == "length"
+        # No chunk can be seen before the server sent it: the first after its delay, the last after
+        # five gaps more (the token without text among them).
         assert FIRST_DELAY_S <= record["ttft"] < FIRST_DELAY_S + 1.0
-        gaps = [b - a for a, b in itertools.pairwise(times)]
-        assert all(g >= GAP_S * 0.9 for g in gaps), gaps  # the empty token's gap falls in the next one's
-        assert gaps[1] >= 2 * GAP_S * 0.9
+        assert times[-1] - record["start"] >= FIRST_DELAY_S + 5 * GAP_S
+        gaps.append([b - a for a, b in itertools.pairwise(times)])
+    # A gap seen late shortens the next one, so only what most gaps say is checked: one GAP_S each,
+    # and two for the one spanning the token without text.
+    assert statistics.median(g for four in gaps for g in (four[0], *four[2:])) >= GAP_S * 0.9, gaps
+    assert statistics.median(four[1] for four in gaps) >= 2 * GAP_S * 0.9, gaps
     assert phase["latency_s"]["itl"]["count"] == 3 * 4
     # The warm-up, then the three in the order sent (one at a time): what each body asked for.
     warm, *sent = fake.bodies
