@@ -386,22 +386,46 @@ def _add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     access = parser.add_argument_group("the public port's security (README: Security)")
     add_env_argument(access, "--tls-cert", help="PEM certificate (chain): the gRPC port speaks TLS")
     add_env_argument(access, "--tls-key", help="PEM private key of --tls-cert")
-    add_env_argument(access, "--tls-client-ca",
-                     help="PEM CA certificates: clients must present a certificate they issued (mutual TLS)")
-    access.add_argument("--api-key", dest="api_keys", action="append", metavar="KEY",
-                        help="an API key callers present as `authorization: Bearer KEY` (repeatable; "
-                             "a command line shows in `ps`: prefer the variable or the file) "
-                             "[CBSERVE_API_KEYS, comma-separated]")
+    add_env_argument(
+        access,
+        "--tls-client-ca",
+        help="PEM CA certificates: clients must present a certificate they issued (mutual TLS)",
+    )
+    access.add_argument(
+        "--api-key",
+        dest="api_keys",
+        action="append",
+        metavar="KEY",
+        help="an API key callers present as `authorization: Bearer KEY` (repeatable; "
+        "a command line shows in `ps`: prefer the variable or the file) "
+        "[CBSERVE_API_KEYS, comma-separated]",
+    )
     add_env_argument(access, "--api-key-file", help="a file of API keys, one a line (# starts a comment)")
-    add_env_argument(access, "--open-health", type=bool, default=True,
-                     help="grpc.health.v1 answers callers without a key")
-    add_env_argument(access, "--open-reflection", type=bool, default=True,
-                     help="server reflection answers callers without a key")
-    add_env_argument(access, "--max-streams-per-key", type=bounded(int, 0), default=0,
-                     help="Generate streams one API key may hold open, beyond which it gets "
-                          "RESOURCE_EXHAUSTED (0: no limit)")
-    add_env_argument(access, "--health-port", type=PORT, default=0,
-                     help="a plaintext port serving grpc.health.v1 alone, for probes that do no TLS (0: off)")
+    add_env_argument(
+        access, "--open-health", type=bool, default=True, help="grpc.health.v1 answers callers without a key"
+    )
+    add_env_argument(
+        access,
+        "--open-reflection",
+        type=bool,
+        default=True,
+        help="server reflection answers callers without a key",
+    )
+    add_env_argument(
+        access,
+        "--max-streams-per-key",
+        type=bounded(int, 0),
+        default=0,
+        help="Generate streams one API key may hold open, beyond which it gets "
+        "RESOURCE_EXHAUSTED (0: no limit)",
+    )
+    add_env_argument(
+        access,
+        "--health-port",
+        type=PORT,
+        default=0,
+        help="a plaintext port serving grpc.health.v1 alone, for probes that do no TLS (0: off)",
+    )
 
 
 def _add_router_arguments(parser: argparse.ArgumentParser) -> None:
@@ -421,13 +445,21 @@ def _add_client_arguments(parser: argparse.ArgumentParser) -> None:
 
     group = parser.add_argument_group("connecting to a gateway with TLS or API keys")
     add_env_argument(group, "--api-key", help="API key, sent as `authorization: Bearer KEY`")
-    add_env_argument(group, "--tls", type=bool, default=False,
-                     help="connect with TLS, trusting the system's CAs unless --tls-ca is given")
+    add_env_argument(
+        group,
+        "--tls",
+        type=bool,
+        default=False,
+        help="connect with TLS, trusting the system's CAs unless --tls-ca is given",
+    )
     add_env_argument(group, "--tls-ca", help="PEM CA certificates that issued the gateway's (implies --tls)")
     add_env_argument(group, "--tls-client-cert", help="PEM certificate to show (mutual TLS; implies --tls)")
     add_env_argument(group, "--tls-client-key", help="PEM private key of --tls-client-cert")
-    add_env_argument(group, "--tls-server-name",
-                     help="the name the gateway's certificate must carry, when not the target's host")
+    add_env_argument(
+        group,
+        "--tls-server-name",
+        help="the name the gateway's certificate must carry, when not the target's host",
+    )
 
 
 def _add_max_tokens(parser: argparse.ArgumentParser, default: int | None, help: str) -> None:
@@ -505,16 +537,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_max_tokens(generate, None, "most tokens to generate (default: the server's --default-max-tokens)")
     # Greedy unless asked: a command line is for trying things out, and the same prompt should give
     # the same answer. The API's own default is 1 (proto: SamplingParams.temperature).
-    generate.add_argument("--temperature", type=float, default=0.0,
-                          help="0 is greedy; the API's default, for clients that leave it unset, is 1")
+    generate.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 is greedy; the API's default, for clients that leave it unset, is 1",
+    )
     generate.add_argument("--top-p", type=float, help="nucleus sampling, in (0, 1] (default: 1, off)")
     generate.add_argument("--top-k", type=int, help="keep the k most likely tokens (default: 0, off)")
     generate.add_argument("--min-p", type=float, help="drop tokens below min_p x the top one's (default: 0)")
     generate.add_argument("--seed", type=int, help="seed of this request's sampling (default: random)")
     generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     generate.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
-    generate.add_argument("--logprobs", type=int, metavar="N",
-                          help="print each token's logprob and its N most likely alternatives (stderr)")
+    generate.add_argument(
+        "--logprobs",
+        type=int,
+        metavar="N",
+        help="print each token's logprob and its N most likely alternatives (stderr)",
+    )
     generate.add_argument(
         "--prompt-logprobs",
         type=int,
@@ -555,7 +595,9 @@ def build_parser() -> argparse.ArgumentParser:
     from services.bench.serve import add_serve_arguments  # light: grpc is imported when it runs
     from services.bench.serve import run as run_serve
 
-    serve = benchmarks.add_parser("serve", help="serving load generator against a running gateway (gRPC)")
+    serve = benchmarks.add_parser(
+        "serve", help="serving load generator: a cbserve gateway (gRPC) or an OpenAI server"
+    )
     add_serve_arguments(serve)
     serve.set_defaults(handler=run_serve)
     return parser
