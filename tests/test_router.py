@@ -24,9 +24,11 @@ import openai
 import pytest
 
 from services.gateway.api import pb
+from services.gateway.vllm_engine import FINISH_REASONS
 from services.router import gateway_url, smg_command
 from services.supervisor import die_with_parent, stop_process
 from tests.conftest import TINY_STACK_SETTINGS
+from tests.interop.node_runner import needs_node, node_openai_stream
 from tests.stack import Stack, free_port
 from tests.test_cli import run_main
 from tests.test_stack_requests import CHAT, chat_request
@@ -135,6 +137,25 @@ def test_models_lists_the_served_model(routed: tuple[Stack, int]) -> None:
 def test_greedy_answer_equals_the_cbserve_api(routed: tuple[Stack, int], kind: str, stream: bool) -> None:
     stack, http = routed
     assert_same_answer(stack, http, kind, stream)
+    stack.assert_idle()
+
+
+@needs_node
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_a_node_fetch_client_streams_the_cbserve_answer(routed: tuple[Stack, int], kind: str) -> None:
+    """A Node.js application's own OpenAI client, `fetch` and an SSE reader without the SDK."""
+    stack, http = routed
+    max_tokens = 12
+    text, final = cbserve_answer(stack, kind, max_tokens)
+    body: dict[str, Any] = {"model": stack.info.model_id, "max_tokens": max_tokens, "temperature": 0.0}
+    body |= {"messages": CHAT} if kind == "chat" else {"prompt": PROMPT}
+    out = node_openai_stream(f"http://127.0.0.1:{http}/v1", kind, body)
+    assert "error" not in out, out
+    assert text and out["text"] == text
+    assert out["finish_reason"] == FINISH_REASONS[final.finish_reason]
+    assert (out["usage"]["prompt_tokens"], out["usage"]["completion_tokens"]) == (
+        final.usage.prompt_tokens, final.usage.completion_tokens,
+    )  # fmt: skip
     stack.assert_idle()
 
 

@@ -1,7 +1,10 @@
-"""Runs the Node.js interop client (tests/interop/node/client.mjs, @grpc/grpc-js with the .proto
-loaded at run time, no generated code) for tests in any module: `node_client(target, ...)` returns
-the one JSON line the client prints. Its npm dependencies are installed once (npm ci, from
-package-lock.json) when node_modules lacks them."""
+"""Runs the Node.js interop clients for tests in any module, each returning the one JSON line the
+client prints:
+- `node_client(target, ...)`: tests/interop/node/client.mjs, @grpc/grpc-js with the .proto loaded at
+  run time, no generated code. Its npm dependencies are installed once (npm ci, from
+  package-lock.json) when node_modules lacks them.
+- `node_openai_stream(base_url, endpoint, body)`: tests/interop/node/openai_stream.mjs, an OpenAI-style
+  HTTP client with plain `fetch` and its own SSE reader; it needs nothing from npm."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import pytest
 
 NODE_DIR = Path(__file__).parent / "node"
 CLIENT = NODE_DIR / "client.mjs"
+OPENAI_STREAM = NODE_DIR / "openai_stream.mjs"
 NPM_TIMEOUT_S = 300
 CALL_TIMEOUT_S = 120  # generous: the first call may wait for the stack's warm-up
 DEADLINE_MS = "60000"
@@ -57,16 +61,26 @@ def node_client() -> Callable[..., dict[str, Any]]:
         args = ["--target", target, "--deadline-ms", DEADLINE_MS, *(f"--{flag}" for flag in flags)]
         for name, value in options.items():
             args += [f"--{name.replace('_', '-')}", value]
-        proc = subprocess.run(
-            ["node", str(CLIENT), *args], capture_output=True, text=True, timeout=CALL_TIMEOUT_S, check=False
-        )
-        # A non-zero exit is a usage error or a protocol violation the client detected;
-        # gRPC errors come back as {"error": ...} with exit 0.
-        if proc.returncode != 0:
-            pytest.fail(f"node client exited {proc.returncode}: {proc.stderr.strip()}")
-        return json.loads(proc.stdout.strip().splitlines()[-1])
+        return _run_node(CLIENT, args)
 
     return run
+
+
+def node_openai_stream(base_url: str, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
+    """One streamed completion through openai_stream.mjs: `endpoint` is chat or completion."""
+    request = ["--endpoint", endpoint, "--body", json.dumps(body)]
+    return _run_node(OPENAI_STREAM, ["--base-url", base_url, *request, "--timeout-ms", DEADLINE_MS])
+
+
+def _run_node(script: Path, args: list[str]) -> dict[str, Any]:
+    proc = subprocess.run(
+        ["node", str(script), *args], capture_output=True, text=True, timeout=CALL_TIMEOUT_S, check=False
+    )
+    # A non-zero exit is a usage error or a protocol violation the client detected; errors of the
+    # call itself (a gRPC status, an HTTP status) come back as {"error": ...} with exit 0.
+    if proc.returncode != 0:
+        pytest.fail(f"{script.name} exited {proc.returncode}: {proc.stderr.strip()}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def greedy_request(prompt_ids: list[int], max_tokens: int) -> str:

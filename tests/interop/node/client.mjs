@@ -28,6 +28,8 @@ import { parseArgs } from 'node:util';
 import grpc from '@grpc/grpc-js';
 import protoLoader from '@grpc/proto-loader';
 
+import { ProtocolError, UsageError, printResult } from './cli_result.mjs';
+
 const HERE = path.dirname(fileURLToPath(import.meta.url));
 const API_PROTO = path.resolve(HERE, '../../../proto/cbserve/v1/text_generation.proto');
 const HEALTH_PROTO = path.resolve(HERE, 'health.proto');
@@ -36,9 +38,6 @@ const SERVICE = 'cbserve.v1.TextGeneration';
 // longs as strings keep uint64 exact; enums as their names; defaults fill unset scalars so a
 // missing field reads as its proto3 default; oneofs adds the name of the set member (e.g. `kind`).
 const LOADER_OPTIONS = { keepCase: false, longs: String, enums: String, defaults: true, oneofs: true };
-
-class UsageError extends Error {}
-class ProtocolError extends Error {}
 
 function parseCli(argv) {
   const { values } = parseArgs({
@@ -262,22 +261,7 @@ function command(args) {
   return generate;
 }
 
-async function main() {
-  try {
-    const args = parseCli(process.argv.slice(2));
-    const run = command(args);
-    process.stdout.write(`${JSON.stringify(await run(args))}\n`);
-  } catch (err) {
-    if (err instanceof UsageError || String(err?.code).startsWith('ERR_PARSE_ARGS_')) {
-      process.stderr.write(`client.mjs: ${err.message}\n`);
-      process.exitCode = 64;
-    } else if (err instanceof ProtocolError) {
-      process.stderr.write(`client.mjs: protocol violation: ${err.message}\n`);
-      process.exitCode = 3;
-    } else {
-      throw err;
-    }
-  }
-}
-
-await main();
+await printResult('client.mjs', () => {
+  const args = parseCli(process.argv.slice(2));
+  return command(args)(args);
+});
