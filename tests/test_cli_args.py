@@ -25,7 +25,8 @@ def usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     [
         (["up", "--page-size", "0"], "page_size must be a positive int, got 0"),
         (["up", "--safety-margin", "1.5"], "safety_margin must be in [0, 1), got 1.5"),
-        (["worker", "--use-cuda-graph"], "use_cuda_graph is not implemented yet"),
+        (["worker", "--use-cuda-graph"], "use_cuda_graph needs a CUDA device, this one is 'cpu'"),
+        (["up", "--device", "cpu", "--use-cuda-graph"], "use_cuda_graph needs a CUDA device"),
         (["bench", "offline", "--use-async-batching"], "use_async_batching is not implemented yet"),
     ],
 )
@@ -90,6 +91,18 @@ def test_the_unbuilt_switches_may_be_named_off() -> None:
     assert config.use_cuda_graph is False and config.use_async_batching is False
     with pytest.raises(ValueError, match="use_async_batching is not implemented yet"):
         CBConfig(use_async_batching=True)
+
+
+def test_cuda_graphs_follow_the_device() -> None:
+    # Unset: on where graphs can run, off elsewhere; asked for on a CPU: refused, never ignored.
+    assert CBConfig().cuda_graph_enabled("cuda") and not CBConfig().cuda_graph_enabled("cpu")
+    assert not CBConfig(use_cuda_graph=False).cuda_graph_enabled("cuda")
+    assert CBConfig(use_cuda_graph=True).cuda_graph_enabled("cuda")
+    with pytest.raises(ValueError, match="use_cuda_graph needs a CUDA device, this one is 'cpu'"):
+        CBConfig(use_cuda_graph=True).cuda_graph_enabled("cpu")
+    # Checked against the command's device without touching one: a CPU host may configure a GPU stack.
+    config = cb_config(build_parser().parse_args(["worker", "--device", "cuda:1", "--use-cuda-graph"]))
+    assert config.use_cuda_graph is True
 
 
 @pytest.mark.parametrize(

@@ -31,7 +31,7 @@ CB_SETTINGS: tuple[tuple[str, Any, str], ...] = (
     ("cpu_offload_space", float, "GiB of CPU swap pool (0: offloading falls back to soft reset)"),
     ("q_padding_interval_size", int, "query length padding (CUDA graphs)"),
     ("kv_padding_interval_size", int, "KV length padding (CUDA graphs)"),
-    ("use_cuda_graph", bool, "CUDA graph capture: not implemented yet, --use-cuda-graph is refused"),
+    ("use_cuda_graph", bool, "replay CUDA graphs for decode steps (CUDA devices only)"),
     ("use_async_batching", bool, "async batching: not implemented yet, --use-async-batching is refused"),
 )
 CB_SETTING_NAMES = tuple(name for name, _, _ in CB_SETTINGS)
@@ -106,7 +106,7 @@ _UNSET_MEANS = {
     "kv_cache_space": "4 GiB on a CPU, at most a quarter of RAM",
     "max_memory_percent": "0.9 on a GPU",
     "safety_margin": ", ".join(f"{k} {v}" for k, v in DEFAULT_SAFETY_MARGIN.items()),
-    "use_cuda_graph": "off",
+    "use_cuda_graph": "on for a CUDA device, off elsewhere",
 }
 
 
@@ -156,7 +156,12 @@ def model_dir(model: str | None) -> str:
 
 
 def cb_config(args: argparse.Namespace) -> CBConfig:
+    """The settings given, checked; against the command's `--device` too, where it has one."""
     try:
-        return CBConfig.from_kwargs(**cb_settings(args))
+        config = CBConfig.from_kwargs(**cb_settings(args))
+        device = getattr(args, "device", None)
+        if device is not None:
+            config.cuda_graph_enabled(device.split(":")[0])
+        return config
     except (TypeError, ValueError) as exc:
         raise usage_error(str(exc)) from None

@@ -43,10 +43,10 @@ class CBConfig:
     cpu_offload_space: float = 0.0  # GiB of swap pool; 0 means offloading falls back to soft reset
     q_padding_interval_size: int = 0  # 0: no padding of the packed query length
     kv_padding_interval_size: int = 0  # 0: no padding of per-request KV lengths
-    # DESIGN.md's CUDA graph replay and async batching are not built yet: the forward runs eagerly.
-    # The settings exist so that configurations naming them stay valid; asking for either is refused
-    # rather than silently ignored.
-    use_cuda_graph: bool | None = None  # None: automatic, i.e. off until graph capture exists
+    # Decode steps replay CUDA graphs (worker/cuda_graphs.py). None: on for a CUDA device, off
+    # elsewhere; True on another device is refused where the device is known (`cuda_graph_enabled`).
+    use_cuda_graph: bool | None = None
+    # DESIGN.md's async batching is not built yet: asking for it is refused rather than ignored.
     use_async_batching: bool = False
 
     def __post_init__(self) -> None:
@@ -72,9 +72,19 @@ class CBConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        for name in ("use_cuda_graph", "use_async_batching"):
-            if getattr(self, name):
-                raise ValueError(f"{name} is not implemented yet (the forward runs eagerly), got True")
+        if self.use_async_batching:
+            raise ValueError("use_async_batching is not implemented yet (the forward runs eagerly), got True")
+
+    def cuda_graph_enabled(self, device_type: str) -> bool:
+        """Whether the forward replays CUDA graphs on a device of this type ("cuda", "cpu", ...)."""
+        if self.use_cuda_graph is None:
+            return device_type == "cuda"
+        if self.use_cuda_graph and device_type != "cuda":
+            raise ValueError(
+                f"use_cuda_graph needs a CUDA device, this one is {device_type!r} "
+                "(leave the setting unset, or turn it off)"
+            )
+        return self.use_cuda_graph
 
     @property
     def effective_safety_margin(self) -> float:
