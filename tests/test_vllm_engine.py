@@ -71,6 +71,12 @@ def streamed_ids(chunks: list[Any]) -> list[int]:
     return [t for chunk in chunks for t in chunk.token_ids]
 
 
+def cbserve_entries(stack: Stack, request: Any, field: str) -> list[Any]:
+    """What cbserve's own API streams for `request` in the chunks' `field`, joined."""
+    responses = stack.stub.Generate(request, timeout=CALL_TIMEOUT_S)
+    return [entry for r in responses if r.HasField("chunk") for entry in getattr(r.chunk, field)]
+
+
 # ------------------------------------------------------------------------------------- Generate
 
 
@@ -108,10 +114,7 @@ def test_logprobs_equal_the_cbserve_api(tiny_stack: Stack, stream: bool) -> None
     prompt = tiny_prompt(63)
     request = greedy_request(prompt, 5)
     request.output.logprobs = 2
-    expected = [
-        lp for r in tiny_stack.stub.Generate(request, timeout=CALL_TIMEOUT_S) if r.HasField("chunk")
-        for lp in r.chunk.logprobs
-    ]  # fmt: skip
+    expected = cbserve_entries(tiny_stack, request, "logprobs")
     chunks, complete = run(tiny_stack, vllm_request(prompt, 5, stream=stream, logprobs=2))
     got = [c.output_logprobs for c in chunks] if stream else [complete.output_logprobs]
     ids = [t for lp in got for t in lp.token_ids]
@@ -123,6 +126,31 @@ def test_logprobs_equal_the_cbserve_api(tiny_stack: Stack, stream: bool) -> None
     # logprobs 0: the sampled token's alone, with no alternatives (as vLLM).
     _, complete = run(tiny_stack, vllm_request(prompt, 5, stream=False, logprobs=0))
     assert len(complete.output_logprobs.token_ids) == 5 and not complete.output_logprobs.top_logprobs
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
+def test_prompt_logprobs_equal_the_cbserve_api(tiny_stack: Stack, stream: bool) -> None:
+    # Longer than the gateway's prompt-logprob chunks (512): cbserve splits them, vLLM's come whole.
+    prompt = tiny_prompt(71, 600)
+    request = greedy_request(prompt, 3)
+    request.output.prompt_logprobs = 2
+    expected = cbserve_entries(tiny_stack, request, "prompt_logprobs")
+    chunks, complete = run(tiny_stack, vllm_request(prompt, 3, stream=stream, prompt_logprobs=2))
+    sent = [c for c in chunks if c.HasField("input_logprobs")] + (
+        [complete] if complete.HasField("input_logprobs") else []
+    )
+    assert sent == ([chunks[0]] if stream else [complete]), "once: the first chunk, or the complete"
+    got = sent[0].input_logprobs
+    # Every prompt token, the first with no logprob and no alternatives (nothing precedes it).
+    assert list(got.token_ids) == prompt == [prompt[0]] + [lp.token_id for lp in expected]
+    assert not got.token_logprobs[0].HasField("value") and not got.top_logprobs[0].token_ids
+    assert [v.value for v in got.token_logprobs[1:]] == pytest.approx([lp.logprob for lp in expected])
+    tops = [[a.token_id for a in lp.top] for lp in expected]
+    assert [list(t.token_ids) for t in got.top_logprobs[1:]] == tops
+    # prompt_logprobs 0: each prompt token's own logprob, with no alternatives (as vLLM).
+    _, complete = run(tiny_stack, vllm_request(prompt[:20], 3, stream=False, prompt_logprobs=0))
+    assert len(complete.input_logprobs.token_ids) == 20 and not complete.input_logprobs.top_logprobs
+    tiny_stack.assert_idle()
 
 
 def test_text_input_equals_the_cbserve_api(smol_stack: Stack) -> None:
@@ -225,6 +253,11 @@ def _text(request: Any) -> None:
     request.text = "no tokenizer here"
 
 
+def _prompt_logprobs_of_text(request: Any) -> None:
+    _text(request)
+    request.sampling_params.prompt_logprobs = 1
+
+
 def _too_long(request: Any) -> None:
     request.sampling_params.max_tokens = 1024
 
@@ -244,7 +277,9 @@ BAD_REQUESTS: dict[str, tuple[Callable[[Any], None], str]] = {
     "seed_negative": (_set(seed=-1), "sampling_params.seed"),
     "frequency_penalty": (_set(frequency_penalty=0.5), "sampling_params.frequency_penalty"),
     "presence_penalty": (_set(presence_penalty=0.5), "sampling_params.presence_penalty"),
-    "prompt_logprobs": (_set(prompt_logprobs=1), "sampling_params.prompt_logprobs"),
+    "prompt_logprobs_21": (_set(prompt_logprobs=21), "sampling_params.prompt_logprobs"),
+    "prompt_logprobs_all": (_set(prompt_logprobs=-1), "sampling_params.prompt_logprobs"),
+    "prompt_logprobs_of_text": (_prompt_logprobs_of_text, "sampling_params.prompt_logprobs"),
     "truncate_prompt_tokens": (_set(truncate_prompt_tokens=4), "sampling_params.truncate_prompt_tokens"),
     "n_2": (_set(n=2), "sampling_params.n"),
     "logit_bias": (_logit_bias, "sampling_params.logit_bias"),
@@ -402,10 +437,12 @@ def test_zero_means_unset_as_in_vllm() -> None:
     assert list(out.token_ids.ids) == [5, 6] and not out.output.text and out.output.token_ids
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed"):
         assert not out.sampling.HasField(name), name  # cbserve's defaults: those of vLLM
-    assert not out.stopping.HasField("max_tokens") and not out.output.HasField("logprobs")
+    assert not out.stopping.HasField("max_tokens")
+    assert not out.output.HasField("logprobs") and not out.output.HasField("prompt_logprobs")
     s = request.sampling_params
     s.temperature, s.top_p, s.top_k, s.min_p, s.repetition_penalty, s.seed = 0.0, 0.5, 4, 0.1, 1.2, 7
-    s.min_tokens, s.max_tokens, s.logprobs = 2, 9, 0
+    s.min_tokens, s.max_tokens, s.logprobs, s.prompt_logprobs = 2, 9, 0, 0
     out = to_cbserve(request)
     assert (out.sampling.temperature, out.sampling.top_k, out.sampling.seed) == (0.0, 4, 7)
     assert (out.stopping.min_tokens, out.stopping.max_tokens, out.output.logprobs) == (2, 9, 0)
+    assert out.output.HasField("prompt_logprobs") and out.output.prompt_logprobs == 0

@@ -10,6 +10,8 @@ call ends. The messages come out as vLLM's own servicer shapes them, which is wh
   chunk's ids), then a `complete` with the finish reason, the matched stop and the usage; its
   `output_ids` is empty (the chunks carried every id).
 - `stream` false: one `complete` with every id (and logprob).
+- Prompt logprobs (`prompt_logprobs`) come once, as vLLM's servicer sends them: with the first chunk
+  when streaming, else with the `complete`; every prompt token is listed, the first without a logprob.
 - Finish reasons: "stop" (end of sequence, a stop id or a stop string: the last two named in
   `matched_stop`), "length", "abort".
 `Abort` ends the named streams with a `complete` whose finish reason is "abort"; both it and a
@@ -107,14 +109,50 @@ class _Call:
     aborted: bool = False
 
 
+def _top(lp: Any) -> dict[str, list[Any]]:
+    return {"values": [t.logprob for t in lp.top], "token_ids": [t.token_id for t in lp.top]}
+
+
 def _output_logprobs(entries: Sequence[Any], with_top: bool) -> Any:
     out = vllm.OutputLogProbs()
     for lp in entries:
         out.token_ids.append(lp.token_id)
         out.token_logprobs.append(lp.logprob)
         if with_top:  # as vLLM: alternatives only when some were asked for
-            out.top_logprobs.add(values=[t.logprob for t in lp.top], token_ids=[t.token_id for t in lp.top])
+            out.top_logprobs.add(**_top(lp))
     return out
+
+
+class _PromptLogprobs:
+    """One request's prompt logprobs on their way out. cbserve may split them over the chunks before
+    its first token; vLLM sends them once, whole, with the first message that carries tokens."""
+
+    def __init__(self, request: Any) -> None:
+        s = request.sampling_params
+        self._pending = s.HasField("prompt_logprobs")  # with tokenized input only (vllm_requests.py)
+        self._with_top = s.prompt_logprobs > 0
+        self._first_id = request.tokenized.input_ids[0] if self._pending else 0
+        self._entries: list[Any] = []
+
+    def add(self, entries: Sequence[Any]) -> None:
+        self._entries += entries
+
+    def take(self) -> Any | None:
+        """The `InputLogProbs` to send now, once; None when none were asked for or they went out.
+        vLLM's shape: every prompt token, the first without a logprob (nothing precedes it), while
+        cbserve's start at the second."""
+        if not self._pending:
+            return None
+        self._pending = False
+        out = vllm.InputLogProbs(token_ids=[self._first_id], token_logprobs=[vllm.InputTokenLogProb()])
+        if self._with_top:
+            out.top_logprobs.add()
+        for lp in self._entries:
+            out.token_ids.append(lp.token_id)
+            out.token_logprobs.add(value=lp.logprob)
+            if self._with_top:
+                out.top_logprobs.add(**_top(lp))
+        return out
 
 
 def _tokenizer_zip(model_dir: Path) -> bytes:
@@ -187,19 +225,23 @@ class VllmEngineService(vllm_grpc.VllmEngineServicer):
         self, request: Any, responses: asyncio.Queue[Any], call: _Call
     ) -> AsyncIterator[Any]:
         """vLLM's messages from the cbserve stream's (`None` once it has ended)."""
+        s = request.sampling_params
         prompt_tokens = len(request.tokenized.input_ids)  # a text prompt's count comes with the complete
-        with_logprobs = request.sampling_params.HasField("logprobs")
-        with_top = with_logprobs and request.sampling_params.logprobs > 0
+        with_logprobs = s.HasField("logprobs")
+        with_top = with_logprobs and s.logprobs > 0
         ids: list[int] = []  # kept for the complete message when not streaming
         logprobs: list[Any] = []
+        prompt = _PromptLogprobs(request)
         generated = 0
         while (response := await responses.get()) is not None:
             if response.HasField("final"):
-                yield self._complete(response.final, ids, logprobs if with_logprobs else None, with_top)
+                output = logprobs if with_logprobs else None
+                yield self._complete(response.final, ids, output, with_top, prompt.take())
                 return
             chunk = response.chunk
+            prompt.add(chunk.prompt_logprobs)
             if not chunk.token_ids:
-                continue  # prompt logprobs alone, which this protocol has no way to ask for
+                continue
             n = len(chunk.token_ids)
             generated += n
             if request.stream:
@@ -207,6 +249,8 @@ class VllmEngineService(vllm_grpc.VllmEngineServicer):
                                                    completion_tokens=n)  # fmt: skip
                 if with_logprobs:
                     message.output_logprobs.CopyFrom(_output_logprobs(chunk.logprobs, with_top))
+                if (input_logprobs := prompt.take()) is not None:
+                    message.input_logprobs.CopyFrom(input_logprobs)
                 yield vllm.GenerateResponse(chunk=message)
             else:
                 ids += chunk.token_ids
@@ -221,7 +265,9 @@ class VllmEngineService(vllm_grpc.VllmEngineServicer):
             raise error  # the cbserve stream's status (already sent, if it was an abort)
 
     @staticmethod
-    def _complete(final: Any, ids: list[int], logprobs: list[Any] | None, with_top: bool) -> Any:
+    def _complete(
+        final: Any, ids: list[int], logprobs: list[Any] | None, with_top: bool, input_logprobs: Any | None
+    ) -> Any:
         usage = final.usage
         complete = vllm.GenerateComplete(
             output_ids=ids,
@@ -236,6 +282,8 @@ class VllmEngineService(vllm_grpc.VllmEngineServicer):
             complete.matched_token_id = final.stop_token_id
         if logprobs:
             complete.output_logprobs.CopyFrom(_output_logprobs(logprobs, with_top))
+        if input_logprobs is not None:
+            complete.input_logprobs.CopyFrom(input_logprobs)
         return vllm.GenerateResponse(complete=complete)
 
     async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:

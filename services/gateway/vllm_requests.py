@@ -12,10 +12,13 @@ Fields and their nearest behaviour:
 - `skip_special_tokens`, `spaces_between_special_tokens` and `include_stop_str_in_output` shape text,
   and the caller gets token ids only and detokenizes itself: they are accepted and change nothing
   here (stop strings still end generation; the caller trims its own text).
-- Not in cbserve, refused when set: `frequency_penalty`, `presence_penalty`, `logit_bias`,
-  `prompt_logprobs`, `logprobs` -1 (all), `n` > 1, `truncate_prompt_tokens`, structured-output
-  constraints, multimodal inputs, KV transfer (disaggregated prefill), a `data_parallel_rank` other
-  than 0 (a cbserve stack is one rank).
+- `logprobs` and `prompt_logprobs` are cbserve's `output.logprobs` and `output.prompt_logprobs`
+  (-1, vLLM's "all", is refused). Prompt logprobs need `tokenized` input: vLLM lists every prompt
+  token, the first without a logprob, and cbserve gives the ones after the first, so the first id
+  must be known here.
+- Not in cbserve, refused when set: `frequency_penalty`, `presence_penalty`, `logit_bias`, `n` > 1,
+  `truncate_prompt_tokens`, structured-output constraints, multimodal inputs, KV transfer
+  (disaggregated prefill), a `data_parallel_rank` other than 0 (a cbserve stack is one rank).
 """
 
 from __future__ import annotations
@@ -52,7 +55,6 @@ def _refuse_unsupported(request: Any) -> None:
         "sampling_params.frequency_penalty": s.frequency_penalty,
         "sampling_params.presence_penalty": s.presence_penalty,
         "sampling_params.logit_bias": dict(s.logit_bias),
-        "sampling_params.prompt_logprobs": s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
         "sampling_params.truncate_prompt_tokens": (
             s.truncate_prompt_tokens if s.HasField("truncate_prompt_tokens") else None
         ),
@@ -70,8 +72,11 @@ def _refuse_unsupported(request: Any) -> None:
             raise InvalidRequest(f"{name} is not supported by cbserve (text-only, no disaggregated prefill)")
     if s.n > 1:
         raise InvalidRequest(f"sampling_params.n must be 1 (one sequence per request), got {s.n}")
-    if s.HasField("logprobs") and s.logprobs < 0:
-        raise InvalidRequest(f"sampling_params.logprobs must be in [0, 20] (no 'all'), got {s.logprobs}")
+    for name in ("logprobs", "prompt_logprobs"):
+        if s.HasField(name) and (value := getattr(s, name)) < 0:
+            raise InvalidRequest(f"sampling_params.{name} must be in [0, 20] (no 'all'), got {value}")
+    if s.HasField("prompt_logprobs") and request.WhichOneof("input") != "tokenized":
+        raise InvalidRequest("sampling_params.prompt_logprobs needs tokenized input (the first prompt id)")
     if s.HasField("seed") and s.seed < 0:
         raise InvalidRequest(f"sampling_params.seed must be >= 0, got {s.seed}")
 
@@ -112,4 +117,6 @@ def to_cbserve(request: Any) -> Any:
     out.output.token_ids = True
     if s.HasField("logprobs"):
         out.output.logprobs = s.logprobs
+    if s.HasField("prompt_logprobs"):
+        out.output.prompt_logprobs = s.prompt_logprobs
     return out
