@@ -855,6 +855,8 @@ class WorkerModel(RuleBasedStateMachine):
                 parent = block_hash(parent, r.tokens[i * P : (i + 1) * P], b"")
                 self.unsalted.add(parent)
         assert set(self.mirror) == set(bm.pool.by_hash) & self.unsalted
+        snapshot = bm.kv_snapshot()  # what a subscriber joining now starts from: the same view
+        assert snapshot.cleared and {b.digest: b.parent for b in snapshot.stored} == self.mirror
 
     def run_step(self, chosen: list[tuple[WReq, int]], data: st.DataObject | None) -> StepGrant:
         bm = self.bm

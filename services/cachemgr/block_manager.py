@@ -108,9 +108,10 @@ class BlockManager:
         self.max_step_tokens = max_step_tokens
         self.requests: dict[str, CacheRequest] = {}
         self.stats = CacheStats()
-        # KV events (see messages.KvEvents): announced digests, so that evicting a salted page,
-        # which was never announced, is not announced either.
-        self._announced: set[bytes] = set()
+        # KV events (see messages.KvEvents): the announced pages, in the order announced, so that
+        # evicting a salted page (never announced) is not announced either, and so that a subscriber
+        # joining late can be given the whole live set (`kv_snapshot`).
+        self._announced: dict[bytes, StoredBlock] = {}
         self._stored: list[StoredBlock] = []
         self._cleared = self.sharing
 
@@ -165,13 +166,17 @@ class BlockManager:
         out.kv_events = self._drain_kv_events()
         return out.build()
 
+    def kv_snapshot(self) -> KvEvents:
+        """Between steps: the live announced pages as one resync (`cleared`, then each page, parents
+        first), for a subscriber that joins after the cache started."""
+        return KvEvents(cleared=True, stored=list(self._announced.values()))
+
     def flush_cache(self) -> Flushed:
         """Between steps: drop the cached prefixes no request holds, and say so to routers."""
         return Flushed(self.pool.drop_evictable(), self._drain_kv_events())
 
     def _drain_kv_events(self) -> KvEvents | None:
-        removed = [d for d in self.pool.evicted if d in self._announced]
-        self._announced.difference_update(removed)
+        removed = [d for d in self.pool.evicted if self._announced.pop(d, None) is not None]
         self.pool.evicted.clear()
         if not (self._cleared or self._stored or removed):
             return None
@@ -395,8 +400,8 @@ class BlockManager:
             digest = block_hash(parent, tokens, req.salt)
             req.block_hashes.append(digest)
             if self.pool.register(table[i], digest) and not req.salt:
-                self._announced.add(digest)
-                self._stored.append(StoredBlock(digest, parent, tokens))
+                self._announced[digest] = StoredBlock(digest, parent, tokens)
+                self._stored.append(self._announced[digest])
 
     def _forget(self, rid: str) -> None:
         req = self.requests.pop(rid, None)
@@ -435,7 +440,7 @@ class BlockManager:
         """Assert every invariant in the module docstring (used by property tests)."""
         self.pool.check()
         self.swap.check()
-        if not self._announced <= self.pool.by_hash.keys():
+        if not self._announced.keys() <= self.pool.by_hash.keys():
             raise AssertionError("a page announced as cached is no longer cached")
         refs: Counter[int] = Counter()
         for alloc in self.allocators:

@@ -17,7 +17,7 @@ from services.cachemgr.pool_memory import PoolMemory, create_pool_memory
 from services.cachemgr.sizing import CacheSizing, meminfo_bytes, size_cache
 from services.common.config import CBConfig
 from services.common.kv_geometry import RESERVED_CHUNKS, KVGeometry
-from services.common.messages import Flushed, StepGrant, StepPlan
+from services.common.messages import Flushed, KvEvents, StepGrant, StepPlan
 
 log = structlog.get_logger(__name__)
 
@@ -79,6 +79,9 @@ class KVCache:
 
     def flush_cache(self) -> Flushed:
         return self.block_manager.flush_cache()
+
+    def kv_snapshot(self) -> KvEvents:
+        return self.block_manager.kv_snapshot()
 
     def release_all(self) -> int:
         return self.block_manager.release_all()

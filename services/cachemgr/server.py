@@ -27,6 +27,8 @@ from services.common.messages import (
     Failure,
     FlushCache,
     FromCachemgr,
+    KvSnapshot,
+    KvSnapshotQuery,
     Stats,
     StatsQuery,
     StepPlan,
@@ -73,6 +75,8 @@ class CacheServer:
             return Failure("not attached: send Attach first")
         if isinstance(message, StatsQuery):
             return Stats(self.cache.stats())
+        if isinstance(message, KvSnapshotQuery):
+            return KvSnapshot(self.cache.kv_snapshot())
         if isinstance(message, FlushCache):
             flushed = self.cache.flush_cache()
             log.info("cache flushed", blocks=flushed.blocks)

@@ -134,6 +134,15 @@ class Flushed(msgspec.Struct, frozen=True, tag="flushed"):
     version: int = PROTOCOL_VERSION
 
 
+class KvSnapshotQuery(msgspec.Struct, frozen=True, tag="kv_snapshot_query"):
+    version: int = PROTOCOL_VERSION
+
+
+class KvSnapshot(msgspec.Struct, frozen=True, tag="kv_snapshot"):
+    events: KvEvents  # `cleared` and every live announced page: a late subscriber's starting state
+    version: int = PROTOCOL_VERSION
+
+
 class Stats(msgspec.Struct, frozen=True, tag="stats"):
     stats: dict[str, int]
     version: int = PROTOCOL_VERSION
@@ -146,5 +155,5 @@ class Failure(msgspec.Struct, frozen=True, tag="failure"):
     version: int = PROTOCOL_VERSION
 
 
-ToCachemgr = Attach | StepPlan | StatsQuery | FlushCache
-FromCachemgr = Attached | StepGrant | Stats | Flushed | Failure
+ToCachemgr = Attach | StepPlan | StatsQuery | FlushCache | KvSnapshotQuery
+FromCachemgr = Attached | StepGrant | Stats | Flushed | KvSnapshot | Failure

@@ -29,6 +29,9 @@ from services.common.messages import (
     FlushCache,
     Flushed,
     FromCachemgr,
+    KvEvents,
+    KvSnapshot,
+    KvSnapshotQuery,
     Stats,
     StatsQuery,
     StepGrant,
@@ -52,6 +55,8 @@ class CacheClient(Protocol):
     def stats(self) -> dict[str, int]: ...
 
     def flush_cache(self) -> Flushed: ...
+
+    def kv_snapshot(self) -> KvEvents: ...
 
     def close(self) -> None: ...
 
@@ -166,6 +171,12 @@ class RemoteCache:
         if not isinstance(reply, Flushed):
             raise CacheUnavailable(f"expected flushed, got {type(reply).__name__}")
         return reply
+
+    def kv_snapshot(self) -> KvEvents:
+        reply = self._call(KvSnapshotQuery(), self.timeout_s)
+        if not isinstance(reply, KvSnapshot):
+            raise CacheUnavailable(f"expected a KV snapshot, got {type(reply).__name__}")
+        return reply.events
 
     def close(self) -> None:
         self.memory.close()

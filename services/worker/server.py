@@ -187,8 +187,9 @@ class WorkerServer:
             return
         try:
             self.engine = Engine(self.model, self.config, cache=cache)
-            self.engine.on_kv_events = self._queue_kv_events
             self._warm_up(self.engine)
+            self.engine.on_kv_events = self._queue_kv_events
+            self._send_kv_snapshot(list(self.gateways.values()))  # a cache they did not know
         except CacheUnavailable as exc:
             log.warning("cachemgr lost during warm-up", error=str(exc))
             self._detach()
@@ -281,6 +282,7 @@ class WorkerServer:
             gateway = self.gateways[routing_id] = Gateway(routing_id, message.gateway_id, self._clock.now())
             log.info("gateway connected", gateway_id=message.gateway_id)
             self._last_status = 0.0
+            self._send_kv_snapshot([gateway])
         gateway.last_seen = self._clock.now()
         for rid in message.aborts:
             self._abort(gateway, rid)
@@ -480,6 +482,19 @@ class WorkerServer:
             if routing_id in self.gateways:
                 self.gateways[routing_id].flushed.append((query, blocks))
         self._pending_flushes.clear()
+
+    def _send_kv_snapshot(self, gateways: list[Gateway]) -> None:
+        """Give gateways that joined the cache late its whole live set, so their routers' view is
+        complete. Called between steps: no later step's events can precede it."""
+        if self.engine is None or not gateways:
+            return
+        try:
+            snapshot = self.engine.cache.kv_snapshot()
+        except CacheUnavailable as exc:
+            log.warning("cachemgr did not give a KV snapshot", error=str(exc))
+            return
+        for gateway in gateways:
+            gateway.kv_events = [snapshot]  # supersedes whatever older news was queued
 
     def _queue_kv_events(self, events: KvEvents) -> None:
         for gateway in self.gateways.values():  # every gateway: each may have routers subscribed
