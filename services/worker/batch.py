@@ -4,7 +4,11 @@ All index tensors are built with a handful of vectorised torch ops per step (Pyt
 requests, not tokens or layers). With `q_padding_interval_size` the packed length is rounded up and the
 extra tokens write to the padding slot and belong to no row group; with `kv_padding_interval_size` each
 row group's KV length is rounded up and the extra reads come from the padding slot, masked out. Inputs
-are copied into static buffers sized once, the shapes a captured CUDA graph would replay.
+are copied into static buffers sized once.
+
+A decode step built for a bucket `Shape` (a CUDA graph's, see cuda_graphs.py) has exactly that shape:
+its missing requests are phantom one-token rows at position 0 of the reserved padding chunk (they
+write there, read only there and never sample), and its decode row group reads `shape.keys` keys.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 
 from services.common.kv_geometry import PADDING_SLOT, KVGeometry
 from services.worker.attention import AttentionBatch, RaggedPrefill, RowGroup
+from services.worker.buckets import Shape, round_up
 from services.worker.kernels import PagedDecode, PagedPrefill
 
 
@@ -40,10 +45,7 @@ class ForwardBatch:
     # [R + P]: packed index of each sampling item's last token, then of the items' `logit_rows`
     logits_indices: torch.Tensor
     attention: AttentionBatch
-
-
-def round_up(n: int, interval: int) -> int:
-    return -(-n // interval) * interval if interval > 0 else n
+    shape: Shape | None = None  # the bucket it was built for (a decode step whose graph replays)
 
 
 def first_keys(start: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -122,6 +124,8 @@ class BatchBuilder:
         self.views = sorted(set(self.views_of_layer))
         self.windows = [geometry.sliding_window if kind == "sliding" else None for kind in geometry.groups]
         self.chunks_per_block = [geometry.chunks_per_block(g) for g in range(len(geometry.groups))]
+        # A phantom request: token 0 at position 0 of chunk 0, so that it writes PADDING_SLOT alone.
+        self.phantom = BatchItem(0, [0], [[0] * k for k in self.chunks_per_block], sample=False)
         capacity = round_up(max_batch_tokens, q_padding)
         self.input_buf = torch.zeros(capacity, dtype=torch.long, device=self.device)
         self.position_buf = torch.zeros(capacity, dtype=torch.long, device=self.device)
@@ -131,8 +135,23 @@ class BatchBuilder:
         self.padded_queries = 0  # positions q padding added to the packed batch
         self.padded_keys = 0  # key positions kv padding added, summed over row groups
 
-    def build(self, items: Sequence[BatchItem]) -> ForwardBatch:
+    def decode_keys(self, items: Sequence[BatchItem]) -> int:
+        """Keys the longest of these one-token requests reads, in the allocator group that reads most."""
+        longest = max(it.start for it in items) + 1
+        if None in self.windows:
+            return longest
+        return min(longest, max(w for w in self.windows if w is not None))
+
+    def build(self, items: Sequence[BatchItem], shape: Shape | None = None) -> ForwardBatch:
+        """`shape`: a decode step (every item one token) padded to that bucket, phantom rows and all."""
         dev = self.device
+        self.prompt_chunks += sum(1 for it in items if not it.sample)
+        phantoms = 0
+        if shape is not None:
+            phantoms = shape.tokens - len(items)
+            if phantoms < 0 or any(len(it.token_ids) != 1 for it in items):
+                raise ValueError(f"a {shape} bucket takes at most {shape.tokens} one-token requests")
+            items = [*items, *[self.phantom] * phantoms]
         lens_list = [len(it.token_ids) for it in items]
         num_tokens = sum(lens_list)
         padded = round_up(num_tokens, self.q_padding)
@@ -140,8 +159,7 @@ class BatchBuilder:
             raise ValueError(
                 f"batch of {num_tokens} tokens exceeds the static buffer {self.input_buf.numel()}"
             )
-        self.prompt_chunks += sum(1 for it in items if not it.sample)
-        self.padded_queries += padded - num_tokens
+        self.padded_queries += padded - num_tokens + phantoms
         flat_ids = [t for it in items for t in it.token_ids]
         starts = torch.tensor([it.start for it in items], dtype=torch.long)
         lens = torch.tensor(lens_list, dtype=torch.long)
@@ -178,10 +196,15 @@ class BatchBuilder:
             selections += prefill_groups(prefill, lens_list, ends.tolist())
         groups: dict[int, list[RowGroup]] = {}
         prefill_of_group: dict[int, RaggedPrefill] = {}
+        # Row groups expand the tables into [B, L] slots and masks where the batch goes: on a GPU a few
+        # launches, not megabytes built on the host and copied over (on the CPU the move is a no-op).
+        device_tables = {view: table.to(dev) for view, table in tables.items()}
         for g, window in enumerate(self.windows):
             views = [v for v in self.views if v[0] == g]
-            index = GroupIndex(starts, ends, offsets, window, views, tables)
-            groups[g] = [self._row_group(torch.tensor(sel, dtype=torch.long), index) for sel in selections]
+            index = GroupIndex(starts, ends, offsets, window, views, device_tables)
+            groups[g] = [
+                self._row_group(torch.tensor(sel, dtype=torch.long), index, shape) for sel in selections
+            ]
             if ragged:
                 prefill_of_group[g] = self._ragged(torch.tensor(prefill, dtype=torch.long), index)
         attention = AttentionBatch(
@@ -199,6 +222,7 @@ class BatchBuilder:
             position_ids=self.position_buf[:padded].unsqueeze(0),
             logits_indices=logits_indices.to(dev),
             attention=attention,
+            shape=shape,
         )
 
     def _table(self, items: Sequence[BatchItem], view: tuple[int, int]) -> torch.Tensor:
@@ -233,17 +257,20 @@ class BatchBuilder:
             window=index.window or 0,
         )
 
-    def _row_group(self, sel: torch.Tensor, index: GroupIndex) -> RowGroup:
+    def _row_group(self, sel: torch.Tensor, index: GroupIndex, shape: Shape | None) -> RowGroup:
         start, end, offset, lo = index.select(sel)
         window = index.window
         num_q = int((end - start).max())
         longest = int((end - lo).max())
-        kv_len = round_up(longest, self.kv_padding)
+        kv_len = shape.keys if shape is not None else round_up(longest, self.kv_padding)
         self.padded_keys += kv_len - longest
-        q_idx = torch.arange(num_q)
+        all_valid = bool(((end - start) == num_q).all())
+        dev = self.device
+        sel, start, end, offset, lo = (t.to(dev) for t in (sel, start, end, offset, lo))
+        q_idx = torch.arange(num_q, device=dev)
         valid_q = q_idx[None, :] < (end - start)[:, None]  # [B, Q]
         rows = torch.where(valid_q, offset[:, None] + q_idx[None, :], 0).reshape(-1)
-        key_pos = lo[:, None] + torch.arange(kv_len)[None, :]  # [B, L]
+        key_pos = lo[:, None] + torch.arange(kv_len, device=dev)[None, :]  # [B, L]
         key_ok = key_pos < end[:, None]
         query_pos = start[:, None] + q_idx[None, :]  # [B, Q]
         mask = key_ok[:, None, :] & (key_pos[:, None, :] <= query_pos[:, :, None])
@@ -255,13 +282,12 @@ class BatchBuilder:
         g = self.query_group
         mask = mask[:, None, None].expand(-1, 1, g, -1, -1).reshape(len(sel), 1, g * num_q, kv_len)
         slots = {view: s.view(-1) for view, s in self._slots(sel, key_pos, key_ok, index).items()}
-        all_valid = bool(valid_q.all())
-        bias = torch.zeros(mask.shape, dtype=self.dtype).masked_fill_(~mask, float("-inf"))
+        bias = torch.zeros(mask.shape, dtype=self.dtype, device=dev).masked_fill_(~mask, float("-inf"))
         return RowGroup(
-            rows=rows.to(self.device),
-            valid=None if all_valid else valid_q.reshape(-1).to(self.device),
+            rows=rows,
+            valid=None if all_valid else valid_q.reshape(-1),
             num_queries=num_q,
-            bias=bias.to(self.device),
-            lengths=(end - lo).to(self.device),
+            bias=bias,
+            lengths=end - lo,
             slots=slots,
         )
