@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import msgspec
+import structlog
 import torch
 
 from services.common.kv_geometry import RESERVED_CHUNKS, KVGeometry
@@ -24,6 +25,8 @@ from services.common.tensor_handles import (
     open_tensor,
     share_cuda_tensor,
 )
+
+log = structlog.get_logger(__name__)
 
 
 class PoolHandles(msgspec.Struct, frozen=True):
@@ -37,10 +40,11 @@ class PoolMemory:
     swap: torch.Tensor | None
     handles: PoolHandles | None = None  # set when another process may attach
     _owned: list[SharedTensor] = field(default_factory=list)
-    _pinned: bool = False
+    registered: bool = False  # the swap pool was page-locked in place by this process (cudaHostRegister)
 
     def close(self) -> None:
-        if self._pinned and self.swap is not None:
+        if self.registered and self.swap is not None:
+            torch.cuda.synchronize()  # no copy may still be reading or writing it
             torch.cuda.cudart().cudaHostUnregister(self.swap.data_ptr())
         self.kv = torch.empty(0)
         self.swap = None
@@ -65,19 +69,18 @@ def create_pool_memory(
 ) -> PoolMemory:
     kv_shape, swap_shape = pool_shape(geometry, num_chunks), pool_shape(geometry, swap_slots)
     owned: list[SharedTensor] = []
-    if not shared:
-        # torch.empty: untouched pages of a large CPU pool are never committed.
-        kv = torch.empty(kv_shape, dtype=dtype, device=device)
-        kv_handle = None
-    elif device.type == "cuda":
-        kv = torch.empty(kv_shape, dtype=dtype, device=device)
-        kv_handle = share_cuda_tensor(kv)
+    if shared and device.type != "cuda":
+        owned.append(create_shm_tensor(kv_shape, dtype, "kv"))  # sparse file: lazily committed
+        kv = owned[-1].tensor
     else:
-        owned.append(create_shm_tensor(kv_shape, dtype, "kv"))  # sparse file: also lazily committed
-        kv, kv_handle = owned[-1].tensor, owned[-1].handle
+        kv = torch.empty(kv_shape, dtype=dtype, device=device)  # on a CPU, also lazily committed
     # Only the reserved padding chunks are read before being written (masked reads), and must hold
     # finite values: 0 * NaN = NaN.
     kv[:, :, :RESERVED_CHUNKS].zero_()
+    kv_handle = None
+    if shared:
+        # A CUDA handle after the zeroing: whoever opens it waits for the work queued before it.
+        kv_handle = share_cuda_tensor(kv) if device.type == "cuda" else owned[-1].handle
     swap, swap_handle = None, None
     if swap_slots and shared:
         owned.append(create_shm_tensor(swap_shape, dtype, "swap"))
@@ -96,9 +99,11 @@ def attach_pool_memory(handles: PoolHandles, device: torch.device) -> PoolMemory
     if kv.device.type != device.type:
         raise ValueError(f"KV pool is on {kv.device}, this worker runs on {device}")
     swap = open_tensor(handles.swap) if handles.swap is not None else None
-    pinned = False
+    registered = False
     if swap is not None and device.type == "cuda":
         nbytes = swap.numel() * swap.element_size()
-        err = torch.cuda.cudart().cudaHostRegister(swap.data_ptr(), nbytes, 0)
-        pinned = int(err) == 0  # unpinned copies still work, only synchronously
-    return PoolMemory(kv=kv, swap=swap, _pinned=pinned)
+        err = int(torch.cuda.cudart().cudaHostRegister(swap.data_ptr(), nbytes, 0))
+        registered = err == 0
+        if not registered:  # the copies still work, only synchronously
+            log.warning("swap pool not page-locked: its copies will be synchronous", cuda_error=err)
+    return PoolMemory(kv=kv, swap=swap, registered=registered)

@@ -102,6 +102,8 @@ class RemoteCache:
             cachemgr_id=self.cachemgr_id,
             num_chunks=self.sizing.num_chunks,
             swap_slots=self.sizing.swap_slots,
+            kv_handle=attached.kv.kind,
+            swap_registered=self.memory.registered,
             released=attached.released,
         )
 

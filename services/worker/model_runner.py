@@ -14,13 +14,14 @@ from services.worker.batch import BatchBuilder, BatchItem, ForwardBatch
 from services.worker.fused_llama import FusedLlama
 from services.worker.kernels import paged_decode_kernel, paged_prefill_kernel
 from services.worker.packed_linear import pack_linears
+from services.worker.swap_copies import SwapCopies
 
 
 class ModelRunner:
     """Owns the model and views of the pools; never decides which blocks to use.
 
-    Swap copies run before the forward that may reuse the chunks they free (one batched gather per
-    direction per step), so a victim's bytes are saved before any new owner writes them.
+    Swap copies run before the forward that may reuse the chunks they free, so a victim's bytes are
+    saved before any new owner writes them (swap_copies.py).
     """
 
     def __init__(
@@ -59,20 +60,10 @@ class ModelRunner:
             decode_kernel=paged_decode_kernel() if native else None,
             prefill_kernel=paged_prefill_kernel(geometry.head_dim) if native else None,
         )
+        self.swap_copies = SwapCopies(kv_pool, swap_pool)
 
     def copy_swap(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]]) -> None:
-        if not swap_out and not swap_in:
-            return
-        if self.swap_pool is None:
-            raise RuntimeError("the grant asks for swap copies but there is no swap pool")
-        if swap_out:
-            chunks = torch.tensor([c for c, _ in swap_out], device=self.device)
-            slots = torch.tensor([s for _, s in swap_out])
-            self.swap_pool.index_copy_(2, slots, self.kv_pool.index_select(2, chunks).to("cpu"))
-        if swap_in:
-            slots = torch.tensor([s for s, _ in swap_in])
-            chunks = torch.tensor([c for _, c in swap_in], device=self.device)
-            self.kv_pool.index_copy_(2, chunks, self.swap_pool.index_select(2, slots).to(self.device))
+        self.swap_copies.copy(swap_out, swap_in)
 
     def build(self, items: Sequence[BatchItem]) -> ForwardBatch:
         return self.builder.build(items)
