@@ -5,12 +5,15 @@ mocks. The property test mirrors what a real worker does with a grant: it keeps 
 block table (applying `replace`/append deltas), performs the swap copies and the forward's KV writes on a
 simulated pool whose "KV" is the `(salt, group, sub-chunk, token prefix)` a position was computed from, and
 then checks that everything a request can still attend to holds exactly its own KV. That catches wrong
-prefix hits (including across salts), chunks handed out while still live, bad swap copy lists, and writes
-into shared chunks, on top of `bm.check()`.
+prefix hits (including across salts), chunks handed out while still live, bad swap copy lists, writes
+into shared chunks, and cached pages whose KV is not what their hash names, on top of `bm.check()`.
+It plays the async batching protocol too: each plan leaves while the previous step's forward still runs,
+that forward's KV writes and samples land only after the grant (before its swap copies), and the tokens
+it samples travel as placeholders.
 
 Protocol reminders (DESIGN.md, "Memory ownership and the step protocol"):
 - the worker sends each request's tokens once: the whole prompt on first sight, then each sampled token;
-- tokens granted at step N count as computed when step N+1's plan arrives;
+- tokens granted at step N count as computed when step N+1's plan arrives (with async batching, N+2's);
 - a grant computes `[start, start + num_tokens)`; `start` differs from the worker's count only on admission
   with a prefix hit;
 - frees/aborts in a plan are released before anything else.
@@ -83,9 +86,16 @@ class Driver:
         self.bm = bm
         self.n = 0
 
-    def step(self, *entries: PlanEntry, frees: Iterable[str] = (), aborts: Iterable[str] = ()) -> StepGrant:
+    def step(
+        self,
+        *entries: PlanEntry,
+        frees: Iterable[str] = (),
+        aborts: Iterable[str] = (),
+        overlapped: bool = False,
+    ) -> StepGrant:
         self.n += 1
-        grant = self.bm.step(StepPlan(self.n, list(entries), frees=list(frees), aborts=list(aborts)))
+        plan = StepPlan(self.n, list(entries), frees=list(frees), aborts=list(aborts), overlapped=overlapped)
+        grant = self.bm.step(plan)
         assert grant.step == self.n
         assert grant.version == PROTOCOL_VERSION
         self.bm.check()
@@ -697,6 +707,45 @@ def test_a_plan_with_a_token_id_the_hash_cannot_hold_is_refused_whole() -> None:
     assert state_of(bm) == before
 
 
+# ============================================================================== async batching
+
+
+def test_an_overlapped_plan_leaves_the_running_step_unsettled() -> None:
+    """The worker plans step N+1 while N computes: N's pages enter the prefix cache with N+2's plan."""
+    bm = make_bm(FULL, 16)
+    d = Driver(bm)
+    a = toks(0, 9)
+    d.step(E("a", 8, a))
+    g = d.step(E("a", 1), E("b", 9, a, arrival=1), overlapped=True)
+    assert granted(g) == {"a": (8, 1), "b": (0, 9)}  # a continues after its running chunk; b: no hit
+    assert (bm.requests["a"].num_computed, bm.requests["a"].in_flight) == (0, 9)
+    assert bm.pool.hash_of == {}
+    g = d.step(E("c", 9, a, arrival=2), overlapped=True)
+    assert granted(g) == {"c": (8, 1)}  # step 1 settled: a's two pages are cached
+    assert (bm.requests["a"].num_computed, bm.requests["a"].in_flight) == (8, 1)
+    d.step(frees=["a", "b", "c"])
+    assert bm.stats_dict()["used_blocks"] == 0 and bm.requests == {}
+
+
+def test_placeholders_count_as_tokens_and_their_pages_wait_for_their_ids() -> None:
+    bm = make_bm(FULL, 16)
+    d = Driver(bm)
+    d.step(E("a", 3, [1, 2, 3]))  # samples token 3, still running when the next plan leaves
+    g = d.step(PlanEntry("a", 1, [], 0, num_placeholders=1), overlapped=True)
+    assert granted(g) == {"a": (3, 1)}  # computes the placeholder; samples token 4
+    # Step 2 settles without naming a: position 3 is computed, but its id is still unknown.
+    d.step()
+    assert bm.requests["a"].num_computed == 4 and bm.pool.hash_of == {}
+    # The ids arrive first thing in a plan: the page is cached before anything is placed, and b hits it.
+    g = d.step(E("a", 1, [7, 8]), E("b", 5, [1, 2, 3, 7, 9], arrival=1))
+    assert granted(g) == {"a": (4, 1), "b": (4, 1)}
+    assert bm.pool.lookup(block_hash(b"", [1, 2, 3, 7], b"")) == table(bm, "a")[0] == table(bm, "b")[0]
+    before = state_of(bm)
+    with pytest.raises(ValueError, match="-1 placeholders"):
+        bm.step(StepPlan(d.n + 1, [PlanEntry("a", 1, [], 0, num_placeholders=-1)]))
+    assert state_of(bm) == before
+
+
 # ============================================================== regressions (found by the model)
 
 
@@ -747,20 +796,42 @@ class WReq:
     max_total: int
     sent: int = 0  # tokens the BlockManager has been sent (this incarnation)
     computed: int = 0  # [0, computed) computed (or granted last step: computed by the next plan)
+    written: int = 0  # [0, written) holds its KV: `computed` but for a step whose forward still runs
+    pending: int = 0  # tokens a step still running samples (async): they follow `tokens`
     state: str = "new"  # new (BM does not know it) | pending | active | offloaded
     tables: list[list[int]] | None = None  # mirror of the block tables, from the grants
     done: bool = False  # finished: freed in the next plan
     aborted: bool = False
 
 
-class WorkerModel(RuleBasedStateMachine):
-    """A simple worker driving a BlockManager, with a simulated KV pool and swap pool."""
+@dataclass
+class Computing:
+    """A grant whose forward has not run yet, with the tables it was given (the worker's mirror and
+    the BlockManager's) as they were then: the forward reads those, whatever later grants change."""
 
-    def __init__(self, geometry: KVGeometry, swap_pages: int, sharing: bool = True) -> None:
+    r: WReq
+    start: int
+    n: int
+    samples: bool
+    mirror: list[list[int]]
+    bm_tables: list[list[int]]
+
+
+class WorkerModel(RuleBasedStateMachine):
+    """A simple worker driving a BlockManager, with a simulated KV pool and swap pool.
+
+    With `overlap` (async batching) a step's forward runs after the next step's grant: each plan
+    leaves while the previous step computes."""
+
+    def __init__(
+        self, geometry: KVGeometry, swap_pages: int, sharing: bool = True, overlap: bool = False
+    ) -> None:
         super().__init__()
         self.geometry = geometry
         self.swap_pages = swap_pages  # swap pool size, in pages (all groups' chunks of one page)
         self.allow_sharing = sharing
+        self.overlap = overlap
+        self.running: list[Computing] = []  # the latest step's grants, until its forward runs
         self.bm: BlockManager | None = None
         self.reqs: dict[str, WReq] = {}
         self.next_id = 0
@@ -797,6 +868,17 @@ class WorkerModel(RuleBasedStateMachine):
     def live(self) -> list[WReq]:
         return [r for r in self.reqs.values() if not r.done and not r.aborted]
 
+    @staticmethod
+    def available(r: WReq) -> int:
+        """Tokens r could compute now; none when the running step samples its last one (the engine
+        plans no token past a request's length limit)."""
+        if r.pending and len(r.tokens) + r.pending >= r.max_total:
+            return 0
+        return len(r.tokens) + r.pending - r.computed
+
+    def plannable(self) -> list[WReq]:
+        return [r for r in self.live() if self.available(r)]
+
     @precondition(lambda self: self.bm is not None and len(self.reqs) < 6)
     @rule(
         base=st.sampled_from(range(len(BASES))),
@@ -824,11 +906,11 @@ class WorkerModel(RuleBasedStateMachine):
     def step(self, data: st.DataObject, steps: int) -> None:
         """`steps` worker steps, each planning a random subset in random order with random chunks."""
         for _ in range(steps):
-            order = data.draw(st.permutations([r.rid for r in self.live()]), label="order")
+            order = data.draw(st.permutations([r.rid for r in self.plannable()]), label="order")
             k = data.draw(st.just(len(order)) | st.integers(0, len(order)), label="how many")
             chosen = []
             for r in (self.reqs[rid] for rid in order[:k]):
-                most = min(len(r.tokens) - r.computed, self.max_step)
+                most = min(self.available(r), self.max_step)
                 chosen.append((r, data.draw(st.just(most) | st.integers(1, most), label=r.rid)))
             self.run_step(chosen, data)
 
@@ -870,18 +952,20 @@ class WorkerModel(RuleBasedStateMachine):
         asked: dict[str, int] = {}
         before = {r.rid: r.state for r, _ in chosen}
         for r, n in chosen:
-            assert 1 <= n <= len(r.tokens) - r.computed
-            entries.append(PlanEntry(r.rid, n, r.tokens[r.sent :], r.arrival, r.salt, r.max_total))
+            assert 1 <= n <= self.available(r)
+            entries.append(PlanEntry(r.rid, n, r.tokens[r.sent :], r.arrival, r.salt, r.max_total, r.pending))
             asked[r.rid] = n
             r.sent = len(r.tokens)
         old_tables = {rid: [list(t) for t in self._bm_tables(rid)] for rid in self._bm_active()}
         active_before = len(old_tables) - sum(1 for rid in frees + aborts if rid in old_tables)
 
         self.steps += 1
-        grant = bm.step(StepPlan(self.steps, entries, frees=frees, aborts=aborts))
+        plan = StepPlan(self.steps, entries, frees=frees, aborts=aborts, overlapped=bool(self.running))
+        grant = bm.step(plan)
         bm.check()
         assert grant.step == self.steps
         self.apply_kv_events(grant)
+        self.check_cached_pages()
 
         # ---- the grant's shape
         granted_ids = [g.request_id for g in grant.granted]
@@ -911,7 +995,9 @@ class WorkerModel(RuleBasedStateMachine):
                 outcomes = (rid in granted_ids) + (rid in grant.blocked) + (rid in moved)
                 assert outcomes == 1, f"{rid}: granted, blocked, offloaded or reset, exactly one"
 
-        # ---- swap copies: out (victims' live chunks) before in, then the forward
+        # ---- the previous step's forward (async), then swap copies: out (victims' live chunks) before
+        # in, then this step's forward
+        self.finish_running(data)
         out_slots = [slot for _, slot in grant.swap_out]
         assert len(set(out_slots)) == len(out_slots)
         victims_chunks = {c for rid in grant.offloaded for t in old_tables[rid] for c in t if c >= 0}
@@ -926,7 +1012,7 @@ class WorkerModel(RuleBasedStateMachine):
             r.state, r.tables = "offloaded", None
         for rid in grant.soft_reset:
             r = self.reqs[rid]  # re-queue prompt + generated as a new request
-            r.state, r.tables, r.sent, r.computed = "new", None, 0, 0
+            r.state, r.tables, r.sent, r.computed, r.written = "new", None, 0, 0, 0
 
         for rid, state in before.items():
             if rid in self.reqs and state == "new" and self.reqs[rid].state == "new" and rid not in moved:
@@ -942,8 +1028,9 @@ class WorkerModel(RuleBasedStateMachine):
                 assert g.replace and g.start % P == 0 and g.start <= len(r.tokens) - 1
                 if not bm.sharing:
                     assert g.start == 0
-                assert g.num_tokens == min(n, len(r.tokens) - g.start)
+                assert g.num_tokens == min(n, len(r.tokens) + r.pending - g.start)
                 r.tables = [list(t) for t in g.tables]
+                r.written = g.start  # a prefix hit's pages hold their KV already
             elif state == "offloaded":
                 assert g.replace and g.start == r.computed and g.num_tokens == n
                 r.tables = [list(t) for t in g.tables]
@@ -954,21 +1041,22 @@ class WorkerModel(RuleBasedStateMachine):
                 for mirror, delta in zip(r.tables, g.tables, strict=True):
                     mirror.extend(delta)
             r.state = "active"
-            self.forward(r, g.start, g.num_tokens)
+            self.check_writable(r, g.start, g.num_tokens)
             r.computed = g.start + g.num_tokens
-            if r.computed == len(r.tokens):  # the last token's logits: sample one
-                tok = data.draw(st.integers(0, VOCAB - 1), label="sample") if data else 0
-                r.tokens.append(tok)
-                eos = data.draw(st.booleans(), label="eos") if data else False
-                r.done = len(r.tokens) >= r.max_total or (eos and tok == 0)
+            samples = r.computed == len(r.tokens) + r.pending  # the last token's logits: sample one
+            r.pending += samples
+            tables = [list(t) for t in r.tables]
+            bm_tables = [list(t) for t in self._bm_tables(r.rid)]
+            self.running.append(Computing(r, g.start, g.num_tokens, samples, tables, bm_tables))
+        if not self.overlap:
+            self.finish_running(data)
 
         self.check_outside()
         self.consistent = True
         return grant
 
-    def forward(self, r: WReq, start: int, n: int) -> None:
-        """Write the KV of `[start, start + n)` through the worker's mirror; then check the KV this
-        step attends to is the request's own."""
+    def check_writable(self, r: WReq, start: int, n: int) -> None:
+        """The grant's positions `[start, start + n)` are r's alone to write."""
         bm = self.bm
         assert bm is not None and r.tables is not None
         for g, mirror in enumerate(r.tables):
@@ -979,12 +1067,53 @@ class WorkerModel(RuleBasedStateMachine):
                     chunk = mirror[pos // P * k + j]
                     assert chunk >= RESERVED_CHUNKS, f"{r.rid}: writes position {pos} into {chunk}"
                     assert bm.pool.refcount[chunk] == 1, f"{r.rid}: writes into shared chunk {chunk}"
-                    self.kv.setdefault(chunk, [None] * P)[pos % P] = self.value(r, g, j, pos)
+
+    def finish_running(self, data: st.DataObject | None) -> None:
+        """Run the forward of the latest step's grants, then take their samples (a request finished or
+        aborted since computes its wasted token all the same, but takes no sample)."""
+        running, self.running = self.running, []
+        for c in running:
+            self.forward(c)
+            c.r.written = max(c.r.written, c.start + c.n)
+            if not c.samples or c.r.done or c.r.aborted or c.r.rid not in self.reqs:
+                continue
+            c.r.pending -= 1
+            tok = data.draw(st.integers(0, VOCAB - 1), label="sample") if data else 0
+            c.r.tokens.append(tok)
+            eos = data.draw(st.booleans(), label="eos") if data else False
+            c.r.done = len(c.r.tokens) >= c.r.max_total or (eos and tok == 0)
+
+    def forward(self, c: Computing) -> None:
+        """Write the KV of `[start, start + n)` through the worker's mirror; then check the KV this
+        step attends to is the request's own."""
+        bm = self.bm
+        assert bm is not None
+        for g, mirror in enumerate(c.mirror):
+            k = bm.allocators[g].k
+            for pos in range(c.start, c.start + c.n):
+                for j in range(k):
+                    chunk = mirror[pos // P * k + j]
+                    self.kv.setdefault(chunk, [None] * P)[pos % P] = self.value(c.r, g, j, pos)
         # What the step attends to, through the worker's mirror and through the BlockManager's tables
         # (the mirror may still name a recycled page's old chunk; the BlockManager must not recycle a
         # page this step can see).
-        self.check_kv(r, start, start + n, r.tables)
-        self.check_kv(r, start, start + n, self._bm_tables(r.rid))
+        self.check_kv(c.r, c.start, c.start + c.n, c.mirror)
+        self.check_kv(c.r, c.start, c.start + c.n, c.bm_tables)
+
+    def check_cached_pages(self) -> None:
+        """A cached page holds the KV of exactly the tokens (and salt) its hash chain names: it was
+        cached only after its forward ran and its ids were known."""
+        bm = self.bm
+        assert bm is not None
+        for chunk, digest in bm.pool.hash_of.items():
+            page = self.kv.get(chunk, [None] * P)
+            assert None not in page, f"cached chunk {chunk} holds no KV at some position: {page}"
+            salt, _, _, tokens = page[-1]
+            assert [kv[3] for kv in page] == [tokens[: len(tokens) - P + i + 1] for i in range(P)]
+            parent = b""
+            for i in range(len(tokens) // P):
+                parent = block_hash(parent, list(tokens[i * P : (i + 1) * P]), salt.encode())
+            assert len(tokens) % P == 0 and parent == digest, f"cached chunk {chunk} holds other KV"
 
     def value(self, r: WReq, group: int, sub: int, pos: int) -> object:
         return (r.salt, group, sub, tuple(r.tokens[: pos + 1]))
@@ -1036,9 +1165,9 @@ class WorkerModel(RuleBasedStateMachine):
             assert q.state is want_state[r.state], (rid, q.state, r.state)
             assert q.token_ids == r.tokens[: r.sent]
             if r.state == "pending":
-                assert q.num_computed + q.in_flight == 0
+                assert q.num_granted == 0
             else:
-                assert q.num_computed + q.in_flight == r.computed
+                assert q.num_granted == r.computed
         # Tables: the worker's mirror equals the BlockManager's, except that a sliding page the
         # BlockManager recycled (-1) may still name its old chunk in the mirror (append deltas cannot
         # say "recycled"); only pages wholly outside the window may be recycled.
@@ -1074,7 +1203,8 @@ class WorkerModel(RuleBasedStateMachine):
         # offloaded one has it in its swap slots.
         for rid in active:
             r = self.reqs[rid]
-            self.check_kv(r, r.computed, r.computed, self._bm_tables(rid))
+            self.check_kv(r, r.computed, r.written, self._bm_tables(rid))
+        self.check_cached_pages()
         for rid in offloaded:
             r = self.reqs[rid]
             for g, slots in enumerate(bm.swap.held[rid]):
@@ -1112,7 +1242,7 @@ class WorkerModel(RuleBasedStateMachine):
             pending = sorted(self.live(), key=lambda r: r.arrival)
             if not pending:
                 return
-            chosen = [(r, min(len(r.tokens) - r.computed, self.max_step)) for r in pending]
+            chosen = [(r, min(self.available(r), self.max_step)) for r in pending if self.available(r)]
             grant = self.run_step(chosen, None)
             if grant.granted or grant.soft_reset or grant.offloaded or grant.rejected:
                 idle = 0
@@ -1128,34 +1258,40 @@ STATEFUL_SETTINGS = dict(
 )
 
 
+OVERLAP = pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
+
+
 @pytest.mark.fuzz
+@OVERLAP
 @pytest.mark.parametrize("swap_pages", [0, 3, 64], ids=["no-swap", "small-swap", "swap"])
 @pytest.mark.parametrize(
     "geometry", [FULL, SLIDING, HYBRID, HYBRID_3], ids=["full", "sliding", "hybrid", "hybrid-3chunk"]
 )
-def test_worker_model(geometry: KVGeometry, swap_pages: int) -> None:
+def test_worker_model(geometry: KVGeometry, swap_pages: int, overlap: bool) -> None:
     run_state_machine_as_test(
-        lambda: WorkerModel(geometry, swap_pages),
+        lambda: WorkerModel(geometry, swap_pages, overlap=overlap),
         settings=settings(max_examples=20, stateful_step_count=30, **STATEFUL_SETTINGS),
     )
 
 
 @pytest.mark.fuzz
-def test_worker_model_without_sharing() -> None:
+@OVERLAP
+def test_worker_model_without_sharing(overlap: bool) -> None:
     run_state_machine_as_test(
-        lambda: WorkerModel(FULL, 64, sharing=False),
+        lambda: WorkerModel(FULL, 64, sharing=False, overlap=overlap),
         settings=settings(max_examples=20, stateful_step_count=30, **STATEFUL_SETTINGS),
     )
 
 
 @pytest.mark.slow
 @pytest.mark.fuzz
+@OVERLAP
 @pytest.mark.parametrize("swap_pages", [0, 3, 64], ids=["no-swap", "small-swap", "swap"])
 @pytest.mark.parametrize(
     "geometry", [FULL, SLIDING, HYBRID, HYBRID_3], ids=["full", "sliding", "hybrid", "hybrid-3chunk"]
 )
-def test_worker_model_long(geometry: KVGeometry, swap_pages: int) -> None:
+def test_worker_model_long(geometry: KVGeometry, swap_pages: int, overlap: bool) -> None:
     run_state_machine_as_test(
-        lambda: WorkerModel(geometry, swap_pages),
+        lambda: WorkerModel(geometry, swap_pages, overlap=overlap),
         settings=settings(max_examples=200, stateful_step_count=80, **STATEFUL_SETTINGS),
     )

@@ -6,9 +6,14 @@ bytes (the worker copies them as the grant says). No sockets, no tensors.
 Request states here: *pending* (known, no blocks yet), *active* (holds blocks), *offloaded* (its
 blocks live in swap slots). A request the BlockManager soft-resets or releases is forgotten.
 
+A grant *settles* (its tokens count as computed, its full pages enter the prefix cache) when the next
+plan arrives, or with async batching (`StepPlan.overlapped`) the plan after that: the worker plans
+step N+1 while step N computes. Until then it is *in flight*; the next grant starts after it.
+
 Invariants (see `check`):
 - every chunk's refcount equals the number of table entries naming it across all requests;
 - an active request's tables cover every token it has computed or is computing;
+- a page is hashed only once its KV is settled and every token id in it is known;
 - admission is all-or-nothing across allocators: a refused request holds nothing;
 - the last active request is never offloaded; requests placed in this step keep their blocks;
 - a step is all or nothing: a plan it refuses (ValueError) has changed nothing, not even a count.
@@ -18,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
@@ -51,11 +56,21 @@ class CacheRequest:
     request_id: str
     arrival: int
     salt: bytes
-    token_ids: list[int]
+    token_ids: list[int]  # the ids known; `num_placeholders` more tokens follow
     state: CacheState = CacheState.PENDING
-    num_computed: int = 0
-    in_flight: int = 0  # granted last step; computed by the time the next plan arrives
+    num_computed: int = 0  # settled
+    in_flight: int = 0  # granted, not settled yet
+    num_placeholders: int = 0  # tokens a running step samples, ids not sent yet
     block_hashes: list[bytes] = field(default_factory=list)  # chain over full computed pages
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids) + self.num_placeholders
+
+    @property
+    def num_granted(self) -> int:
+        """Where its next grant starts."""
+        return self.num_computed + self.in_flight
 
 
 @dataclass
@@ -107,6 +122,8 @@ class BlockManager:
         self.safety_margin = safety_margin
         self.max_step_tokens = max_step_tokens
         self.requests: dict[str, CacheRequest] = {}
+        # Each step's grants until they settle, oldest first: (request, tokens) pairs.
+        self._unsettled: deque[list[tuple[CacheRequest, int]]] = deque()
         self.stats = CacheStats()
         # KV events (see messages.KvEvents): the announced pages, in the order announced, so that
         # evicting a salted page (never announced) is not announced either, and so that a subscriber
@@ -122,11 +139,11 @@ class BlockManager:
         fails half way is never sent, so the worker would not know what that half did."""
         self._check_plan(plan)
         self.stats.steps += 1
-        for req in self.requests.values():
-            if req.in_flight:
-                req.num_computed += req.in_flight
-                req.in_flight = 0
-                self._register_full_pages(req)
+        for entry in plan.entries:  # the ids first: a settling page may be waiting for them
+            known = self.requests.get(entry.request_id)
+            if known is not None:
+                _take_ids(known, entry)
+        self._settle(keep=1 if plan.overlapped else 0)
         for rid in (*plan.frees, *plan.aborts):
             self._forget(rid)
 
@@ -162,9 +179,22 @@ class BlockManager:
                     still.append(entry)
             blocked = still
         self.swap.end_step()
+        self._unsettled.append(out.in_flight)
         out.blocked = [e.request_id for e in blocked]
         out.kv_events = self._drain_kv_events()
         return out.build()
+
+    def _settle(self, keep: int) -> None:
+        """Count all but the last `keep` steps' grants as computed, then cache every full page whose
+        KV is computed and whose ids are known (pages are registered here, at the step's start only,
+        so that a step's KV events store before they remove)."""
+        while len(self._unsettled) > keep:
+            for req, n in self._unsettled.popleft():
+                if self.requests.get(req.request_id) is req:  # not forgotten (nor re-admitted) since
+                    req.in_flight -= n
+                    req.num_computed += n
+        for req in self.requests.values():
+            self._register_full_pages(req)
 
     def kv_snapshot(self) -> KvEvents:
         """Between steps: the live announced pages as one resync (`cleared`, then each page, parents
@@ -201,6 +231,10 @@ class BlockManager:
             if not all(0 <= t < 2**63 for t in entry.new_token_ids):
                 raise ValueError(f"StepPlan {plan.step}: a token id of {entry.request_id!r} is negative "
                                  "or over 64 bits")  # fmt: skip
+            if entry.num_placeholders < 0:
+                raise ValueError(
+                    f"StepPlan {plan.step}: {entry.request_id!r} has {entry.num_placeholders} placeholders"
+                )
 
     # ------------------------------------------------------------------------------------ ingestion
 
@@ -214,8 +248,8 @@ class BlockManager:
                 out.rejected.append(Rejected(entry.request_id, reason))
                 return None
             self.requests[entry.request_id] = req
-        req.token_ids.extend(entry.new_token_ids)
-        available = len(req.token_ids) - req.num_computed
+            _take_ids(req, entry)
+        available = req.num_tokens - req.num_granted
         if entry.num_tokens < 1 or entry.num_tokens > available:
             self._forget(entry.request_id)
             self.stats.rejected += 1
@@ -227,7 +261,7 @@ class BlockManager:
 
     def _never_fits(self, entry: PlanEntry) -> str:
         """Why this request could not run even in an empty pool ("" if it can)."""
-        total = max(entry.max_total_tokens, len(entry.new_token_ids))
+        total = max(entry.max_total_tokens, len(entry.new_token_ids) + entry.num_placeholders)
         need = 0
         for alloc in self.allocators:
             if isinstance(alloc, SlidingAttentionAllocator):
@@ -268,7 +302,7 @@ class BlockManager:
         return sum(a.chunks_needed(rid, end) for a in self.allocators)
 
     def _grow(self, req: CacheRequest, num_tokens: int, out: _GrantBuilder) -> bool:
-        start = req.num_computed
+        start = req.num_granted
         end = start + num_tokens
         if self._need(req.request_id, start, end) > self.pool.num_free:
             return False
@@ -281,12 +315,12 @@ class BlockManager:
             return False
         hits = self._lookup_prefix(req) if self.sharing else []
         start = len(hits) * self.page_size
-        end = min(start + num_tokens, len(req.token_ids))
+        end = min(start + num_tokens, req.num_tokens)
         need = pages_for(end, self.page_size) * sum(a.k for a in self.allocators) - len(hits)
         if need > self.pool.num_free - self.pool.num_evictable_in(hits):
             return False
         if self.sharing:
-            self.stats.prefix_queries += len(req.token_ids)
+            self.stats.prefix_queries += req.num_tokens
             self.stats.prefix_hit_tokens += start
             req.block_hashes = [self.pool.hash_of[c] for c in hits]
             self.allocators[0].attach(req.request_id, hits)
@@ -298,12 +332,12 @@ class BlockManager:
         return True
 
     def _lookup_prefix(self, req: CacheRequest) -> list[int]:
-        """Cached chunks for the longest prefix of full pages, leaving at least the last prompt token
-        to compute (its logits are needed)."""
+        """Cached chunks for the longest prefix of full pages of known ids, leaving at least the last
+        prompt token to compute (its logits are needed)."""
         hits: list[int] = []
         parent = b""
         p = self.page_size
-        for i in range((len(req.token_ids) - 1) // p):
+        for i in range(min(req.num_tokens - 1, len(req.token_ids)) // p):
             digest = block_hash(parent, req.token_ids[i * p : (i + 1) * p], req.salt)
             chunk = self.pool.lookup(digest)
             if chunk is None:
@@ -315,7 +349,7 @@ class BlockManager:
     def _restore(self, req: CacheRequest, num_tokens: int, out: _GrantBuilder) -> bool:
         layout = self.swap.held[req.request_id]
         live = sum(1 for table in layout for s in table if s >= 0)
-        start = req.num_computed
+        start = req.num_granted
         end = start + num_tokens
         growth = 0
         for alloc, table in zip(self.allocators, layout, strict=True):
@@ -344,8 +378,8 @@ class BlockManager:
         demand = {
             e.request_id: self._need(
                 e.request_id,
-                self.requests[e.request_id].num_computed,
-                self.requests[e.request_id].num_computed + e.num_tokens,
+                self.requests[e.request_id].num_granted,
+                self.requests[e.request_id].num_granted + e.num_tokens,
             )
             for e in blocked
         }
@@ -367,7 +401,7 @@ class BlockManager:
     def _offload(self, req: CacheRequest, out: _GrantBuilder) -> None:
         rid = req.request_id
         for alloc in self.allocators:
-            alloc.recycle(rid, req.num_computed)  # pages no later step reads are not worth saving
+            alloc.recycle(rid, req.num_granted)  # pages no later step reads are not worth saving
         live = [c for a in self.allocators for c in a.live_chunks(rid)]
         if live and self.swap.num_free >= len(live):
             slots = iter(self.swap.take(len(live)))
@@ -394,7 +428,7 @@ class BlockManager:
             return
         table = self.allocators[0].tables[req.request_id]
         p = self.page_size
-        for i in range(len(req.block_hashes), req.num_computed // p):
+        for i in range(len(req.block_hashes), min(req.num_computed, len(req.token_ids)) // p):
             parent = req.block_hashes[-1] if req.block_hashes else b""
             tokens = req.token_ids[i * p : (i + 1) * p]
             digest = block_hash(parent, tokens, req.salt)
@@ -417,9 +451,8 @@ class BlockManager:
         committed: the step that computed them may never have run. Full hashed pages stay cached."""
         rids = list(self.requests)
         for rid in rids:
-            req = self.requests[rid]
-            req.in_flight = 0
             self._forget(rid)
+        self._unsettled.clear()
         self.swap.end_step()
         return len(rids)
 
@@ -449,10 +482,8 @@ class BlockManager:
                 if req is None or req.state is not CacheState.ACTIVE:
                     raise AssertionError(f"table for {rid} which is not active")
                 covered = len(table) // alloc.k * self.page_size
-                if covered < req.num_computed + req.in_flight:
-                    raise AssertionError(
-                        f"{rid}: table covers {covered} < {req.num_computed + req.in_flight}"
-                    )
+                if covered < req.num_granted:
+                    raise AssertionError(f"{rid}: table covers {covered} < {req.num_granted}")
                 refs.update(c for c in table if c >= 0)
         for chunk in range(self.pool.num_chunks):
             if self.pool.refcount[chunk] != refs[chunk]:
@@ -462,6 +493,13 @@ class BlockManager:
         for rid, req in self.requests.items():
             if req.state is CacheState.OFFLOADED and rid not in self.swap.held:
                 raise AssertionError(f"offloaded {rid} holds no swap slots")
+
+
+def _take_ids(req: CacheRequest, entry: PlanEntry) -> None:
+    """The entry's ids extend the known ones (filling earlier placeholders first); its placeholders
+    are then all that follows."""
+    req.token_ids.extend(entry.new_token_ids)
+    req.num_placeholders = entry.num_placeholders
 
 
 def _relocate(table: list[int], fresh: Iterator[int], moves: list[tuple[int, int]]) -> list[int]:
@@ -491,9 +529,11 @@ class _GrantBuilder:
         self.swap_out: list[tuple[int, int]] = []
         self.swap_in: list[tuple[int, int]] = []
         self.kv_events: KvEvents | None = None
+        self.in_flight: list[tuple[CacheRequest, int]] = []
 
     def grant(self, req: CacheRequest, start: int, n: int, tables: list[list[int]], replace: bool) -> None:
-        req.in_flight = n
+        req.in_flight += n
+        self.in_flight.append((req, n))
         self.granted.append(Granted(req.request_id, start, n, [list(t) for t in tables], replace))
 
     def build(self) -> StepGrant:

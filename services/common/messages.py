@@ -14,7 +14,7 @@ import msgspec
 
 from services.common.tensor_handles import TensorHandle
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: placeholders and overlapped steps (async batching)
 # Token ids out of this range fail to decode, so they never reach the hashing code.
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 
@@ -25,6 +25,11 @@ class PlanEntry(msgspec.Struct, array_like=True, frozen=True):
     `new_token_ids` are the request's tokens the cachemgr has not been sent yet (the whole prompt the
     first time, the last sampled token afterwards); the cachemgr keeps the token list for hashing.
     `num_tokens` is how many tokens the worker wants to compute this step.
+
+    With async batching the plan leaves before the step still computing has sampled: its tokens are
+    `num_placeholders` more after `new_token_ids`, ids unknown. They count toward `num_tokens` (a
+    decode computes one), and their ids lead the request's next `new_token_ids`; a page holding one
+    enters the prefix cache only once its id is known.
     """
 
     request_id: str
@@ -33,6 +38,7 @@ class PlanEntry(msgspec.Struct, array_like=True, frozen=True):
     arrival: int
     cache_salt: str = ""
     max_total_tokens: int = 0  # prompt + max new tokens, for the fits-at-all check on first sight
+    num_placeholders: Annotated[int, msgspec.Meta(ge=0, lt=2**31)] = 0
 
 
 class StepPlan(msgspec.Struct, frozen=True, tag="plan"):
@@ -40,6 +46,9 @@ class StepPlan(msgspec.Struct, frozen=True, tag="plan"):
     entries: list[PlanEntry]
     frees: list[str] = []  # finished requests: release their blocks before anything else
     aborts: list[str] = []  # cancelled/errored requests: release likewise
+    # The previous step still computes (async batching): its grants count as computed from the next
+    # plan on, so that no page enters the prefix cache before its KV is written.
+    overlapped: bool = False
     version: int = PROTOCOL_VERSION
 
 
