@@ -11,6 +11,7 @@ from services.common.config import CBConfig
 from services.common.kv_geometry import KVGeometry
 from services.worker.attention import ATTENTION_NAME
 from services.worker.batch import BatchBuilder, BatchItem, ForwardBatch
+from services.worker.cuda_graphs import Capture, CudaGraphs
 from services.worker.fused_llama import FusedLlama
 from services.worker.kernels import paged_decode_kernel, paged_prefill_kernel
 from services.worker.packed_linear import pack_linears
@@ -21,7 +22,8 @@ class ModelRunner:
     """Owns the model and views of the pools; never decides which blocks to use.
 
     Swap copies run before the forward that may reuse the chunks they free, so a victim's bytes are
-    saved before any new owner writes them (swap_copies.py).
+    saved before any new owner writes them (swap_copies.py). Decode steps replay CUDA graphs where
+    `config.cuda_graph_enabled` (cuda_graphs.py).
     """
 
     def __init__(
@@ -61,16 +63,36 @@ class ModelRunner:
             prefill_kernel=paged_prefill_kernel(geometry.head_dim) if native else None,
         )
         self.swap_copies = SwapCopies(kv_pool, swap_pool)
+        self.config = config
+        # A request reads at most the model's positions or the whole pool, whichever is fewer.
+        self.max_keys = min(getattr(text, "max_position_embeddings", num_chunks * page), num_chunks * page)
+        self.graphs: CudaGraphs | None = None
+        if config.cuda_graph_enabled(self.device.type):
+            self.use_graphs()
+
+    def use_graphs(self, capture: Capture | None = None) -> None:
+        """Capture the decode graphs (again), with `capture` as the back end (default: CUDA's)."""
+        self.graphs = None  # the old graphs' memory returns before the new ones draw theirs
+        vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        self.graphs = CudaGraphs.for_runner(
+            self._forward, self.builder, self.config, self.max_keys, vocab_size, capture
+        )
 
     def copy_swap(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]]) -> None:
         self.swap_copies.copy(swap_out, swap_in)
 
     def build(self, items: Sequence[BatchItem]) -> ForwardBatch:
-        return self.builder.build(items)
+        shape = self.graphs.shape_for(items) if self.graphs is not None else None
+        return self.builder.build(items, shape)
 
-    @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits `[R + P, vocab]` (float32) of the rows `batch.logits_indices` names, in order."""
+        if self.graphs is not None and batch.shape is not None:
+            return self.graphs.replay(batch)
+        return self._forward(batch)
+
+    @torch.inference_mode()
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         if self.fused is not None:
             ids, positions = batch.input_ids[0], batch.position_ids[0]
             return self.fused(ids, positions, batch.logits_indices, batch.attention)

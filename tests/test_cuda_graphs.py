@@ -1,0 +1,233 @@
+"""CUDA graphs of decode steps (worker/cuda_graphs.py).
+
+On a CPU the graphs run through `eager_capture`: the same buckets, phantom rows and static inputs,
+and a capture that a dispatch guard watches for what a CUDA graph cannot hold (a tensor's value read
+on the host, an output sized by values). The model runs the forward a CUDA device runs
+(transformers' modules, gather + SDPA attention), not the CPU's native kernels. The `cuda_only` tests
+capture real graphs; `make gpu-check` runs them.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoModelForCausalLM
+
+from services.common.kv_geometry import PADDING_SLOT
+from services.worker import cuda_graphs
+from services.worker.batch import BatchItem
+from services.worker.buckets import Shape
+from services.worker.cuda_graphs import Step, eager_capture
+from services.worker.engine import Engine
+from tests.cuda_marks import CUDA_MARKS, cuda_only
+from tests.test_engine_parity import (
+    NEW_TOKENS,
+    assert_no_leak,
+    make_prompts,
+    reference,
+    reference_attn,
+)
+
+FAMILIES = ("llama", "mistral", "gemma2", "qwen3")  # full, sliding, hybrid with softcap, q/k norms
+# Decode steps of several sizes and contexts between chunked prefills, and a swap round trip.
+CONFIGS: dict[str, dict[str, Any]] = {
+    "chunked": {"num_blocks": 256, "max_batch_tokens": 16, "long_prefill_token_threshold": 7},
+    "swap": {"page_size": 8, "cpu_offload_space": 0.01, "kv_padding_interval_size": 16},
+}
+
+# Pools (in chunks of 8 tokens) that hold the longest request (40 shared + 60 + 20 tokens) but not
+# three at once: the swap config offloads and restores. Not Mistral's: its sliding layers recycle
+# their pages, so that no running request ever blocks and none is offloaded.
+SWAP_BLOCKS = {"llama": 20, "qwen3": 20, "gemma2": 40}
+
+# What a CUDA graph cannot hold: a value read on the host (a sync, and frozen into the graph) or an
+# output whose size depends on values.
+HOST_READS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default",
+              "aten.equal.default", "aten.is_nonzero.default", "aten.unique_dim.default",
+              "aten._unique2.default", "aten.repeat_interleave.Tensor"}  # fmt: skip
+
+
+class CaptureGuard(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.violations: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = str(func)
+        indices = args[1] if name.startswith("aten.index") and isinstance(args[1], list | tuple) else ()
+        if name in HOST_READS or any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices):
+            self.violations.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def guarded_capture(step: Step) -> Step:
+    with CaptureGuard() as guard:
+        step()
+    assert not guard.violations, f"not capturable: {guard.violations}"
+    return step
+
+
+def cuda_like(engine: Engine) -> Engine:
+    """The forward a CUDA device runs: transformers' modules and gather + SDPA attention."""
+    runner = engine.runner
+    runner.fused = None
+    runner.builder.decode_kernel = runner.builder.prefill_kernel = None
+    return engine
+
+
+def engine_for(model_dir: Path, family: str, config_name: str, device: str, **overrides: Any) -> Engine:
+    cb = CONFIGS[config_name] | overrides
+    if config_name == "swap":
+        cb.setdefault("num_blocks", SWAP_BLOCKS[family])
+    return Engine.from_pretrained(model_dir, device=device, **cb)
+
+
+@pytest.fixture(scope="module")
+def cuda_reference() -> Iterator[Callable[[Path, str, list[list[int]]], list[list[int]]]]:
+    """transformers `generate` on the device, fp32: what the engine must match there."""
+    cached: dict[tuple[Path, tuple[tuple[int, ...], ...]], list[list[int]]] = {}
+
+    def generate(model_dir: Path, attn: str, prompts: list[list[int]]) -> list[list[int]]:
+        key = (model_dir, tuple(map(tuple, prompts)))
+        if key not in cached:
+            model = AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=torch.float32, attn_implementation=attn
+            )
+            model = model.to("cuda").eval()
+            model.generation_config.eos_token_id = None
+            outs = []
+            for prompt in prompts:
+                out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=NEW_TOKENS,
+                                     do_sample=False, pad_token_id=0)  # fmt: skip
+                outs.append(out[0, len(prompt) :].tolist())
+            cached[key] = outs
+        return cached[key]
+
+    yield generate
+
+
+# cpu: emulated graphs; cuda: real ones, and the eager forward beside them.
+RUNS = [
+    pytest.param("cpu", True, id="cpu-emulated-graphs"),
+    pytest.param("cuda", True, marks=CUDA_MARKS, id="cuda-graphs"),
+    pytest.param("cuda", False, marks=CUDA_MARKS, id="cuda-eager"),
+]
+
+
+@pytest.mark.parametrize(("device", "use_cuda_graph"), RUNS)
+@pytest.mark.parametrize("config_name", list(CONFIGS))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_outputs_equal_generate(
+    family: str,
+    config_name: str,
+    device: str,
+    use_cuda_graph: bool,
+    tiny_models: Callable[[str], Path],
+    cuda_reference: Callable[[Path, str, list[list[int]]], list[list[int]]],
+) -> None:
+    """Chunked prefills and decode steps of many sizes, prefix hits (the second round shares a
+    prefix with the first) and a swap round trip; transformers `generate` on the same device."""
+    if config_name == "swap" and family not in SWAP_BLOCKS:
+        pytest.skip(f"{family} offloads nothing (see SWAP_BLOCKS)")
+    model_dir = tiny_models(family)
+    shared = [random.Random(3).randint(3, 255) for _ in range(40)]  # a full page of 32 at least
+    rounds = [make_prompts(11, 3, shared), make_prompts(12, 4, shared)]
+    generate = reference if device == "cpu" else cuda_reference
+    if device == "cpu":  # a CPU refuses use_cuda_graph: the emulated graphs come after
+        engine = cuda_like(engine_for(model_dir, family, config_name, device))
+        engine.runner.use_graphs(guarded_capture)
+    else:
+        engine = engine_for(model_dir, family, config_name, device, use_cuda_graph=use_cuda_graph)
+    with engine:
+        for prompts in rounds:
+            expected = generate(model_dir, reference_attn(family), prompts)
+            assert engine.generate(prompts, NEW_TOKENS, ignore_eos=True) == expected
+        graphs = engine.runner.graphs
+        if use_cuda_graph:
+            assert graphs is not None and graphs.replays > NEW_TOKENS and graphs.eager_decodes == 0
+            assert engine.runner.builder.padded_queries > 0  # phantom rows
+        else:
+            assert graphs is None
+        stats = engine.stats()
+        if engine.cache.prefix_caching:
+            assert stats["prefix_hit_tokens"] > 0, stats
+        if config_name == "swap":
+            assert stats["swap_restores"] > 0, stats
+        assert_no_leak(engine)
+
+
+def test_a_decode_step_is_padded_to_its_bucket_with_phantom_rows(tiny_models: Callable[[str], Path]) -> None:
+    with cuda_like(Engine.from_pretrained(tiny_models("gemma2"), num_blocks=64, page_size=8)) as engine:
+        builder = engine.runner.builder
+        tables = [[5, 6, 7], [9, 10, 11]]  # pages of the full and of the sliding group
+        items = [BatchItem(20, [7], tables, sample=True), BatchItem(3, [8], tables, sample=False)]
+        batch = builder.build(items, Shape(8, 32))
+    assert batch.shape == Shape(8, 32) and batch.input_ids.shape == (1, 8)
+    assert batch.logits_indices.tolist() == [0]  # phantoms and the non-sampling row are not asked for
+    for slots in batch.attention.write_slots.values():
+        assert (slots[2:] == PADDING_SLOT).all()  # phantom rows write the padding slot alone
+    for groups in batch.attention.groups.values():
+        (decode,) = groups
+        assert decode.bias.shape[0] == 8 and decode.bias.shape[-1] == 32 and decode.valid is None
+        for slots in decode.slots.values():
+            assert (slots.view(8, 32)[2:] == PADDING_SLOT).all()  # and read it alone
+        assert (decode.bias[2:, :, :, 1:] == float("-inf")).all() and (decode.bias[2:, :, :, 0] == 0).all()
+
+
+def test_static_inputs_are_views_of_one_buffer_per_input(tiny_models: Callable[[str], Path]) -> None:
+    with cuda_like(Engine.from_pretrained(tiny_models("llama"), num_blocks=64)) as engine:
+        engine.runner.use_graphs(eager_capture)
+        graphs = engine.runner.graphs
+        assert graphs is not None
+        inputs = [cuda_graphs._step_inputs(g.inputs) for g in graphs._graphs.values()]
+        assert all(len(i) == len(inputs[0]) for i in inputs)
+        for position in range(len(inputs[0])):
+            assert len({i[position].data_ptr() for i in inputs}) == 1  # the fronts of one buffer
+        largest = inputs[0]  # the first captured
+        assert graphs._arena.nbytes == sum(t.numel() * t.element_size() for t in largest[2:])
+
+
+def test_a_decode_step_beyond_every_bucket_runs_eagerly(
+    tiny_models: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cuda_graphs, "MAX_GRAPHS", 4)  # 8 requests reading 64 keys at most
+    model_dir = tiny_models("llama")
+    prompts = make_prompts(seed=7)
+    short = [prompts[0][:10]]  # alone, it fits a bucket throughout
+    cb = {"num_blocks": 256, "kv_padding_interval_size": 16, "max_requests_per_batch": 8}
+    with cuda_like(Engine.from_pretrained(model_dir, **cb)) as engine:
+        engine.runner.use_graphs(guarded_capture)
+        graphs = engine.runner.graphs
+        assert graphs is not None and graphs.count == 4
+        assert engine.generate(prompts, NEW_TOKENS, ignore_eos=True) == reference(model_dir, "sdpa", prompts)
+        assert graphs.eager_decodes > 0
+        replays = graphs.replays
+        assert engine.generate(short, NEW_TOKENS, ignore_eos=True) == reference(model_dir, "sdpa", short)
+        assert graphs.replays - replays == NEW_TOKENS - 1  # every decode step of the short one
+
+
+def test_graphs_need_a_bucket_the_step_buffers_hold(tiny_models: Callable[[str], Path]) -> None:
+    with Engine.from_pretrained(tiny_models("llama"), num_blocks=64, max_batch_tokens=4) as engine:
+        with pytest.raises(ValueError, match="holds no bucket of 8 tokens"):
+            engine.runner.use_graphs(eager_capture)
+
+
+@cuda_only
+def test_on_cuda_a_replay_computes_what_the_eager_forward_does(tiny_models: Callable[[str], Path]) -> None:
+    with Engine.from_pretrained(tiny_models("llama"), device="cuda", num_blocks=64, page_size=8) as engine:
+        runner = engine.runner
+        assert runner.graphs is not None
+        tables = [[2, 3, 4, 5]]
+        items = [BatchItem(17, [7], tables, sample=True), BatchItem(30, [9], tables, sample=True)]
+        shape = runner.graphs.shape_for(items)
+        assert shape is not None
+        batch = runner.builder.build(items, shape)
+        eager = runner._forward(batch)
+        replayed = runner.graphs.replay(batch)
+        torch.testing.assert_close(replayed, eager, rtol=0, atol=1e-5)
