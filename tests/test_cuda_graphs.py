@@ -10,7 +10,7 @@ capture real graphs; `make gpu-check` runs them.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -88,28 +88,33 @@ def engine_for(model_dir: Path, family: str, config_name: str, device: str, **ov
     return Engine.from_pretrained(model_dir, device=device, **cb)
 
 
+def generate_reference(
+    model_dir: Path, prompts: list[list[int]], new_tokens: int, device: str, attn: str = "sdpa"
+) -> list[list[int]]:
+    """transformers' greedy `generate` (fp32, EOS ignored) on `device`, one prompt at a time."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn)
+    model = model.to(device).eval()
+    model.generation_config.eos_token_id = None
+    outs = []
+    for prompt in prompts:
+        out = model.generate(torch.tensor([prompt], device=device), max_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=0)  # fmt: skip
+        outs.append(out[0, len(prompt) :].tolist())
+    return outs
+
+
 @pytest.fixture(scope="module")
-def cuda_reference() -> Iterator[Callable[[Path, str, list[list[int]]], list[list[int]]]]:
-    """transformers `generate` on the device, fp32: what the engine must match there."""
-    cached: dict[tuple[Path, tuple[tuple[int, ...], ...]], list[list[int]]] = {}
+def cuda_reference() -> Callable[[Path, str, list[list[int]]], list[list[int]]]:
+    """`generate_reference` on the CUDA device: what the engine must match there."""
+    cached: dict[tuple[Path, str, tuple[tuple[int, ...], ...]], list[list[int]]] = {}
 
     def generate(model_dir: Path, attn: str, prompts: list[list[int]]) -> list[list[int]]:
-        key = (model_dir, tuple(map(tuple, prompts)))
+        key = (model_dir, attn, tuple(map(tuple, prompts)))
         if key not in cached:
-            model = AutoModelForCausalLM.from_pretrained(
-                model_dir, dtype=torch.float32, attn_implementation=attn
-            )
-            model = model.to("cuda").eval()
-            model.generation_config.eos_token_id = None
-            outs = []
-            for prompt in prompts:
-                out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=NEW_TOKENS,
-                                     do_sample=False, pad_token_id=0)  # fmt: skip
-                outs.append(out[0, len(prompt) :].tolist())
-            cached[key] = outs
+            cached[key] = generate_reference(model_dir, prompts, NEW_TOKENS, "cuda", attn)
         return cached[key]
 
-    yield generate
+    return generate
 
 
 # cpu: emulated graphs; cuda: real ones, and the eager forward beside them.
@@ -190,7 +195,9 @@ def test_static_inputs_are_views_of_one_buffer_per_input(tiny_models: Callable[[
         for position in range(len(inputs[0])):
             assert len({i[position].data_ptr() for i in inputs}) == 1  # the fronts of one buffer
         largest = inputs[0]  # the first captured
-        assert graphs._arena.nbytes == sum(t.numel() * t.element_size() for t in largest[2:])
+        assert graphs._arena.nbytes == sum(t.numel() * t.element_size() for t in largest)
+        builder = engine.runner.builder  # whose buffers a replay copies from, never reads
+        assert inputs[0][0].data_ptr() != builder.input_buf.data_ptr()
 
 
 def test_a_decode_step_beyond_every_bucket_runs_eagerly(

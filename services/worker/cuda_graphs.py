@@ -111,7 +111,8 @@ class _Arena:
         self._buffers: list[torch.Tensor] = []
 
     def place(self, batch: ForwardBatch) -> ForwardBatch:
-        """`batch` with its attention metadata moved into views of the buffers' fronts."""
+        """`batch` with its inputs moved into views of the buffers' fronts. The graphs own them: a
+        builder's buffers take turns (async batching builds the next step during a replay)."""
         index = itertools.count()
 
         def view(t: torch.Tensor) -> torch.Tensor:
@@ -129,7 +130,9 @@ class _Arena:
             write_slots=_map_tensors(attention.write_slots, view),
             groups=_map_tensors(attention.groups, view),
         )
-        return dataclasses.replace(batch, attention=moved)
+        return dataclasses.replace(
+            batch, input_ids=view(batch.input_ids), position_ids=view(batch.position_ids), attention=moved
+        )
 
     @property
     def nbytes(self) -> int:
@@ -242,8 +245,7 @@ class CudaGraphs:
             raise ValueError("only a batch built for a bucket replays a graph")
         graph = self._graphs[batch.shape]
         for static, step in zip(_step_inputs(graph.inputs), _step_inputs(batch), strict=True):
-            if static.data_ptr() != step.data_ptr():  # the builder's own buffers are static already
-                static.copy_(step, non_blocking=True)
+            static.copy_(step, non_blocking=True)
         graph.replay()
         self.replays += 1
         return self._logits[: batch.shape.tokens].index_select(0, batch.logits_indices)
