@@ -27,7 +27,6 @@ def usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
         (["up", "--safety-margin", "1.5"], "safety_margin must be in [0, 1), got 1.5"),
         (["worker", "--use-cuda-graph"], "use_cuda_graph needs a CUDA device, this one is 'cpu'"),
         (["up", "--device", "cpu", "--use-cuda-graph"], "use_cuda_graph needs a CUDA device"),
-        (["bench", "offline", "--use-async-batching"], "use_async_batching is not implemented yet"),
     ],
 )
 def test_a_bad_setting_is_a_usage_error(
@@ -83,14 +82,13 @@ def test_variables_set_defaults_and_flags_win(monkeypatch: pytest.MonkeyPatch) -
     assert cb_config(build_parser().parse_args(["worker", "--page-size", "8"])).page_size == 8
 
 
-def test_the_unbuilt_switches_may_be_named_off() -> None:
-    # Configurations that spell out the defaults stay valid; only asking for the feature is refused.
+def test_the_device_switches_may_be_named_off_and_async_batching_on() -> None:
     config = cb_config(
         build_parser().parse_args(["worker", "--no-use-cuda-graph", "--no-use-async-batching"])
     )
     assert config.use_cuda_graph is False and config.use_async_batching is False
-    with pytest.raises(ValueError, match="use_async_batching is not implemented yet"):
-        CBConfig(use_async_batching=True)
+    assert cb_config(build_parser().parse_args(["worker", "--use-async-batching"])).use_async_batching
+    assert CBConfig().use_async_batching is False
 
 
 def test_cuda_graphs_follow_the_device() -> None:

@@ -1,5 +1,6 @@
 """Engine behaviour beyond greedy parity: sampling, seeds, logprobs (of samples and of prompts), stops,
-cancellation, bad input."""
+cancellation, bad input; each with async batching off and on, and what async batching adds: a
+request that stops wastes at most one computed token, and one aborted meanwhile gets no more."""
 
 from __future__ import annotations
 
@@ -18,10 +19,15 @@ from services.worker.request import FinishReason, Request, RequestStatus
 from tests.test_engine_parity import assert_no_leak, make_prompts, reference
 
 
-@pytest.fixture
-def engine(tiny_models: Callable[[str], Path]) -> Iterator[Engine]:
+@pytest.fixture(params=[False, True], ids=["sync", "async"])
+def engine(request: pytest.FixtureRequest, tiny_models: Callable[[str], Path]) -> Iterator[Engine]:
     with Engine.from_pretrained(
-        tiny_models("llama"), num_blocks=24, page_size=8, max_batch_tokens=32, cpu_offload_space=0.01
+        tiny_models("llama"),
+        num_blocks=24,
+        page_size=8,
+        max_batch_tokens=32,
+        cpu_offload_space=0.01,
+        use_async_batching=request.param,
     ) as e:
         yield e
 
@@ -85,6 +91,7 @@ def assert_prompt_logprobs(req: Request, model_dir: Path) -> None:
         ("llama", {"max_batch_tokens": 16}),  # chunked by the token budget
         ("qwen3", {"max_batch_tokens": 16}),
         ("llama", {"max_batch_tokens": 256, "max_requests_per_batch": 6}),  # chunked by logits rows
+        ("llama", {"max_batch_tokens": 16, "use_async_batching": True}),
     ],
 )
 def test_prompt_logprobs_match_the_model(
@@ -124,14 +131,19 @@ def test_prompt_logprobs_read_no_cached_prefix(tiny_models: Callable[[str], Path
         assert_no_leak(engine)
 
 
-def test_prompt_logprobs_survive_soft_resets_once(tiny_models: Callable[[str], Path]) -> None:
+@pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
+def test_prompt_logprobs_survive_soft_resets_once(
+    async_batching: bool, tiny_models: Callable[[str], Path]
+) -> None:
     """A soft reset mid-prefill re-prefills from the cache of the request's own pages: the rows
     taken before the reset are not taken again, and those after it are still computed."""
     model_dir = tiny_models("llama")
     rng = random.Random(1)
     prompts = [[rng.randint(3, 255) for _ in range(n)] for n in (60, 70, 50, 65, 55)]
     params = SamplingParams(max_new_tokens=20, ignore_eos=True, prompt_logprobs=3)
-    with Engine.from_pretrained(model_dir, num_blocks=16, page_size=8, max_batch_tokens=32) as engine:
+    with Engine.from_pretrained(
+        model_dir, num_blocks=16, page_size=8, max_batch_tokens=32, use_async_batching=async_batching
+    ) as engine:
         reqs = [engine.add_request(p, params) for p in prompts]
         reset_owing = 0  # soft resets of requests whose prompt logprobs were incomplete
         while engine.has_work:
@@ -228,3 +240,54 @@ def test_request_that_can_never_fit_fails_alone(engine: Engine) -> None:
     assert huge.finish_reason is FinishReason.ERROR and "chunks" in huge.error
     assert all(len(r.output_ids) == 8 for r in outs)
     assert_no_leak(engine)
+
+
+# ------------------------------------------------------------------------------------ async batching
+
+
+@pytest.mark.parametrize("stop", ["stop_token", "length"])
+def test_async_batching_wastes_at_most_one_token_of_a_stopped_request(
+    stop: str, tiny_models: Callable[[str], Path]
+) -> None:
+    """The step planned while a stop token is sampled computes that request once more (and drops
+    what it samples); a length limit is known ahead, so nothing is planned past it."""
+    model_dir = tiny_models("llama")
+    prompt = make_prompts(seed=6, count=1)[0]
+    free_run = reference(model_dir, "sdpa", [prompt])[0]
+    if stop == "stop_token":
+        params = SamplingParams(max_new_tokens=20, stop_token_ids=(free_run[6],), ignore_eos=True)
+    else:
+        params = SamplingParams(max_new_tokens=7, ignore_eos=True)
+    computed, outputs = [], []
+    for async_batching in (False, True):
+        with Engine.from_pretrained(
+            model_dir, num_blocks=16, page_size=8, use_async_batching=async_batching
+        ) as e:
+            req = e.add_request(prompt, params)
+            e.run_until_done()
+            outputs.append(req.output_ids)
+            computed.append(e.phase_totals.num_tokens)
+            assert_no_leak(e)
+    assert outputs[0] == outputs[1] == free_run[: free_run.index(free_run[6]) + 1]
+    assert computed[1] - computed[0] == (1 if stop == "stop_token" else 0), computed
+
+
+def test_an_abort_while_its_next_token_computes_streams_no_more(tiny_models: Callable[[str], Path]) -> None:
+    with Engine.from_pretrained(
+        tiny_models("llama"), num_blocks=16, page_size=8, use_async_batching=True
+    ) as e:
+        aborted, other = (
+            e.add_request(p, SamplingParams(max_new_tokens=12, ignore_eos=True))
+            for p in make_prompts(seed=7, count=2)
+        )
+        while len(aborted.output_ids) < 3:
+            e.step()
+        assert aborted.num_placeholders == 1  # the running step samples its next token
+        seen = list(aborted.output_ids)
+        e.abort(aborted.request_id)
+        updated = e.step()  # ends that step, and plans the next one without it
+        assert aborted not in updated and aborted.output_ids == seen
+        e.run_until_done()
+        assert aborted.output_ids == seen and aborted.finish_reason is FinishReason.ABORTED
+        assert len(other.output_ids) == 12
+        assert_no_leak(e)

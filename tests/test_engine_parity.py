@@ -2,7 +2,7 @@
 
 Every model family runs through every configuration that changes how tokens reach the model: a roomy
 cache, prompts chunked across steps, prefix-cache hits, offloading to the swap pool, soft resets,
-both policies, and query/KV padding. After each run nothing leaks.
+both policies, and query/KV padding; each with async batching off and on. After each run nothing leaks.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from services.common.messages import StepGrant, StepPlan
 from services.worker.engine import Engine
 from tests.tiny_models import FAMILIES
 
@@ -89,6 +90,28 @@ def reference(model_dir: Path, attn: str, prompts: list[list[int]], eos: bool = 
     return _reference(model_dir, attn, tuple(map(tuple, prompts)), eos)
 
 
+# Async batching off and on: outputs must not tell them apart.
+ASYNC = pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
+
+
+def count_overlapped(engine: Engine) -> list[bool]:
+    """The `overlapped` flag of every plan the engine sends from now on: True where it planned a step
+    while the one before still computed, which is what async batching is."""
+    flags: list[bool] = []
+    step = engine.cache.step
+
+    def recording(plan: StepPlan) -> StepGrant:
+        flags.append(plan.overlapped)
+        return step(plan)
+
+    engine.cache.step = recording  # type: ignore[method-assign]
+    return flags
+
+
+def assert_overlapped(flags: list[bool], async_batching: bool) -> None:
+    assert any(flags) == async_batching, flags
+
+
 def assert_no_leak(engine: Engine) -> None:
     stats = engine.stats()
     assert stats["used_blocks"] == 0, stats
@@ -97,10 +120,11 @@ def assert_no_leak(engine: Engine) -> None:
     engine.cache.block_manager.check()
 
 
+@ASYNC
 @pytest.mark.parametrize("config_name", list(CONFIGS))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tiny_family_matches_generate(
-    family: str, config_name: str, tiny_models: Callable[[str], Path]
+    family: str, config_name: str, async_batching: bool, tiny_models: Callable[[str], Path]
 ) -> None:
     model_dir = tiny_models(family)
     cb = dict(CONFIGS[config_name])
@@ -108,8 +132,10 @@ def test_tiny_family_matches_generate(
         cb["num_blocks"] = TIGHT_BLOCKS[family]
     prompts = make_prompts(seed=7)
     expected = reference(model_dir, reference_attn(family), prompts)
-    with Engine.from_pretrained(model_dir, **cb) as engine:
+    with Engine.from_pretrained(model_dir, use_async_batching=async_batching, **cb) as engine:
+        overlapped = count_overlapped(engine)
         assert engine.generate(prompts, NEW_TOKENS, ignore_eos=True) == expected
+        assert_overlapped(overlapped, async_batching)
         stats = engine.stats()
         if config_name == "swap":
             assert stats["offloads"] > 0 and stats["swap_restores"] > 0, stats
@@ -119,13 +145,18 @@ def test_tiny_family_matches_generate(
         assert_no_leak(engine)
 
 
+@ASYNC
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_prefix_hits_keep_outputs_exact(family: str, tiny_models: Callable[[str], Path]) -> None:
+def test_prefix_hits_keep_outputs_exact(
+    family: str, async_batching: bool, tiny_models: Callable[[str], Path]
+) -> None:
     model_dir = tiny_models(family)
     shared = [random.Random(3).randint(3, 255) for _ in range(40)]
     first, second = make_prompts(11, 3, shared), make_prompts(12, 4, shared)
     attn = reference_attn(family)
-    with Engine.from_pretrained(model_dir, num_blocks=128, page_size=8) as engine:
+    with Engine.from_pretrained(
+        model_dir, num_blocks=128, page_size=8, use_async_batching=async_batching
+    ) as engine:
         assert engine.generate(first, NEW_TOKENS, ignore_eos=True) == reference(model_dir, attn, first)
         before = engine.stats()["prefix_hit_tokens"]
         assert engine.generate(second, NEW_TOKENS, ignore_eos=True) == reference(model_dir, attn, second)
@@ -133,23 +164,29 @@ def test_prefix_hits_keep_outputs_exact(family: str, tiny_models: Callable[[str]
         assert_no_leak(engine)
 
 
-def test_entirely_cached_prompt_recomputes_its_last_token(tiny_models: Callable[[str], Path]) -> None:
+@ASYNC
+def test_entirely_cached_prompt_recomputes_its_last_token(
+    async_batching: bool, tiny_models: Callable[[str], Path]
+) -> None:
     model_dir = tiny_models("llama")
     prompt = [random.Random(5).randint(3, 255) for _ in range(32)]  # exactly 4 pages of 8
     expected = reference(model_dir, "sdpa", [prompt])
-    with Engine.from_pretrained(model_dir, num_blocks=64, page_size=8) as engine:
+    with Engine.from_pretrained(
+        model_dir, num_blocks=64, page_size=8, use_async_batching=async_batching
+    ) as engine:
         assert engine.generate([prompt], NEW_TOKENS, ignore_eos=True) == expected
         assert engine.generate([prompt], NEW_TOKENS, ignore_eos=True) == expected
         assert engine.stats()["prefix_hit_tokens"] == 24  # three full pages; the last page recomputes
         assert_no_leak(engine)
 
 
-def test_eos_stops_like_generate(tiny_models: Callable[[str], Path]) -> None:
+@ASYNC
+def test_eos_stops_like_generate(async_batching: bool, tiny_models: Callable[[str], Path]) -> None:
     """With EOS active, requests stop on it exactly where transformers does."""
     model_dir = tiny_models("qwen2")
     prompts = make_prompts(seed=21, count=12)
     expected = reference(model_dir, "sdpa", prompts, eos=True)
-    with Engine.from_pretrained(model_dir, num_blocks=128) as engine:
+    with Engine.from_pretrained(model_dir, num_blocks=128, use_async_batching=async_batching) as engine:
         assert engine.generate(prompts, NEW_TOKENS) == expected
         assert_no_leak(engine)
 
@@ -192,13 +229,24 @@ def smol_chats(smollm2_dir: Path) -> tuple[list[list[int]], list[list[int]]]:
     return prompts, reference(smollm2_dir, "sdpa", prompts, eos=True)
 
 
-@pytest.mark.parametrize("config_name", list(SMOL_CONFIGS))
+@pytest.mark.parametrize(
+    ("config_name", "async_batching"),
+    # Async batching where it is cheapest: chunks, prefix hits and the swap round trip (the tiny
+    # models above cover every configuration with it).
+    [*((name, False) for name in SMOL_CONFIGS), ("chunked", True), ("swap", True)],
+    ids=[*SMOL_CONFIGS, "chunked-async", "swap-async"],
+)
 def test_smollm2_chat_matches_generate(
-    config_name: str, smollm2_dir: Path, smol_chats: tuple[list[list[int]], list[list[int]]]
+    config_name: str,
+    async_batching: bool,
+    smollm2_dir: Path,
+    smol_chats: tuple[list[list[int]], list[list[int]]],
 ) -> None:
     prompts, expected = smol_chats
     # The system prompt is shared: a second round hits the prefix cache.
-    with Engine.from_pretrained(smollm2_dir, **SMOL_CONFIGS[config_name]) as engine:
+    with Engine.from_pretrained(
+        smollm2_dir, use_async_batching=async_batching, **SMOL_CONFIGS[config_name]
+    ) as engine:
         assert engine.generate(prompts, NEW_TOKENS) == expected
         assert engine.generate(prompts, NEW_TOKENS) == expected
         stats = engine.stats()

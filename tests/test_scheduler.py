@@ -6,7 +6,7 @@ from services.cachemgr.block_manager import BlockManager
 from services.common.config import CBConfig
 from services.common.kv_geometry import KVGeometry
 from services.common.sampling_params import SamplingParams
-from services.worker.request import FinishReason, Request, RequestStatus
+from services.worker.request import PLACEHOLDER_ID, FinishReason, Request, RequestStatus
 from services.worker.scheduler import Scheduler
 
 GEOMETRY = KVGeometry(
@@ -151,3 +151,58 @@ def test_cache_budget_bounds_pages_read_per_step() -> None:
     sched.add(request("b", 12))  # 3 more would exceed 5
     sched.add(request("c", 8))  # 2 pages fit
     assert step(sched, bm) == [("a", 0, 12), ("c", 0, 8)]
+
+
+# ------------------------------------------------------------------------------------ async batching
+
+
+def test_a_plan_made_while_a_step_runs_carries_its_samples_as_placeholders() -> None:
+    sched, bm = make(CBConfig(max_batch_tokens=8))
+    sched.add(request("a", 3, max_new=2))
+    sched.add(request("b", 10))
+    first = sched.apply(bm.step(sched.plan()))
+    assert [(s.request.request_id, s.start, s.num_tokens, s.sample) for s in first.scheduled] == [
+        ("a", 0, 3, True),
+        ("b", 0, 5, False),
+    ]
+    # Step 2 is planned before step 1's token exists: a computes a placeholder, b its next chunk.
+    plan = sched.plan(running=first)
+    assert plan.overlapped
+    assert [(e.request_id, e.num_tokens, e.new_token_ids, e.num_placeholders) for e in plan.entries] == [
+        ("a", 1, [], 1),
+        ("b", 5, [], 0),
+    ]
+    second = sched.apply(bm.step(plan))
+    bm.check()
+    a = sched.requests["a"]
+    assert (a.num_computed, a.num_placeholders, a.tokens(3, 4)) == (4, 2, [PLACEHOLDER_ID])
+    assert sched.postprocess(first, [7]) == [a] and a.output_ids == [7] and a.num_placeholders == 1
+    # a's second token is its last (max_new 2): nothing is planned past it; b decodes a placeholder.
+    plan = sched.plan(running=second)
+    assert [(e.request_id, e.num_tokens, e.new_token_ids) for e in plan.entries] == [("b", 1, [])]
+    sched.postprocess(second, [8, 9])
+    assert a.finish_reason is FinishReason.LENGTH and a.output_ids == [7, 8]
+    assert sched.requests["b"].output_ids == [9]
+
+
+def test_tokens_of_a_request_finished_while_its_step_ran_are_dropped() -> None:
+    sched, bm = make(CBConfig())
+    sched.add(request("stops", 3))
+    sched.add(request("aborted", 3))
+    first = sched.apply(bm.step(sched.plan()))
+    second = sched.apply(bm.step(sched.plan(running=first)))
+    assert len(second.sampling) == 2  # both planned again before the first step's tokens exist
+    sched.postprocess(first, [0, 5])  # "stops" samples EOS
+    sched.abort("aborted")
+    assert sched.postprocess(second, [6, 6]) == []
+    assert sched.requests == {}
+    assert [r.output_ids for r in (first.scheduled[0].request, first.scheduled[1].request)] == [[0], [5]]
+    bm.step(sched.plan())
+    assert bm.stats_dict()["used_blocks"] == 0 and bm.stats_dict()["requests_known"] == 0
+
+
+def test_prompt_logprobs_wait_for_the_step_that_takes_them() -> None:
+    sched, bm = make(CBConfig(max_batch_tokens=8))
+    sched.add(Request("p", list(range(10, 30)), SamplingParams(prompt_logprobs=1), 0))
+    first = sched.apply(bm.step(sched.plan()))
+    assert sched.plan(running=first).entries == []  # its next chunk's rows depend on what is taken

@@ -32,7 +32,7 @@ CB_SETTINGS: tuple[tuple[str, Any, str], ...] = (
     ("q_padding_interval_size", int, "query length padding (CUDA graphs)"),
     ("kv_padding_interval_size", int, "KV length padding (CUDA graphs)"),
     ("use_cuda_graph", bool, "replay CUDA graphs for decode steps (CUDA devices only)"),
-    ("use_async_batching", bool, "async batching: not implemented yet, --use-async-batching is refused"),
+    ("use_async_batching", bool, "plan and build the next step while the forward runs"),
 )
 CB_SETTING_NAMES = tuple(name for name, _, _ in CB_SETTINGS)
 

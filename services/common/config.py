@@ -22,7 +22,7 @@ class CBConfig:
     """Continuous-batching configuration.
 
     Invariants checked in `__post_init__`: positive sizes, a known scheduler type, a margin in
-    [0, 1), and neither unbuilt switch on. `safety_margin=None` means the policy's default.
+    [0, 1). `safety_margin=None` means the policy's default.
     """
 
     page_size: int = 32
@@ -46,7 +46,8 @@ class CBConfig:
     # Decode steps replay CUDA graphs (worker/cuda_graphs.py). None: on for a CUDA device, off
     # elsewhere; True on another device is refused where the device is known (`cuda_graph_enabled`).
     use_cuda_graph: bool | None = None
-    # DESIGN.md's async batching is not built yet: asking for it is refused rather than ignored.
+    # The host plans, round-trips and builds step N+1 while step N's forward runs (engine.py). Off by
+    # default: on a CPU that host work competes with the forward's threads for the same cores.
     use_async_batching: bool = False
 
     def __post_init__(self) -> None:
@@ -72,8 +73,6 @@ class CBConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        if self.use_async_batching:
-            raise ValueError("use_async_batching is not implemented yet (the forward runs eagerly), got True")
 
     def cuda_graph_enabled(self, device_type: str) -> bool:
         """Whether the forward replays CUDA graphs on a device of this type ("cuda", "cpu", ...)."""

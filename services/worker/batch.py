@@ -13,6 +13,7 @@ write there, read only there and never sample), and its decode row group reads `
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -109,6 +110,7 @@ class BatchBuilder:
         device: torch.device | str = "cpu",
         decode_kernel: PagedDecode | None = None,
         prefill_kernel: PagedPrefill | None = None,
+        num_buffers: int = 1,
     ) -> None:
         self.geometry = geometry
         self.page_size = geometry.page_size
@@ -127,8 +129,13 @@ class BatchBuilder:
         # A phantom request: token 0 at position 0 of chunk 0, so that it writes PADDING_SLOT alone.
         self.phantom = BatchItem(0, [0], [[0] * k for k in self.chunks_per_block], sample=False)
         capacity = round_up(max_batch_tokens, q_padding)
-        self.input_buf = torch.zeros(capacity, dtype=torch.long, device=self.device)
-        self.position_buf = torch.zeros(capacity, dtype=torch.long, device=self.device)
+        # Each build takes the next of `num_buffers` input pairs: async batching builds a step while
+        # the forward of the one before still reads its inputs.
+        self._buffers = deque(
+            tuple(torch.zeros(capacity, dtype=torch.long, device=self.device) for _ in range(2))
+            for _ in range(num_buffers)
+        )
+        self.input_buf, self.position_buf = self._buffers[0]
         # Since start: outputs match with or without chunking and padding, so these counts are how a
         # test (tests/test_engine_parity.py) knows that a configuration chunked or padded at all.
         self.prompt_chunks = 0  # items computing part of a prompt, short of its last token
@@ -145,6 +152,8 @@ class BatchBuilder:
     def build(self, items: Sequence[BatchItem], shape: Shape | None = None) -> ForwardBatch:
         """`shape`: a decode step (every item one token) padded to that bucket, phantom rows and all."""
         dev = self.device
+        self._buffers.rotate(-1)
+        self.input_buf, self.position_buf = self._buffers[0]
         self.prompt_chunks += sum(1 for it in items if not it.sample)
         phantoms = 0
         if shape is not None:

@@ -14,6 +14,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,12 +28,12 @@ from services.common.kv_geometry import KVGeometry
 from services.common.messages import KvEvents, StepGrant
 from services.common.model_source import load_model
 from services.common.sampling_params import SamplingParams
-from services.worker.batch import BatchItem
+from services.worker.batch import BatchItem, ForwardBatch
 from services.worker.cache_client import CacheClient
 from services.worker.model_runner import ModelRunner
-from services.worker.request import FinishReason, Request
-from services.worker.sampler import Sampler, SamplingRow, token_logprobs
-from services.worker.scheduler import Scheduled, Scheduler, StepBatch
+from services.worker.request import PLACEHOLDER_ID, FinishReason, Request
+from services.worker.sampler import SampleOutput, Sampler, SamplingRow, TokenLogprobs, token_logprobs
+from services.worker.scheduler import Scheduler, StepBatch
 
 log = structlog.get_logger(__name__)
 
@@ -44,21 +45,55 @@ MAX_IDLE_STEPS = 1000
 @dataclass
 class StepPhases:
     """Seconds one step spent in each phase; `schedule` covers the scheduler's plan, apply and
-    postprocess, `cache` the cachemgr's step (a round trip when it is another process)."""
+    postprocess, `cache` the cachemgr's step (a round trip when it is another process).
+
+    With async batching `forward` and `sample` (and the counts) are those of the step that ended in
+    this call, on the forward thread, overlapping the others; `wait` is how long the host then waited
+    for them: the part of them the overlap did not hide."""
 
     schedule: float = 0.0
     cache: float = 0.0
     build: float = 0.0
     forward: float = 0.0
     sample: float = 0.0
+    wait: float = 0.0
     num_tokens: int = 0
     num_requests: int = 0
 
-    PHASES = ("schedule", "cache", "build", "forward", "sample")
+    PHASES = ("schedule", "cache", "build", "forward", "sample", "wait")
 
     def add(self, other: StepPhases) -> None:
         for name in (*self.PHASES, "num_tokens", "num_requests"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+@dataclass
+class _Computed:
+    """What a step's forward thread hands back."""
+
+    sampled: SampleOutput
+    prompt_logprobs: list[TokenLogprobs]
+    forward_s: float
+    sample_s: float
+
+
+@dataclass
+class _Built:
+    """A step's batch, built: `placeholders` are the (packed row, request, position) of the ids not
+    known when it was built."""
+
+    batch: StepBatch
+    items: list[BatchItem]
+    forward: ForwardBatch
+    placeholders: list[tuple[int, Request, int]]
+
+
+@dataclass
+class _Running:
+    """A step whose forward has started."""
+
+    built: _Built
+    result: Future[_Computed]
 
 
 def eos_ids_of(model: PreTrainedModel) -> tuple[int, ...]:
@@ -110,6 +145,11 @@ class Engine:
         self.phase_totals = StepPhases()  # since start: the step profile summed
         # Told each step's prefix-cache changes (a server forwards them to routers); None: dropped.
         self.on_kv_events: Callable[[KvEvents], None] | None = None
+        self._running: _Running | None = None  # its tokens not taken yet
+        # One thread: the forwards run one after another, each after the swap copies it depends on.
+        self._forward_thread = (
+            ThreadPoolExecutor(1, thread_name_prefix="forward") if config.use_async_batching else None
+        )
 
     @classmethod
     def from_pretrained(
@@ -167,20 +207,26 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or self.scheduler.has_releases
+        return self.scheduler.has_work or self.scheduler.has_releases or self._running is not None
 
     # ----------------------------------------------------------------------------------------- step
 
     def step(self, on_committed: Callable[[], None] | None = None) -> list[Request]:
         """One continuous-batching step. Returns requests that got a token or finished this step.
 
+        With async batching (`use_async_batching`) a step's forward and sampling run on a thread of
+        their own while the next call plans the step after it, takes its grant and builds its batch;
+        the tokens it samples are placeholders until then. A call then returns the previous step's
+        news, and the placeholders are filled in before the next forward starts.
+
         `on_committed` runs once the cache manager has taken this step's plan, which commits the KV
-        the previous step computed (its full pages enter the prefix cache). A server streams the
-        previous step's tokens from there: should this process die, whatever a client has seen is
-        cached, and a re-submission recomputes at most one partial page."""
+        the previous step computed (its full pages enter the prefix cache); with async batching, the
+        step before that. A server streams the news of the previous call from there: should this
+        process die, whatever a client has seen is cached, and a re-submission recomputes at most one
+        partial page."""
         times = self.last_step_times = StepPhases()
         t0 = time.perf_counter()
-        plan = self.scheduler.plan()
+        plan = self.scheduler.plan(self._running.built.batch if self._running is not None else None)
         t1 = time.perf_counter()
         grant: StepGrant = self.cache.step(plan)
         t2 = time.perf_counter()
@@ -190,24 +236,29 @@ class Engine:
             on_committed()  # the caller's work: no phase of this step counts it
         t3 = time.perf_counter()
         batch = self.scheduler.apply(grant)
-        self.runner.copy_swap(batch.swap_out, batch.swap_in)
-        times.schedule, times.cache = t1 - t0, t2 - t1
         updated: list[Request] = list(batch.failed)
         self.last_step_size = len(batch.scheduled)
         for s in batch.scheduled:
             if s.request.scheduled_at is None:
                 s.request.scheduled_at = t2
-        if batch.scheduled:
-            sampled = self._run(batch, times)
-            updated += self.scheduler.postprocess(batch, sampled)
-            times.num_tokens = sum(s.num_tokens for s in batch.scheduled)
-            times.num_requests = len(batch.scheduled)
-        times.schedule += time.perf_counter() - t3 - times.build - times.forward - times.sample
+        t4 = time.perf_counter()
+        built = self._build(batch) if batch.scheduled else None
+        t5 = time.perf_counter()
+        times.cache, times.build = t2 - t1, t5 - t4
+        updated += self.finish_running()
+        # The swap copies wait for the step before: it may still write the KV of the requests moved.
+        self.runner.copy_swap(batch.swap_out, batch.swap_in)
+        if built is not None:
+            self._launch(built)
+        if self._forward_thread is None:
+            updated += self.finish_running()
+        times.schedule = time.perf_counter() - t0 - (t3 - t2) - times.cache - times.build - times.wait
+        if self._forward_thread is None:
+            times.schedule -= times.forward + times.sample  # they ran on this thread
         self.phase_totals.add(times)
         return updated
 
-    def _run(self, batch: StepBatch, times: StepPhases) -> list[int]:
-        t0 = time.perf_counter()
+    def _build(self, batch: StepBatch) -> _Built:
         items = [
             BatchItem(
                 s.start,
@@ -218,20 +269,24 @@ class Engine:
             )
             for s in batch.scheduled
         ]
-        built = self.runner.build(items)
-        t1 = time.perf_counter()
-        logits = self.runner.forward(built)
-        t2 = time.perf_counter()
-        times.build, times.forward = t1 - t0, t2 - t1
-        sampling = batch.sampling
-        self._take_prompt_logprobs(logits[len(sampling) :], batch.scheduled, items)
-        token_ids: list[int] = []
-        if sampling:
-            token_ids = self._sample(logits[: len(sampling)], sampling)
-        times.sample = time.perf_counter() - t2
-        return token_ids
+        placeholders = []
+        row = 0
+        for s in batch.scheduled:
+            first_unknown = max(s.start, s.request.num_known)
+            placeholders += [
+                (row + p - s.start, s.request, p) for p in range(first_unknown, s.start + s.num_tokens)
+            ]
+            row += s.num_tokens
+        return _Built(batch, items, self.runner.build(items), placeholders)
 
-    def _sample(self, logits: torch.Tensor, sampling: list[Scheduled]) -> list[int]:
+    def _launch(self, step: _Built) -> None:
+        """Start the step's forward: in the forward thread with async batching, else here and now.
+        Its placeholders' ids are known by now (the step before has ended)."""
+        if step.placeholders:
+            rows = torch.tensor([row for row, _, _ in step.placeholders])
+            ids = [r.token(p) if p < r.num_known else PLACEHOLDER_ID for _, r, p in step.placeholders]
+            step.forward.input_ids[0, rows] = torch.tensor(ids, device=self.device)
+        sampling = step.batch.sampling
         rows = [
             SamplingRow(
                 params=s.request.params,
@@ -243,27 +298,61 @@ class Engine:
             )
             for s in sampling
         ]
-        out = self.sampler.sample(logits, rows)
-        for s, lp in zip(sampling, out.logprobs, strict=True):
-            if s.request.params.logprobs is not None:
-                s.request.logprobs.append(lp)
-        return out.token_ids
-
-    def _take_prompt_logprobs(
-        self, logits: torch.Tensor, scheduled: list[Scheduled], items: list[BatchItem]
-    ) -> None:
-        """Append the prompt logprobs of the rows past the sampling ones (`items`' `logit_rows`)."""
-        if not logits.shape[0]:
-            return
-        chosen: list[int] = []
+        chosen: list[int] = []  # prompt logprobs: position i's logits score token i + 1
         top_n: list[int] = []
-        for s, item in zip(scheduled, items, strict=True):
-            rows = item.logit_rows  # position i's logits score token i + 1
-            chosen += s.request.prompt_ids[rows.start + 1 : rows.stop + 1]
+        for s, item in zip(step.batch.scheduled, step.items, strict=True):
+            chosen += s.request.prompt_ids[item.logit_rows.start + 1 : item.logit_rows.stop + 1]
             top_n += [min(s.request.params.prompt_logprobs or 0, self.vocab_size)] * len(item.logit_rows)
-        lps = iter(token_logprobs(logits, torch.tensor(chosen, device=logits.device), top_n))
-        for s, item in zip(scheduled, items, strict=True):
-            s.request.prompt_logprobs += itertools.islice(lps, len(item.logit_rows))
+        if self._forward_thread is None:
+            result: Future[_Computed] = Future()
+            result.set_result(self._compute(step.forward, rows, chosen, top_n))
+        else:
+            result = self._forward_thread.submit(self._compute, step.forward, rows, chosen, top_n)
+        self._running = _Running(step, result)
+
+    def _compute(
+        self, built: ForwardBatch, rows: list[SamplingRow], chosen: list[int], top_n: list[int]
+    ) -> _Computed:
+        """The forward and the sampling of one step; touches no request (another thread may be
+        planning the next step)."""
+        t0 = time.perf_counter()
+        logits = self.runner.forward(built)
+        t1 = time.perf_counter()
+        prompt_logprobs = []
+        if chosen:
+            prompt_logprobs = token_logprobs(
+                logits[len(rows) :], torch.tensor(chosen, device=logits.device), top_n
+            )
+        sampled = self.sampler.sample(logits[: len(rows)], rows) if rows else SampleOutput([], [])
+        return _Computed(sampled, prompt_logprobs, t1 - t0, time.perf_counter() - t1)
+
+    def finish_running(self) -> list[Request]:
+        """Wait for the step still computing, if any, and give its tokens to requests not finished
+        meanwhile. Returns the requests that got a token or finished."""
+        running = self._running
+        if running is None:
+            return []
+        t0 = time.perf_counter()
+        try:
+            computed = running.result.result()
+        finally:
+            if running.result.done():  # else interrupted: the forward still runs, and stays waited for
+                self._running = None
+        times = self.last_step_times
+        times.wait += time.perf_counter() - t0
+        times.forward, times.sample = computed.forward_s, computed.sample_s
+        batch = running.built.batch
+        times.num_tokens = sum(s.num_tokens for s in batch.scheduled)
+        times.num_requests = len(batch.scheduled)
+        lps = iter(computed.prompt_logprobs)
+        for s, item in zip(batch.scheduled, running.built.items, strict=True):
+            taken = list(itertools.islice(lps, len(item.logit_rows)))
+            if not s.request.finished:
+                s.request.prompt_logprobs += taken
+        for s, lp in zip(batch.sampling, computed.sampled.logprobs, strict=True):
+            if s.request.params.logprobs is not None and not s.request.finished:
+                s.request.logprobs.append(lp)
+        return self.scheduler.postprocess(batch, computed.sampled.token_ids)
 
     def run_until_done(self) -> None:
         idle = 0
@@ -310,6 +399,7 @@ class Engine:
         except BaseException:
             for req in reqs:
                 self.abort(req.request_id)
+            self.finish_running()
             self._flush_releases()
             raise
         failed = [r for r in reqs if r.finish_reason is FinishReason.ERROR]
@@ -329,9 +419,14 @@ class Engine:
     def close(self) -> None:
         for rid in list(self.scheduler.requests):
             self.abort(rid)
-        self._flush_releases()
-        if self._owns_cache:
-            self.cache.close()
+        try:
+            self.finish_running()  # its forward writes the pool: done before the pool goes
+            self._flush_releases()
+        finally:
+            if self._forward_thread is not None:
+                self._forward_thread.shutdown()
+            if self._owns_cache:
+                self.cache.close()
 
     def __enter__(self) -> Engine:
         return self

@@ -61,6 +61,7 @@ class ModelRunner:
             device=self.device,
             decode_kernel=paged_decode_kernel() if native else None,
             prefill_kernel=paged_prefill_kernel(geometry.head_dim) if native else None,
+            num_buffers=2 if config.use_async_batching else 1,
         )
         self.swap_copies = SwapCopies(kv_pool, swap_pool)
         self.config = config

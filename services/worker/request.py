@@ -19,6 +19,11 @@ class RequestStatus(Enum):
     FINISHED = "finished"
 
 
+# Stands for a token the running step has not sampled yet (async batching); the engine writes the
+# sampled id over it before the forward that reads it starts.
+PLACEHOLDER_ID = 0
+
+
 class FinishReason(Enum):
     EOS = "eos"
     STOP_TOKEN = "stop_token"
@@ -34,6 +39,10 @@ class Request:
     A step computes `tokens[num_computed : num_computed + n]`; when that reaches the last token, the
     logits of that row sample the next token. This one rule covers prefill, chunked prefill, decode
     and the re-prefill after a soft reset (which only sets `num_computed = 0`).
+
+    `num_computed` counts a step's tokens from when it is scheduled, and the token it samples is a
+    placeholder until the step ends (`num_placeholders`), so that with async batching the next step is
+    planned while this one computes.
     """
 
     request_id: str
@@ -45,7 +54,8 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.PENDING
     num_computed: int = 0
-    num_sent: int = 0  # tokens the cache manager has been sent
+    num_placeholders: int = 0  # tokens that steps still computing sample; they follow `output_ids`
+    num_sent: int = 0  # token ids the cache manager has been sent
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
     tables: list[list[int]] = field(default_factory=list)  # mirror of the cachemgr's block tables
     generator: torch.Generator | None = None
@@ -59,18 +69,25 @@ class Request:
     scheduled_at: float | None = None  # when first computed: the end of its queue time
 
     @property
-    def num_tokens(self) -> int:
+    def num_known(self) -> int:
+        """Tokens whose ids are known."""
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_known + self.num_placeholders
 
     def token(self, i: int) -> int:
         n = len(self.prompt_ids)
         return self.prompt_ids[i] if i < n else self.output_ids[i - n]
 
     def tokens(self, start: int, end: int) -> list[int]:
+        """Ids of positions `[start, end)`, PLACEHOLDER_ID for those not sampled yet."""
         n = len(self.prompt_ids)
         if end <= n:
             return self.prompt_ids[start:end]
-        return (self.prompt_ids + self.output_ids)[start:end]
+        known = (self.prompt_ids + self.output_ids)[start:end]
+        return known + [PLACEHOLDER_ID] * (end - start - len(known))
 
     @property
     def prompt_logprobs_owed(self) -> int:

@@ -6,6 +6,11 @@ BlockManager answers which ones got blocks; `apply(grant)` turns the answer into
 `postprocess` appends sampled tokens and decides which requests finished. Finished and aborted
 requests are released in the next plan, before anything is allocated.
 
+Async batching plans step N+1 between N's `apply` and its `postprocess` (`plan(running=N)`): a request
+N samples for plans its next token as a placeholder, and one N completes (length limit) is not planned
+again. A request N+1 computes but that N finished (a stop id) wastes that token; `postprocess` drops
+every token of a request finished (or aborted) meanwhile.
+
 Policies (higher `priority` first within each class, ties by arrival):
 - `fifo`: running decodes, running prefills, offloaded (restores), then pending;
 - `prefill_first`: running prefills, running decodes, offloaded, then pending.
@@ -39,15 +44,13 @@ _CLASS_ORDER = {
 
 @dataclass(frozen=True)
 class Scheduled:
-    """Request `request` computes tokens `[start, start + num_tokens)` this step."""
+    """Request `request` computes tokens `[start, start + num_tokens)` this step; with `sample`, that
+    reaches its last token, whose logits sample the next one."""
 
     request: Request
     start: int
     num_tokens: int
-
-    @property
-    def sample(self) -> bool:
-        return self.start + self.num_tokens == self.request.num_tokens
+    sample: bool
 
 
 @dataclass
@@ -110,17 +113,26 @@ class Scheduler:
 
     # -------------------------------------------------------------------------------------- planning
 
-    def plan(self) -> StepPlan:
+    def plan(self, running: StepBatch | None = None) -> StepPlan:
+        """`running`: the batch still computing (async batching), whose samples are placeholders."""
         cfg = self.config
         tokens_left = cfg.max_batch_tokens
         rows_left = cfg.max_requests_per_batch
         pages_left = self.cache_budget_pages if self.cache_budget_pages is not None else float("inf")
+        busy = {s.request.request_id for s in running.scheduled} if running is not None else set()
         entries = []
         for req in sorted(self.requests.values(), key=self._policy_key):
             if tokens_left == 0:
                 break
+            if (
+                req.num_placeholders
+                and len(req.output_ids) + req.num_placeholders >= req.params.max_new_tokens
+            ):
+                continue  # the running step samples its last token
             n = min(req.num_remaining, tokens_left, cfg.long_prefill_token_threshold or tokens_left)
             owed = req.prompt_logprobs_owed
+            if owed and req.request_id in busy:
+                continue  # its chunk's rows are taken only when the running step ends
             if owed:
                 # Each prompt position it computes is a row of logits, and the logits memory was sized
                 # for `max_requests_per_batch` rows: the rows left bound its chunk.
@@ -142,14 +154,21 @@ class Scheduler:
                 PlanEntry(
                     request_id=req.request_id,
                     num_tokens=n,
-                    new_token_ids=req.tokens(req.num_sent, req.num_tokens),
+                    new_token_ids=req.tokens(req.num_sent, req.num_known),
                     arrival=req.arrival,
                     cache_salt=req.cache_salt,
                     max_total_tokens=len(req.prompt_ids) + req.params.max_new_tokens,
+                    num_placeholders=req.num_placeholders,
                 )
             )
-            req.num_sent = req.num_tokens
-        plan = StepPlan(step=next(self._steps), entries=entries, frees=self._frees, aborts=self._aborts)
+            req.num_sent = req.num_known
+        plan = StepPlan(
+            step=next(self._steps),
+            entries=entries,
+            frees=self._frees,
+            aborts=self._aborts,
+            overlapped=running is not None,
+        )
         self._frees, self._aborts = [], []
         return plan
 
@@ -187,31 +206,30 @@ class Scheduler:
                 req.num_computed = g.start
             if g.start != req.num_computed:
                 raise RuntimeError(f"{g.request_id}: grant starts at {g.start}, worker at {req.num_computed}")
-            req.status = RequestStatus.PREFILLING
-            batch.scheduled.append(Scheduled(req, g.start, g.num_tokens))
+            req.num_computed = g.start + g.num_tokens
+            sample = req.num_computed == req.num_tokens
+            req.num_placeholders += sample
+            req.status = RequestStatus.DECODING if sample else RequestStatus.PREFILLING
+            batch.scheduled.append(Scheduled(req, g.start, g.num_tokens, sample))
         return batch
 
     # --------------------------------------------------------------------------------- postprocess
 
     def postprocess(self, batch: StepBatch, sampled: list[int]) -> list[Request]:
-        """Advance computed counts, append sampled tokens (one per sampling row, in batch order) and
+        """Put sampled tokens (one per sampling row, in batch order) in place of their placeholders and
         finish requests that hit a stop. Returns the requests that received a token."""
         updated = []
-        tokens = iter(sampled)
-        for s in batch.scheduled:
+        for s, token in zip(batch.sampling, sampled, strict=True):
             req = s.request
-            req.num_computed = s.start + s.num_tokens
-            if not s.sample:
-                continue
-            token = next(tokens)
+            if req.finished:
+                continue  # aborted, or stopped by the step before, while this one computed
+            req.num_placeholders -= 1
             req.output_ids.append(token)
             reason = self._stop_reason(req, token)
             if reason is not None:
                 del self.requests[req.request_id]
                 self._frees.append(req.request_id)
                 self._finish(req, reason)
-            else:
-                req.status = RequestStatus.DECODING
             updated.append(req)
         return updated
 

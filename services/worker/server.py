@@ -217,7 +217,12 @@ class WorkerServer:
             kv_bytes=cache.sizing.kv_bytes,
         )
         self._last_status = 0.0  # announce readiness at once
-        log.info("worker ready", worker_id=self.worker_id, **msgspec.to_builtins(self.facts))
+        log.info(
+            "worker ready",
+            worker_id=self.worker_id,
+            async_batching=self.config.use_async_batching,
+            **msgspec.to_builtins(self.facts),
+        )
         ready_file.mark(self.ready_path, True)
 
     @staticmethod
@@ -229,6 +234,7 @@ class WorkerServer:
         ready_file.mark(self.ready_path, False)
         if self.engine is not None:
             try:
+                self.engine.finish_running()  # its forward writes the pool being unmapped
                 self.engine.cache.close()
             finally:
                 self.engine = None
