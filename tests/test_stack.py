@@ -1,6 +1,7 @@
 """The three-process stack end to end: many concurrent gRPC streams, each equal to transformers'
 greedy `generate`, under chunked prefill, padding, prefix-cache hits, offloading to the swap pool and
-soft resets; and nothing held afterwards (GetLoad back at its idle baseline)."""
+soft resets, with async batching off and on; and nothing held afterwards (GetLoad back at its idle
+baseline)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from services.gateway.api import pb
+from tests.conftest import TINY_STACK_SETTINGS
 from tests.stack import Stack, greedy_request, hf_greedy
 
 NEW_TOKENS = 12
@@ -36,8 +38,27 @@ def run_concurrently(stack: Stack, requests: list[Any]) -> list[tuple[list[int],
         return list(pool.map(stack.generate, requests))
 
 
-def test_concurrent_streams_match_generate(tiny_stack: Stack) -> None:
+@pytest.fixture(scope="module")
+def async_stack(
+    tiny_models: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    """The tiny stack with async batching: the worker plans each step while the one before computes."""
+    stack = Stack(
+        tiny_models("llama"),
+        tmp_path_factory.mktemp("async_stack"),
+        use_async_batching=True,
+        **TINY_STACK_SETTINGS,
+    )
+    yield stack
+    stack.stop()
+
+
+@pytest.mark.parametrize("stack_name", ["tiny_stack", "async_stack"])
+def test_concurrent_streams_match_generate(stack_name: str, request: pytest.FixtureRequest) -> None:
     """Chunked (max_batch_tokens 24), padded, prefix-cached: 16 clients at once."""
+    tiny_stack: Stack = request.getfixturevalue(stack_name)
+    async_batching = stack_name == "async_stack"
+    assert f'"async_batching": {str(async_batching).lower()}' in tiny_stack.log_path.read_text()
     prompts = prompts_with_shared_prefixes(seed=1, groups=4, per_group=4)
     expected = [tiny_stack.reference(p, NEW_TOKENS) for p in prompts]
     before = tiny_stack.load()
@@ -52,19 +73,20 @@ def test_concurrent_streams_match_generate(tiny_stack: Stack) -> None:
     tiny_stack.assert_idle()
 
 
-@pytest.fixture(scope="module", params=["swap", "soft_reset"])
+@pytest.fixture(scope="module", params=["swap", "soft_reset", "swap_async"])
 def pressure_stack(
     request: pytest.FixtureRequest,
     tiny_models: Callable[[str], Path],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[str, Stack]]:
     """A cache of 16 blocks of 8 tokens: the clients cannot all be resident, so requests are offloaded
-    (to the swap pool, or by soft reset under prefill_first)."""
+    (to the swap pool, or by soft reset under prefill_first), also with async batching."""
     settings: dict[str, Any] = {"page_size": 8, "num_blocks": 16, "max_batch_tokens": 32}
-    if request.param == "swap":
+    if request.param.startswith("swap"):
         settings["cpu_offload_space"] = 0.01
     else:
         settings["scheduler_type"] = "prefill_first"
+    settings["use_async_batching"] = request.param.endswith("async")
     stack = Stack(tiny_models("llama"), tmp_path_factory.mktemp(request.param), **settings)
     yield request.param, stack
     stack.stop()
@@ -78,7 +100,7 @@ def test_offloading_keeps_streams_exact(pressure_stack: tuple[str, Stack]) -> No
     results = run_concurrently(stack, [greedy_request(p, 20) for p in prompts])
     assert [r[0] for r in results] == expected
     load = stack.load()
-    if kind == "swap":
+    if kind.startswith("swap"):
         # The swap pool never fills here: every request that went out came back, none recomputed.
         assert load.offloads > 0 and load.swap_restores == load.offloads and load.soft_resets == 0, load
     else:

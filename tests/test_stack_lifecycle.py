@@ -131,13 +131,19 @@ def test_health_follows_readiness_and_drain(
     assert not [p for p in pools if p.exists()], "the cachemgr left its pools in shared memory"
 
 
-def test_streams_survive_a_killed_worker(tiny_models: Callable[[str], Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
+def test_streams_survive_a_killed_worker(
+    async_batching: bool, tiny_models: Callable[[str], Path], tmp_path: Path
+) -> None:
     """SIGKILL the worker mid-stream: cbserve up restarts it, the gateway re-submits every stream as
     prompt + tokens streamed, and each stream still equals an uninterrupted greedy run; full pages
     came from the prefix cache (the re-prefill recomputes at most the last partial page + the token
-    in flight); nothing is held afterwards."""
+    in flight); nothing is held afterwards. With async batching the worker dies with a forward running
+    whose pages the cachemgr must not have cached yet."""
     page = 8
-    stack = Stack(tiny_models("llama"), tmp_path, page_size=page, num_blocks=400)
+    stack = Stack(
+        tiny_models("llama"), tmp_path, page_size=page, num_blocks=400, use_async_batching=async_batching
+    )
     try:
         rng = random.Random(4)
         prompts = [[rng.randint(3, 255) for _ in range(rng.randint(5, 40))] for _ in range(6)]
