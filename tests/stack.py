@@ -46,6 +46,7 @@ class Stack:
         up_args: Sequence[str] = (),
         credentials: grpc.ChannelCredentials | None = None,
         metadata: Metadata = (),
+        start_timeout_s: float = START_TIMEOUT_S,
         **settings: Any,
     ) -> None:
         """`up_args`: more `cbserve up` flags; `credentials` (TLS) and `metadata` (an API key): what
@@ -70,7 +71,11 @@ class Stack:
             self.channel = grpc.secure_channel(self.target, credentials)
         self.stub = pb_grpc.TextGenerationStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
-        self.wait_serving()
+        try:
+            self.wait_serving(start_timeout_s)
+        except BaseException:
+            self.stop()  # not left running behind the caller's error
+            raise
         self.info = self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10, metadata=metadata)
         self.idle = self.wait_idle()
 

@@ -1,0 +1,690 @@
+"""The device check of issue 12: CUDA graphs, the CUDA memory paths and the engine's speed on one GPU,
+in one command that prints one JSON summary.
+
+    make gpu-check                                     # on the GPU host, gpu-wheels/ carried along
+    python scripts/gpu_check.py --device cpu --quick   # the same code paths on a CPU, small
+
+With `--out-dir` the summary (rewritten after each section, so that a check cut short keeps what it
+measured) and the logs of the stack and of the tests land there too.
+
+Sections run in this order, each in its own `try`: a failure is recorded in its entry (`error` and the
+end of the traceback) and the others still run; one that would start too close to `--budget-s` is
+recorded as skipped. Within a section each system or phase is tried on its own too.
+
+- env: versions, the device and its memory.
+- parity: tiny models (tests/tiny_models.py), fp32: greedy tokens with graphs on and off against
+  transformers `generate` on the same device, with chunked prefill, prefix hits and a swap round trip
+  in the mix (and the counts that show each happened); async batching on, or why it is refused.
+- throughput: a Llama-shaped model of about 1B parameters (random, seeded, bf16) on a decode-heavy
+  workload (256 requests, 64 running): output tokens/s with graphs on and off and async on and off,
+  and transformers' own continuous batching with its CUDA graphs; decode steps/s at 64 running
+  requests; the share of step time left in eager (uncaptured) steps, which bounds what piecewise
+  capture could add; capture time, graph count and memory.
+- stack: `cbserve up --device cuda` on the tiny Llama: the worker maps the KV pool by CUDA IPC handle
+  and registers the swap pool as pinned memory, a swap-out/in round trip, and a worker SIGKILL
+  mid-stream whose streams finish identical to `generate`, after the restarted worker attached again.
+- tests: the CUDA-only tests (`pytest -m cuda`).
+
+On a CPU (`--device cpu`) graphs cannot be captured: the graphs-on runs use `eager_capture`, the same
+buckets and static inputs run eagerly, so that every path but the capture itself is exercised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import platform
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+# As in tests/conftest.py: the stack's children start by a plain fork while gRPC channels are open.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
+
+import torch  # noqa: E402
+
+from services.common.config import CBConfig  # noqa: E402
+from services.common.sampling_params import SamplingParams  # noqa: E402
+from services.worker.cuda_graphs import eager_capture  # noqa: E402
+from services.worker.engine import Engine  # noqa: E402
+
+SECTIONS = ("env", "parity", "throughput", "stack", "tests")
+# Seconds a section is expected to need on an H200; one is skipped with less than this left.
+NEEDS_S = {"env": 1, "parity": 30, "throughput": 120, "stack": 90, "tests": 60}
+SEED = 1234
+Entry = dict[str, Any]
+
+
+def attempt(entry: Entry, key: str, fn: Callable[..., Any], *args: Any) -> None:
+    """`entry[key] = fn(*args)`, or the error it raised: one failure loses no other figure."""
+    try:
+        entry[key] = fn(*args)
+    except Exception as exc:
+        entry[key] = failure(exc)
+
+
+def failure(exc: BaseException) -> Entry:
+    return {
+        "error": f"{type(exc).__name__}: {exc}"[:600],
+        "traceback": traceback.format_exc().splitlines()[-6:],
+    }
+
+
+def release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@dataclasses.dataclass
+class Check:
+    device: str
+    quick: bool
+    deadline: float
+    workdir: Path
+
+    def seconds_left(self, keep: float = 0.0) -> float:
+        """Seconds of the budget left, less `keep` for what comes after."""
+        return self.deadline - time.monotonic() - keep
+
+    def graphs_settings(self, on: bool) -> dict[str, Any]:
+        """The engine settings for graphs on or off; on a CPU they are emulated after construction."""
+        return {"use_cuda_graph": on} if self.device == "cuda" else {}
+
+    def engine(self, model: Any, settings: dict[str, Any], graphs: bool, gpu_forward: bool = False) -> Engine:
+        """An engine on `model` (a directory or a loaded model), with decode graphs or without. On a
+        CPU, `gpu_forward` runs the forward a GPU runs (transformers' modules, gather + SDPA) instead
+        of the native kernels."""
+        cb = settings | self.graphs_settings(graphs)
+        if isinstance(model, Path):
+            engine = Engine.from_pretrained(model, device=self.device, **cb)
+        else:
+            engine = Engine(model, CBConfig.from_kwargs(**cb))
+        if self.device != "cuda":
+            if gpu_forward:
+                from tests.test_cuda_graphs import cuda_like
+
+                cuda_like(engine)
+            if graphs:
+                engine.runner.use_graphs(eager_capture)
+        return engine
+
+
+def graph_facts(engine: Engine) -> Entry | None:
+    graphs = engine.runner.graphs
+    if graphs is None:
+        return None
+    return {
+        "graphs": graphs.count,
+        "capture_s": round(graphs.capture_s, 2),
+        "memory_mib": None if graphs.memory_bytes is None else round(graphs.memory_bytes / 2**20, 1),
+        "max_requests": graphs.buckets.max_tokens,
+        "max_context": graphs.buckets.max_keys,
+        "replays": graphs.replays,
+        "eager_decodes": graphs.eager_decodes,
+    }
+
+
+# ------------------------------------------------------------------------------------------------ env
+
+
+def env_section(check: Check) -> Entry:
+    import transformers
+
+    entry: Entry = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda_runtime": torch.version.cuda,
+        "device": check.device,
+    }
+    if check.device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        free, total = torch.cuda.mem_get_info()
+        entry |= {"gpu": props.name, "capability": f"{props.major}.{props.minor}",
+                  "memory_gib": round(total / 2**30, 1), "free_gib": round(free / 2**30, 1)}  # fmt: skip
+    return entry
+
+
+# --------------------------------------------------------------------------------------------- parity
+
+# Chunked prefill (7 prompt tokens a request a step), a pool too small for three requests (offloads to
+# the swap pool and restores), and a second round that shares a prefix with the first (prefix hits).
+PARITY_SETTINGS = {"page_size": 8, "max_batch_tokens": 16, "long_prefill_token_threshold": 7,
+                   "cpu_offload_space": 0.01, "kv_padding_interval_size": 16}  # fmt: skip
+PARITY_NEW_TOKENS = 20
+
+
+def parity_section(check: Check) -> Entry:
+    from tests.test_cuda_graphs import SWAP_BLOCKS, generate_reference
+    from tests.test_engine_parity import make_prompts, reference_attn
+    from tests.tiny_models import tiny_model_dir
+
+    shared = [random.Random(3).randint(3, 255) for _ in range(40)]
+    rounds = [make_prompts(11, 3, shared), make_prompts(12, 4, shared)]
+    entry: Entry = {}
+    for family in ("llama",) if check.quick else ("llama", "gemma2"):
+        model_dir = tiny_model_dir(family, check.workdir / "models")
+        attn = reference_attn(family)
+        expected = [generate_reference(model_dir, r, PARITY_NEW_TOKENS, check.device, attn) for r in rounds]
+        settings = PARITY_SETTINGS | {"num_blocks": SWAP_BLOCKS[family]}
+        runs: Entry = {}
+        attempt(runs, "graphs", parity_run, check, model_dir, settings, rounds, expected, True)
+        attempt(runs, "eager", parity_run, check, model_dir, settings, rounds, expected, False)
+        async_settings = settings | {"use_async_batching": True}
+        attempt(
+            runs, "async", refused_or, parity_run, check, model_dir, async_settings, rounds, expected, True
+        )
+        entry[family] = runs
+        release_memory()
+    return entry
+
+
+def parity_run(
+    check: Check, model_dir: Path, settings: Entry, rounds: list[list[list[int]]], expected: Any, graphs: bool
+) -> Entry:
+    with check.engine(model_dir, settings, graphs, gpu_forward=True) as engine:
+        outputs = [engine.generate(r, PARITY_NEW_TOKENS, ignore_eos=True) for r in rounds]
+        stats = engine.stats()
+        builder = engine.runner.builder
+        return {
+            "equal_generate": outputs == expected,
+            "prompt_chunks": builder.prompt_chunks,
+            "padded_queries": builder.padded_queries,
+            "prefix_hit_tokens": stats["prefix_hit_tokens"],
+            "offloads": stats["offloads"],
+            "swap_restores": stats["swap_restores"],
+            "soft_resets": stats["soft_resets"],
+            "graphs": graph_facts(engine),
+        }
+
+
+def refused_or(fn: Callable[..., Entry], *args: Any) -> Entry:
+    """`fn(*args)`, or the configuration's refusal (async batching, before it is built)."""
+    try:
+        return fn(*args)
+    except ValueError as exc:
+        if "not implemented" not in str(exc):
+            raise
+        return {"refused": str(exc)}
+
+
+# ----------------------------------------------------------------------------------------- throughput
+
+
+def speed_model(check: Check) -> Any:
+    """Llama-shaped, about 1B parameters (Llama 3.2 1B's layers, a 32k vocabulary), random weights from
+    a fixed seed, made on the device; `--quick`: a tiny one of the same shape."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    shape: dict[str, Any] = (
+        {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "max_position_embeddings": 512}
+        if check.quick
+        else {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+              "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 32000,
+              "max_position_embeddings": 2048, "rope_theta": 500000.0}
+    )  # fmt: skip
+    config = LlamaConfig(**shape, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    dtype = torch.bfloat16 if check.device == "cuda" else torch.float32
+    torch.manual_seed(SEED)
+    with torch.device(check.device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.to(check.device).eval()
+
+
+@dataclasses.dataclass
+class Workload:
+    prompts: list[list[int]]
+    new_tokens: int
+
+    @classmethod
+    def decode_heavy(cls, check: Check, vocab: int) -> Workload:
+        rng = random.Random(SEED)
+        count, lengths, new_tokens = (12, (8, 24), 8) if check.quick else (256, (32, 128), 256)
+        prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(*lengths))] for _ in range(count)]
+        return cls(prompts, new_tokens)
+
+    @property
+    def output_tokens(self) -> int:
+        return len(self.prompts) * self.new_tokens
+
+
+class StepClock:
+    """Wall time of each engine step, by whether its forward replayed a graph (a step's time is its
+    own: its sampling reads the tokens back to the host)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.seconds = {"graph": 0.0, "eager": 0.0, "no_forward": 0.0}
+        self.steps = dict.fromkeys(self.seconds, 0)
+        self._kind = "no_forward"
+        runner, forward, step = engine.runner, engine.runner.forward, engine.step
+
+        def timed_forward(batch: Any) -> torch.Tensor:
+            self._kind = "graph" if batch.shape is not None else "eager"
+            return forward(batch)
+
+        def timed_step(*args: Any, **kwargs: Any) -> Any:
+            self._kind = "no_forward"
+            started = time.perf_counter()
+            try:
+                return step(*args, **kwargs)
+            finally:
+                self.seconds[self._kind] += time.perf_counter() - started
+                self.steps[self._kind] += 1
+
+        runner.forward = timed_forward  # type: ignore[method-assign]
+        engine.step = timed_step  # type: ignore[method-assign]
+
+    def facts(self) -> Entry:
+        computed = self.seconds["graph"] + self.seconds["eager"]
+        return {
+            "steps": self.steps,
+            "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
+            "eager_time_share": round(self.seconds["eager"] / computed, 3) if computed else None,
+        }
+
+
+def decode_steps_per_s(engine: Engine, check: Check, vocab: int) -> Entry:
+    """Steps/s once `max_requests_per_batch` requests all decode (their prompts computed)."""
+    running, steps = (4, 5) if check.quick else (64, 100)
+    rng = random.Random(SEED + 1)
+    params = SamplingParams(temperature=0.0, max_new_tokens=steps * 4, ignore_eos=True)
+    requests = [
+        engine.add_request([rng.randrange(3, vocab) for _ in range(128)], params) for _ in range(running)
+    ]
+    while any(not r.output_ids for r in requests):
+        engine.step()
+    started = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    seconds = time.perf_counter() - started
+    for r in requests:
+        engine.abort(r.request_id)
+    engine.run_until_done()
+    return {"running": running, "steps": steps, "steps_per_s": round(steps / seconds, 1)}
+
+
+def engine_system(
+    check: Check, model: Any, settings: Entry, load: Workload, graphs: bool, async_: bool
+) -> Entry:
+    cb = settings | ({"use_async_batching": True} if async_ else {})
+    started = time.perf_counter()
+    engine = check.engine(model, cb, graphs)
+    entry: Entry = {"setup_s": round(time.perf_counter() - started, 2)}
+    vocab = engine.vocab_size
+    with engine:
+        engine.generate([load.prompts[0][:8]], 4, ignore_eos=True)  # first-use costs, untimed
+        clock = None if async_ else StepClock(engine)
+        started = time.perf_counter()
+        outputs = engine.generate(load.prompts, load.new_tokens, ignore_eos=True)
+        wall = time.perf_counter() - started
+        entry |= {"wall_s": round(wall, 2), "output_tok_s": round(load.output_tokens / wall, 1)}
+        if clock is not None:
+            entry["steps"] = clock.facts()
+        attempt(entry, "decode_at_full_batch", decode_steps_per_s, engine, check, vocab)
+        entry["graphs"] = graph_facts(engine)
+    entry["outputs"] = outputs
+    return entry
+
+
+def hf_continuous_batching(check: Check, model: Any, settings: Entry, load: Workload) -> Entry:
+    """transformers' continuous batching on the same model and workload, with its CUDA graphs."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    wanted = {
+        "page_size" if "page_size" in fields else "block_size": settings["page_size"],
+        "num_blocks": settings["num_blocks"],
+        "max_batch_tokens": settings["max_batch_tokens"],
+        "max_requests_per_batch": settings["max_requests_per_batch"],
+        "use_cuda_graph": check.device == "cuda",
+        "auto_switch_to_flash": False,
+    }
+    cb_config = ContinuousBatchingConfig(**{k: v for k, v in wanted.items() if k in fields})
+    # eos -1: no stop token, as the engine's ignore_eos (RequestState keeps only ids >= 0).
+    gen_config = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=load.new_tokens)
+    model.set_attn_implementation("sdpa")  # transformers makes it "paged|sdpa"; ours would not do
+    started = time.perf_counter()
+    manager = model.init_continuous_batching(
+        generation_config=gen_config, continuous_batching_config=cb_config
+    )
+    try:
+        manager.warmup()
+        entry: Entry = {"setup_s": round(time.perf_counter() - started, 2)}
+        manager.start()
+        hf_collect(manager, [load.prompts[0][:8]], 4, "warmup", 60)
+        started = time.perf_counter()
+        # Not past the time the stack and the tests need: a stalled baseline must not cost them.
+        outputs = hf_collect(manager, load.prompts, load.new_tokens, "run", check.seconds_left(keep=150))
+        wall = time.perf_counter() - started
+        resolved = manager.continuous_batching_config
+        entry |= {
+            "wall_s": round(wall, 2),
+            "output_tok_s": round(load.output_tokens / wall, 1),
+            "settings": {name: str(getattr(resolved, name, None)) for name in
+                         ("use_cuda_graph", "use_async_batching", "q_padding_interval_size",
+                          "kv_padding_interval_size", "max_requests_per_batch")},
+            "attn_implementation": model.config._attn_implementation,
+        }  # fmt: skip
+    finally:
+        manager.stop(block=True)
+        manager.destroy()
+    entry["outputs"] = outputs
+    return entry
+
+
+def hf_collect(
+    manager: Any, prompts: list[list[int]], new_tokens: int, tag: str, timeout_s: float
+) -> list[list[int]]:
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts, strict=True):
+        manager.add_request(prompt, request_id=rid, max_new_tokens=new_tokens, eos_token_id=-1)
+    done: dict[str, list[int]] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(done) < len(ids):
+        result = manager.get_result(timeout=1.0)
+        if result is None:
+            if not manager.is_running() or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"transformers' batching stopped with {len(ids) - len(done)} requests left"
+                )
+            continue
+        if result.is_finished():
+            if result.error is not None:
+                raise RuntimeError(f"request {result.request_id} failed: {result.error}")
+            done[result.request_id] = list(result.generated_tokens)
+    return [done[rid] for rid in ids]
+
+
+def throughput_section(check: Check) -> Entry:
+    model = speed_model(check)
+    vocab = model.config.vocab_size
+    load = Workload.decode_heavy(check, vocab)
+    settings: Entry = (
+        {"page_size": 32, "num_blocks": 128, "max_batch_tokens": 64, "max_requests_per_batch": 4}
+        if check.quick
+        else {"page_size": 32, "num_blocks": 2048, "max_batch_tokens": 512, "max_requests_per_batch": 64}
+    )
+    entry: Entry = {
+        "model": {"parameters": sum(p.numel() for p in model.parameters()), "dtype": str(model.dtype)},
+        "workload": {"requests": len(load.prompts), "prompt_tokens": sum(map(len, load.prompts)),
+                     "new_tokens_each": load.new_tokens,
+                     "running_at_most": settings["max_requests_per_batch"]},
+    }  # fmt: skip
+    systems: Entry = {}
+    for name, graphs, async_ in (("graphs", True, False), ("eager", False, False),
+                                 ("graphs_async", True, True), ("eager_async", False, True)):  # fmt: skip
+        if time.monotonic() > check.deadline - 60:
+            systems[name] = {"skipped": "out of time"}
+            continue
+        attempt(systems, name, refused_or, engine_system, check, model, settings, load, graphs, async_)
+        release_memory()
+    attempt(systems, "transformers_cb", hf_continuous_batching, check, model, settings, load)
+    entry["systems"] = {
+        name: {k: v for k, v in facts.items() if k != "outputs"} for name, facts in systems.items()
+    }
+    entry["ratios"] = throughput_ratios(systems)
+    return entry
+
+
+def throughput_ratios(systems: Entry) -> Entry:
+    def figure(name: str, *path: str) -> float | None:
+        value: Any = systems.get(name, {})
+        for key in path:
+            value = value.get(key) if isinstance(value, dict) else None
+        return value if isinstance(value, int | float) else None
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 2) if a and b else None
+
+    def same(a: str, b: str) -> float | None:
+        outs_a, outs_b = systems.get(a, {}).get("outputs"), systems.get(b, {}).get("outputs")
+        if not outs_a or not outs_b:
+            return None
+        return round(sum(x == y for x, y in zip(outs_a, outs_b, strict=True)) / len(outs_a), 3)
+
+    return {
+        "engine_over_transformers_cb": ratio(figure("graphs", "output_tok_s"),
+                                             figure("transformers_cb", "output_tok_s")),
+        "graphs_over_eager_output": ratio(figure("graphs", "output_tok_s"), figure("eager", "output_tok_s")),
+        "graphs_over_eager_decode_steps": ratio(figure("graphs", "decode_at_full_batch", "steps_per_s"),
+                                                figure("eager", "decode_at_full_batch", "steps_per_s")),
+        "async_over_sync": ratio(figure("graphs_async", "output_tok_s"), figure("graphs", "output_tok_s")),
+        # bf16: graphs and eager pad differently, so a near tie may flip; async must change nothing.
+        "same_tokens_graphs_eager": same("graphs", "eager"),
+        "same_tokens_async_sync": same("graphs_async", "graphs"),
+        "same_tokens_engine_transformers_cb": same("graphs", "transformers_cb"),
+    }  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- stack
+
+
+def attach_facts(stack: Any) -> Entry:
+    """What the latest worker logged at attach: how it mapped the pools, and its graphs."""
+    attached = stack.events("attached to cachemgr")
+    captured = stack.events("cuda graphs captured")
+    facts: Entry = {"worker_pid": stack.child_pid("worker"), "attaches": len(attached)}
+    if attached:
+        facts |= {
+            k: attached[-1].get(k) for k in ("kv_handle", "swap_registered", "swap_slots", "num_chunks")
+        }
+    if captured:
+        facts["graphs"] = {k: captured[-1].get(k) for k in ("graphs", "seconds", "memory_mib")}
+    return facts
+
+
+def stack_section(check: Check) -> Entry:
+    from tests.stack import Stack, greedy_request
+    from tests.test_cuda_graphs import generate_reference
+    from tests.tiny_models import tiny_model_dir
+
+    model_dir = tiny_model_dir("llama", check.workdir / "models")
+    rng = random.Random(5)
+    swap_prompts = [[rng.randint(3, 255) for _ in range(rng.randint(20, 60))] for _ in range(8)]
+    kill_prompts = [[rng.randint(3, 255) for _ in range(rng.randint(5, 40))] for _ in range(4)]
+    swap_tokens, kill_tokens = (24, 40) if check.quick else (24, 200)
+    expected_swap = generate_reference(model_dir, swap_prompts, swap_tokens, check.device)
+    expected_kill = generate_reference(model_dir, kill_prompts, kill_tokens, check.device)
+    release_memory()
+    # 32 blocks of 8 tokens: the longest request fits (40 + 200 tokens), but not all at once, so that
+    # both phases offload to the swap pool and restore.
+    settings = {"page_size": 8, "num_blocks": 32, "max_batch_tokens": 32, "cpu_offload_space": 0.01}
+    logs = check.workdir / "stack"
+    logs.mkdir(exist_ok=True)
+    started = time.monotonic()
+    start_timeout = min(240.0, max(60.0, check.seconds_left(keep=60)))
+    try:
+        stack = Stack(
+            model_dir, logs, up_args=["--device", check.device], start_timeout_s=start_timeout, **settings
+        )
+    except Exception as exc:  # its log says why: keep it
+        return failure(exc) | {"log": str(max(logs.glob("stack-*.log"), default=""))}
+    entry: Entry = {"start_s": round(time.monotonic() - started, 1)}
+    try:
+        entry["attach"] = attach_facts(stack)
+        attempt(
+            entry, "swap", swap_round_trip, stack, swap_prompts, swap_tokens, expected_swap, greedy_request
+        )
+        attempt(
+            entry, "worker_kill", worker_kill, stack, kill_prompts, kill_tokens, expected_kill, greedy_request
+        )
+        attempt(entry, "idle_after", idle, stack)
+    finally:
+        entry["exit_code"] = stack.stop()
+        entry["log"] = str(stack.log_path)
+    return entry
+
+
+def idle(stack: Any) -> bool:
+    """Nothing running, waiting or held, and every block back (else AssertionError)."""
+    stack.assert_idle()
+    return True
+
+
+def swap_round_trip(stack: Any, prompts: list[list[int]], new_tokens: int, expected: list[list[int]],
+                    request: Callable[..., Any]) -> Entry:  # fmt: skip
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(stack.generate, [request(p, new_tokens) for p in prompts]))
+    load = stack.load()
+    return {"streams_equal_generate": [r[0] for r in results] == expected, "offloads": load.offloads,
+            "swap_restores": load.swap_restores, "soft_resets": load.soft_resets}  # fmt: skip
+
+
+def worker_kill(stack: Any, prompts: list[list[int]], new_tokens: int, expected: list[list[int]],
+                request: Callable[..., Any]) -> Entry:  # fmt: skip
+    streams = [stack.stub.Generate(request(p, new_tokens), timeout=300) for p in prompts]
+    outputs = [list(next(s).chunk.token_ids) for s in streams]  # every request is running
+    worker = stack.child_pid("worker")
+    killed = time.monotonic()
+    os.kill(worker, signal.SIGKILL)
+    for output, stream in zip(outputs, streams, strict=True):
+        output += [t for message in stream if message.HasField("chunk") for t in message.chunk.token_ids]
+    return {
+        "streams_equal_generate": outputs == expected,
+        "recovery_s": round(time.monotonic() - killed, 1),
+        "tokens_each": new_tokens,
+        "restarted": stack.child_pid("worker") != worker,
+        "reattach": attach_facts(stack),
+    }
+
+
+# ---------------------------------------------------------------------------------------------- tests
+
+
+def tests_section(check: Check) -> Entry:
+    """The CUDA-only tests, in a process of their own."""
+    timeout = max(30.0, check.seconds_left(keep=10))
+    argv = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
+            "tests/test_cuda_graphs.py", "tests/test_swap_copies.py"]  # fmt: skip
+    if check.device != "cuda":
+        argv.append("--collect-only")  # nothing of it runs without a device: just that it collects
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    log = check.workdir / "pytest.log"
+    log.write_text(done.stdout + done.stderr)
+    lines = done.stdout.splitlines()
+    return {
+        "returncode": done.returncode,
+        "summary": next((line for line in reversed(lines) if " in " in line), ""),
+        "failed": [line for line in lines if line.startswith(("FAILED", "ERROR"))][:20],
+        "log": str(log),
+    }
+
+
+# ----------------------------------------------------------------------------------------------- main
+
+RUNNERS: dict[str, Callable[[Check], Entry]] = {
+    "env": env_section,
+    "parity": parity_section,
+    "throughput": throughput_section,
+    "stack": stack_section,
+    "tests": tests_section,
+}
+
+
+def targets(sections: Entry) -> Entry:
+    """The issue's targets, read off the figures (None: not measured)."""
+    ratios = sections.get("throughput", {}).get("ratios", {})
+    parity = sections.get("parity", {})
+    runs = [run for family in parity.values() if isinstance(family, dict) for run in family.values()]
+    measured = [run["equal_generate"] for run in runs if isinstance(run, dict) and "equal_generate" in run]
+    stack = sections.get("stack", {})
+
+    def at_least(value: float | None, bound: float) -> bool | None:
+        return None if value is None else value >= bound
+
+    return {
+        "engine_3x_transformers_cb": at_least(ratios.get("engine_over_transformers_cb"), 3.0),
+        "graphs_2x_eager_decode_steps": at_least(ratios.get("graphs_over_eager_decode_steps"), 2.0),
+        "greedy_identical": all(measured) if measured else None,
+        "async_identical": None if ratios.get("same_tokens_async_sync") is None
+        else ratios["same_tokens_async_sync"] == 1.0,
+        "stack_streams_identical": all(
+            stack.get(k, {}).get("streams_equal_generate") is True for k in ("swap", "worker_kill")
+        ) if "swap" in stack else None,
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--quick", action="store_true", help="small models and workloads (the CPU test)")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"a subset of {','.join(SECTIONS)}")
+    parser.add_argument("--budget-s", type=float, default=450.0, help="wall time the check may take")
+    parser.add_argument("--out-dir", type=Path, help="also write the summary and the logs here")
+    parser.add_argument("--workdir", type=Path, help="models and logs (default: a temporary folder)")
+    args = parser.parse_args(argv)
+    sections = [s for s in args.sections.split(",") if s]
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        parser.error(f"unknown sections {unknown}; known: {','.join(SECTIONS)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA device: pass --device cpu")
+
+    from services.common.logging import configure_logging, disable_progress_bars
+
+    configure_logging(service="gpu_check")
+    disable_progress_bars()
+    started = time.monotonic()
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="cbserve-gpu-check-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    check = Check(args.device, args.quick, started + args.budget_s, workdir)
+    results: Entry = {}
+    text = summarize(args, results, 0.0)
+    for name in sections:
+        left = check.seconds_left()
+        if left < NEEDS_S[name] and not args.quick:
+            results[name] = {"skipped": f"{left:.0f} s of the budget left, {NEEDS_S[name]} s needed"}
+            continue
+        section_started = time.monotonic()
+        try:
+            results[name] = RUNNERS[name](check)
+        except Exception as exc:
+            results[name] = failure(exc)
+        results[name]["section_s"] = round(time.monotonic() - section_started, 1)
+        release_memory()
+        text = summarize(args, results, time.monotonic() - started)
+        if args.out_dir is not None:
+            save(args.out_dir, text, results)
+    print(text, flush=True)
+    return 0
+
+
+def summarize(args: argparse.Namespace, results: Entry, wall_s: float) -> str:
+    summary = {
+        "check": "cbserve gpu_check (issue 12)",
+        "device": args.device,
+        "quick": args.quick,
+        "wall_s": round(wall_s, 1),
+        "targets": targets(results),
+        "sections": results,
+    }
+    return json.dumps(summary, indent=1, default=str)
+
+
+def save(out_dir: Path, text: str, results: Entry) -> None:
+    """The summary, and the logs sections name (what the device brings back: a few flat files)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "gpu_check.json").write_text(text + "\n")
+    for name in ("stack", "tests"):
+        log = results.get(name, {}).get("log")
+        if log and Path(log).is_file():
+            (out_dir / f"{name}.log").write_bytes(Path(log).read_bytes()[-8_000_000:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
