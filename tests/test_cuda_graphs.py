@@ -19,11 +19,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
+from services.common.config import CBConfig
 from services.common.kv_geometry import PADDING_SLOT
 from services.worker import cuda_graphs
 from services.worker.batch import BatchItem
 from services.worker.buckets import Shape
-from services.worker.cuda_graphs import Step, eager_capture
+from services.worker.cuda_graphs import CudaGraphs, Step, eager_capture
 from services.worker.engine import Engine
 from tests.cuda_marks import CUDA_MARKS, cuda_only
 from tests.test_engine_parity import (
@@ -217,6 +218,27 @@ def test_a_decode_step_beyond_every_bucket_runs_eagerly(
         replays = graphs.replays
         assert engine.generate(short, NEW_TOKENS, ignore_eos=True) == reference(model_dir, "sdpa", short)
         assert graphs.replays - replays == NEW_TOKENS - 1  # every decode step of the short one
+
+
+@pytest.mark.parametrize("asked", [None, True], ids=["automatic", "asked-for"])
+def test_a_failed_capture_serves_eagerly_unless_graphs_were_asked_for(
+    asked: bool | None, tiny_models: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(CBConfig, "cuda_graph_enabled", lambda self, device_type: True)  # as on a GPU
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(CudaGraphs, "for_runner", broken)
+    model_dir = tiny_models("llama")
+    if asked:
+        with pytest.raises(RuntimeError, match="not permitted when stream is capturing"):
+            Engine.from_pretrained(model_dir, num_blocks=64, use_cuda_graph=True)
+        return
+    prompts = make_prompts(seed=7)
+    with Engine.from_pretrained(model_dir, num_blocks=64) as engine:
+        assert engine.runner.graphs is None
+        assert engine.generate(prompts, NEW_TOKENS, ignore_eos=True) == reference(model_dir, "sdpa", prompts)
 
 
 def test_graphs_need_a_bucket_the_step_buffers_hold(tiny_models: Callable[[str], Path]) -> None:

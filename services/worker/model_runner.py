@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import structlog
 import torch
 from transformers import PreTrainedModel
 
@@ -16,6 +17,8 @@ from services.worker.fused_llama import FusedLlama
 from services.worker.kernels import paged_decode_kernel, paged_prefill_kernel
 from services.worker.packed_linear import pack_linears
 from services.worker.swap_copies import SwapCopies
+
+log = structlog.get_logger(__name__)
 
 
 class ModelRunner:
@@ -69,7 +72,14 @@ class ModelRunner:
         self.max_keys = min(getattr(text, "max_position_embeddings", num_chunks * page), num_chunks * page)
         self.graphs: CudaGraphs | None = None
         if config.cuda_graph_enabled(self.device.type):
-            self.use_graphs()
+            try:
+                self.use_graphs()
+            except Exception:
+                if config.use_cuda_graph:  # asked for: a start without them would hide the failure
+                    raise
+                # Unset (automatic): serve, eagerly, and say why loudly.
+                log.exception("CUDA graph capture failed: every step runs eagerly")
+                self.graphs = None
 
     def use_graphs(self, capture: Capture | None = None) -> None:
         """Capture the decode graphs (again), with `capture` as the back end (default: CUDA's)."""
