@@ -62,9 +62,6 @@ class PackedLinear(nn.Module):
 def pack_linears(model: nn.Module) -> int:
     """Swap the model's CPU float32 linears for packed ones, in place; how many were swapped (0 when
     the kernel is not built, the kernels are switched off, or the model is elsewhere)."""
-    ops = packed_linear_ops()
-    if ops is None:
-        return 0
     targets = [
         (parent, name, child)
         for parent in model.modules()
@@ -73,6 +70,10 @@ def pack_linears(model: nn.Module) -> int:
         and child.weight.device.type == "cpu"
         and child.weight.dtype == torch.float32
     ]
+    # Only then the kernel: a model elsewhere (a GPU's) must not wait for a CPU kernel's compile.
+    ops = packed_linear_ops() if targets else None
+    if ops is None:
+        return 0
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child, ops))
     return len(targets)
