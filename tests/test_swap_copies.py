@@ -122,7 +122,7 @@ def test_on_cuda_a_worker_maps_the_pools_and_so_does_its_restart() -> None:
         memory.kv[:, :, 2] = 5.0
         torch.cuda.synchronize()
         handles = msgspec.msgpack.encode(memory.handles)
-        env = os.environ | {"PYTHONPATH": str(REPO)}
+        env = os.environ | {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
         argv = [sys.executable, "-c", WORKER]
         first = subprocess.Popen(
             [*argv, "1.5", "hold"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
