@@ -383,8 +383,10 @@ def hf_continuous_batching(check: Check, model: Any, settings: Entry, load: Work
             "attn_implementation": model.config._attn_implementation,
         }  # fmt: skip
     finally:
-        manager.stop(block=True)
-        manager.destroy()
+        # Bounded, and hard: after a failure requests may be left, and a hung thread must not hang us.
+        manager.stop(block=True, timeout=60, hard_stop=True)
+        if not manager.is_running():
+            manager.destroy()
     entry["outputs"] = outputs
     return entry
 
