@@ -634,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--quick", action="store_true", help="small models and workloads (the CPU test)")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"a subset of {','.join(SECTIONS)}")
-    parser.add_argument("--budget-s", type=float, default=450.0, help="wall time the check may take")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="wall time the check may take")
     parser.add_argument("--out-dir", type=Path, help="also write the summary and the logs here")
     parser.add_argument("--workdir", type=Path, help="models and logs (default: a temporary folder)")
     args = parser.parse_args(argv)
