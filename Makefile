@@ -131,11 +131,11 @@ gpu-wheels:
 
 # On the GPU host: the wheels go into a folder of their own, first on the path (the host's packages stay
 # as they are), then the check. With $$OUT set (the device machine's folder that comes back) the summary
-# and the logs land there, and the check's own log too.
+# and the logs land there, and the check's own log too (its end is shown if the check itself fails).
 gpu-check:
 	$(PY) -m pip install --quiet --no-index --no-deps --target $(GPU_SITE) $(GPU_WHEELS)/*.whl
-	PYTHONPATH=$(GPU_SITE):. PYTHONUNBUFFERED=1 $(PY) scripts/gpu_check.py \
-		$(if $(OUT),--out-dir $(OUT) 2>$(OUT)/gpu_check.log) $(GPU_CHECK_ARGS)
+	PYTHONPATH=$(GPU_SITE):. PYTHONUNBUFFERED=1 $(PY) scripts/gpu_check.py $(GPU_CHECK_ARGS) \
+		$(if $(OUT),--out-dir $(OUT) 2>$(OUT)/gpu_check.log || { tail -n 40 $(OUT)/gpu_check.log; exit 1; })
 
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check services tests
