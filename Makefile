@@ -79,7 +79,7 @@ FRESH := --hypothesis-profile=fresh --hypothesis-seed=$(SEED)
 .PHONY: fuzz
 
 test: $(TEST_STAMP) model
-	$(BIN)/ruff check services tests
+	$(BIN)/ruff check services tests scripts
 	$(BIN)/pytest -q
 	@$(MAKE) --no-print-directory fuzz SEED=$(SEED)
 
@@ -138,7 +138,7 @@ gpu-check:
 		$(if $(OUT),--out-dir $(OUT) 2>$(OUT)/gpu_check.log || { tail -n 40 $(OUT)/gpu_check.log; exit 1; })
 
 lint: $(TEST_STAMP)
-	$(BIN)/ruff check services tests
+	$(BIN)/ruff check services tests scripts
 
 clean:
 	rm -rf $(VENV)
