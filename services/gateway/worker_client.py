@@ -25,6 +25,7 @@ import itertools
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import structlog
@@ -155,26 +156,24 @@ class WorkerClient:
             self._schedule_flush()
 
     async def query_load(self, timeout_s: float = 5.0) -> Load:
-        query = next(self._query_ids)
-        future: asyncio.Future[Load] = asyncio.get_running_loop().create_future()
-        self._load_waiters[query] = future
-        self._send(load_query=query)
-        try:
-            return await asyncio.wait_for(future, timeout_s)
-        finally:
-            self._load_waiters.pop(query, None)
+        return await self._ask(self._load_waiters, "load_query", timeout_s)
 
     async def flush_cache(self, timeout_s: float = 5.0) -> int:
         """Have the cachemgr drop the cached prefixes no request holds; returns how many blocks, or
         -1 when the worker could not reach it."""
+        return await self._ask(self._flush_waiters, "flush_cache", timeout_s)
+
+    async def _ask(self, waiters: dict[int, asyncio.Future[Any]], field: str, timeout_s: float) -> Any:
+        """Send the worker a numbered question (`field` of GatewayMessage) and wait for its answer,
+        which `_receive` hands to the waiter of that number."""
         query = next(self._query_ids)
-        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._flush_waiters[query] = future
-        self._send(flush_cache=query)
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        waiters[query] = future
+        self._send(**{field: query})
         try:
             return await asyncio.wait_for(future, timeout_s)
         finally:
-            self._flush_waiters.pop(query, None)
+            waiters.pop(query, None)
 
     # -------------------------------------------------------------------------------------- sending
 
