@@ -196,17 +196,22 @@ def long_request(stack: Stack, seed: int) -> Any:
     return greedy_request(prompt, stack.info.max_model_len - len(prompt))
 
 
-def test_cancel_mid_stream_frees_the_request(tiny_stack: Stack) -> None:
-    trace_id = trace("cancel")
-    call = tiny_stack.stub.Generate(
-        long_request(tiny_stack, 10), timeout=CALL_TIMEOUT_S, metadata=(("x-request-id", trace_id),)
-    )
-    for _ in range(3):
+def cancel_after_chunks(call: Any, chunks: int = 3) -> None:
+    """Read `chunks` chunks of a streaming call (either API's), cancel it, and see it end CANCELLED."""
+    for _ in range(chunks):
         assert next(call).HasField("chunk")
     call.cancel()
     with pytest.raises(grpc.RpcError) as info:
         next(call)
     assert info.value.code() == grpc.StatusCode.CANCELLED
+
+
+def test_cancel_mid_stream_frees_the_request(tiny_stack: Stack) -> None:
+    trace_id = trace("cancel")
+    call = tiny_stack.stub.Generate(
+        long_request(tiny_stack, 10), timeout=CALL_TIMEOUT_S, metadata=(("x-request-id", trace_id),)
+    )
+    cancel_after_chunks(call)
     tiny_stack.wait_idle(timeout_s=5)
     assert_aborted_in_worker(tiny_stack, trace_id)
     assert_serves_exactly(tiny_stack, tiny_prompt(11))
