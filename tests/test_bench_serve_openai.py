@@ -24,7 +24,6 @@ from services.bench.serve_workloads import phase_rng, random_requests
 from services.cli import main
 from services.common.gateway_messages import Load
 from services.gateway.metrics import GatewayMetrics
-from tests.conftest import TINY_STACK_SETTINGS
 from tests.stack import Stack, free_port
 from tests.tiny_models import tiny_text_model_dir
 
@@ -367,17 +366,11 @@ def test_unreachable_and_misnamed_servers_are_refused(
 @pytest.fixture(scope="module")
 def routed(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, int]]:
     """`cbserve up --http-port` on the tiny Llama over SmolLM2's tokenizer: (the stack, smg's port)."""
-    from tests.test_router import wait_router
+    from tests.test_router import routed_stack
 
     model = tiny_text_model_dir("llama", tmp_path_factory.mktemp("text_model"), smollm2_dir)
-    http = free_port()
-    up_args = ["--http-port", str(http), "--router-metrics-port", str(free_port())]
-    stack = Stack(model, tmp_path_factory.mktemp("routed"), up_args=up_args, **TINY_STACK_SETTINGS)
-    try:
-        wait_router(http)
-        yield stack, http
-    finally:
-        stack.stop()
+    with routed_stack(model, tmp_path_factory.mktemp("routed")) as started:
+        yield started
 
 
 @pytest.mark.slow  # a stack and smg start in about 20 s here, and the three runs take 10 more

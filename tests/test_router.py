@@ -9,6 +9,7 @@ the same text and the same token counts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -66,17 +67,23 @@ def client(http_port: int) -> openai.OpenAI:
                          timeout=CALL_TIMEOUT_S)  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def routed(text_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, int]]:
-    """`cbserve up --http-port`: (the stack, smg's HTTP port)."""
+@contextlib.contextmanager
+def routed_stack(model: Path, log_dir: Path) -> Iterator[tuple[Stack, int]]:
+    """`cbserve up --http-port` on `model`, smg ready: (the stack, smg's HTTP port)."""
     http = free_port()
     up_args = ["--http-port", str(http), "--router-metrics-port", str(free_port())]
-    stack = Stack(text_model, tmp_path_factory.mktemp("routed"), up_args=up_args, **TINY_STACK_SETTINGS)
+    stack = Stack(model, log_dir, up_args=up_args, **TINY_STACK_SETTINGS)
     try:
         wait_router(http)
         yield stack, http
     finally:
         stack.stop()
+
+
+@pytest.fixture(scope="module")
+def routed(text_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, int]]:
+    with routed_stack(text_model, tmp_path_factory.mktemp("routed")) as started:
+        yield started
 
 
 # --------------------------------------------------------------------- what cbserve's API answers
