@@ -219,10 +219,10 @@ def test_parse_the_gateways_own_exposition() -> None:
     metrics = GatewayMetrics(lambda: Load())
     before = parse_histogram(generate_latest(metrics.registry).decode())
     for _ in range(4):
-        metrics.observe_step(StepTimes(0.001, 0.002, 0.003, 0.010, 0.001, 0.003, 16, 2))
+        metrics.observe_step(StepTimes(0.001, 0.002, 0.003, 0.010, 0.001, 0.003, 16, 2, 0.0, 0.020))
     rows = step_profile(before, parse_histogram(generate_latest(metrics.registry).decode()))
     by_phase = {r["phase"]: r for r in rows}
-    assert list(by_phase) == ["schedule", "cache", "build", "forward", "sample", "emit", "total"]
+    assert list(by_phase) == ["schedule", "cache", "build", "forward", "sample", "wait", "emit", "total"]
     assert all(r["steps"] == 4 for r in rows)
     assert by_phase["forward"]["mean_s"] == pytest.approx(0.010)
     assert by_phase["forward"]["share"] == pytest.approx(0.5)

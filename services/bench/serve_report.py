@@ -23,7 +23,7 @@ from typing import Any
 
 from services.bench.serve_metrics import STEP_METRIC
 
-STEP_PHASE_ORDER = ("schedule", "cache", "build", "forward", "sample", "emit", "total")
+STEP_PHASE_ORDER = ("schedule", "cache", "build", "forward", "sample", "wait", "emit", "total")
 
 
 # ------------------------------------------------------------------------------------------ records

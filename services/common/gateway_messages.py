@@ -106,7 +106,9 @@ class WorkerStatus(msgspec.Struct, frozen=True):
 
 
 class StepTimes(msgspec.Struct, array_like=True, frozen=True):
-    """Seconds one worker step spent in each phase (the step profile)."""
+    """Seconds one worker step spent in each phase (the step profile). With async batching forward
+    and sample overlap the others, so `total` is the step's wall time, not the phases' sum; `wait`
+    is the part of the forward the overlap did not hide."""
 
     schedule: float
     cache: float
@@ -116,6 +118,8 @@ class StepTimes(msgspec.Struct, array_like=True, frozen=True):
     emit: float
     num_tokens: int
     num_requests: int
+    wait: float = 0.0
+    total: float = 0.0
 
 
 class WorkerMessage(msgspec.Struct, frozen=True):

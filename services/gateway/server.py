@@ -516,7 +516,7 @@ async def serve(
             # grpc shares a port with any process that also asks for SO_REUSEPORT, so a second
             # gateway on the same port would serve half the connections instead of failing.
             ("grpc.so_reuseport", 0),
-        ]
+        ],
     )
     add_service(service, server)
     add_vllm_service(VllmEngineService(service, Path(model_dir)), server)  # the SMG worker protocol

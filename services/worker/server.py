@@ -346,16 +346,17 @@ class WorkerServer:
             self._flush()
             flush_s = time.perf_counter() - t
 
+        t_step = time.perf_counter()
         updated = engine.step(on_committed=flush)
         t_emit = time.perf_counter()
         for req in updated:
             self._emit(req)
         times = engine.last_step_times
         if times.num_requests:
-            emit = time.perf_counter() - t_emit + flush_s
+            t_end = time.perf_counter()
             self._profile = StepTimes(
                 times.schedule, times.cache, times.build, times.forward, times.sample,
-                emit, times.num_tokens, times.num_requests,
+                t_end - t_emit + flush_s, times.num_tokens, times.num_requests, times.wait, t_end - t_step,
             )  # fmt: skip
 
     def _emit(self, req: Request) -> None:
