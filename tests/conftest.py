@@ -69,6 +69,21 @@ def tiny_stack(
 
 
 @pytest.fixture(scope="session")
+def async_stack(
+    tiny_models: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    """The tiny stack with async batching: the worker plans each step while the one before computes."""
+    stack = Stack(
+        tiny_models("llama"),
+        tmp_path_factory.mktemp("async_stack"),
+        use_async_batching=True,
+        **TINY_STACK_SETTINGS,
+    )
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="session")
 def smol_stack(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """`cbserve up` on the embedded SmolLM2 (a real tokenizer and chat template)."""
     stack = Stack(smollm2_dir, tmp_path_factory.mktemp("smol_stack"), **SMOL_STACK_SETTINGS)

@@ -17,7 +17,6 @@ from transformers import AutoTokenizer
 
 from services.bench.serve_metrics import parse_histogram
 from services.gateway.api import pb
-from tests.conftest import TINY_STACK_SETTINGS
 from tests.stack import Stack, greedy_request, hf_greedy
 
 NEW_TOKENS = 12
@@ -38,21 +37,6 @@ def prompts_with_shared_prefixes(seed: int, groups: int, per_group: int) -> list
 def run_concurrently(stack: Stack, requests: list[Any]) -> list[tuple[list[int], str, Any, int]]:
     with ThreadPoolExecutor(len(requests)) as pool:
         return list(pool.map(stack.generate, requests))
-
-
-@pytest.fixture(scope="module")
-def async_stack(
-    tiny_models: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Stack]:
-    """The tiny stack with async batching: the worker plans each step while the one before computes."""
-    stack = Stack(
-        tiny_models("llama"),
-        tmp_path_factory.mktemp("async_stack"),
-        use_async_batching=True,
-        **TINY_STACK_SETTINGS,
-    )
-    yield stack
-    stack.stop()
 
 
 @pytest.mark.parametrize("stack_name", ["tiny_stack", "async_stack"])

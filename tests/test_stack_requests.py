@@ -206,7 +206,9 @@ def cancel_after_chunks(call: Any, chunks: int = 3) -> None:
     assert info.value.code() == grpc.StatusCode.CANCELLED
 
 
-def test_cancel_mid_stream_frees_the_request(tiny_stack: Stack) -> None:
+@pytest.mark.parametrize("stack_name", ["tiny_stack", "async_stack"])
+def test_cancel_mid_stream_frees_the_request(stack_name: str, request: pytest.FixtureRequest) -> None:
+    tiny_stack: Stack = request.getfixturevalue(stack_name)
     trace_id = trace("cancel")
     call = tiny_stack.stub.Generate(
         long_request(tiny_stack, 10), timeout=CALL_TIMEOUT_S, metadata=(("x-request-id", trace_id),)
@@ -217,7 +219,9 @@ def test_cancel_mid_stream_frees_the_request(tiny_stack: Stack) -> None:
     assert_serves_exactly(tiny_stack, tiny_prompt(11))
 
 
-def test_deadline_exceeded_frees_the_request(tiny_stack: Stack) -> None:
+@pytest.mark.parametrize("stack_name", ["tiny_stack", "async_stack"])
+def test_deadline_exceeded_frees_the_request(stack_name: str, request: pytest.FixtureRequest) -> None:
+    tiny_stack: Stack = request.getfixturevalue(stack_name)
     trace_id = trace("deadline")
     call = tiny_stack.stub.Generate(
         long_request(tiny_stack, 12), timeout=0.3, metadata=(("x-request-id", trace_id),)
@@ -230,7 +234,9 @@ def test_deadline_exceeded_frees_the_request(tiny_stack: Stack) -> None:
     assert_serves_exactly(tiny_stack, tiny_prompt(13))
 
 
-def test_many_streams_cancelled_at_random_points(tiny_stack: Stack) -> None:
+@pytest.mark.parametrize("stack_name", ["tiny_stack", "async_stack"])
+def test_many_streams_cancelled_at_random_points(stack_name: str, request: pytest.FixtureRequest) -> None:
+    tiny_stack: Stack = request.getfixturevalue(stack_name)
     rng = random.Random(0)
     plans = [rng.randrange(0, 6) for _ in range(8)]  # chunks read before cancelling (0: before any)
     trace_ids = [trace(f"many{i}") for i in range(len(plans))]
