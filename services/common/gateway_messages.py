@@ -118,8 +118,8 @@ class StepTimes(msgspec.Struct, array_like=True, frozen=True):
     emit: float
     num_tokens: int
     num_requests: int
-    wait: float = 0.0
-    total: float = 0.0
+    wait: float
+    total: float
 
 
 class WorkerMessage(msgspec.Struct, frozen=True):
