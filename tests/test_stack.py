@@ -6,7 +6,6 @@ baseline)."""
 from __future__ import annotations
 
 import random
-import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,7 +14,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from services.bench.serve_metrics import parse_histogram
+from services.bench.serve_metrics import parse_histogram, scrape
 from services.gateway.api import pb
 from tests.stack import Stack, greedy_request, hf_greedy
 
@@ -63,8 +62,8 @@ def test_concurrent_streams_match_generate(stack_name: str, request: pytest.Fixt
 def assert_step_total_is_wall_time(stack: Stack, async_batching: bool) -> None:
     """The step profile's total is each step's wall time: the phases' sum in sync mode; with async
     batching the forward and sampling overlap the rest and are not counted twice."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{stack.metrics_port}/metrics", timeout=10) as r:
-        steps = {phase: total for phase, (total, _) in parse_histogram(r.read().decode()).items()}
+    histogram = parse_histogram(scrape(f"http://127.0.0.1:{stack.metrics_port}/metrics"))
+    steps = {phase: total for phase, (total, _) in histogram.items()}
     phases = sum(t for phase, t in steps.items() if phase != "total")
     overlapped = steps["forward"] + steps["sample"] if async_batching else 0.0
     assert steps["total"] == pytest.approx(phases - overlapped, rel=0.02), steps
