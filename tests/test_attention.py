@@ -271,12 +271,22 @@ def test_fused_rotary_and_silu_match_transformers() -> None:
     k = qkv[:, heads * d : (heads + kv_heads) * d].view(t, kv_heads, d).transpose(0, 1)
     want_q, want_k = apply_rotary_pos_emb(q, k, cos[positions], sin[positions], unsqueeze_dim=0)
     v_before = qkv[:, (heads + kv_heads) * d :].clone()
-    ops.rotary_(qkv, heads + kv_heads, d, cos, sin, positions)
+    k_cache, v_cache = torch.zeros(40, kv_heads, d), torch.zeros(40, kv_heads, d)
+    slots = torch.randperm(40, generator=gen)[:t]
+    ops.rotary_store_kv_(qkv, heads, kv_heads, d, cos, sin, positions, k_cache, v_cache, slots)
     torch.testing.assert_close(q, want_q, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(k, want_k, rtol=1e-5, atol=1e-5)
     assert torch.equal(qkv[:, (heads + kv_heads) * d :], v_before)  # values are not rotated
+    # Each row's rotated keys and its values land in its slot, and no other slot is touched.
+    assert torch.equal(k_cache[slots], k.transpose(0, 1))
+    assert torch.equal(v_cache[slots], v_before.view(t, kv_heads, d))
+    untouched = torch.ones(40, dtype=torch.bool).index_fill_(0, slots, False)
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()
     with pytest.raises(RuntimeError, match="position 50 outside the rotary table of 50"):
-        ops.rotary_(qkv, heads + kv_heads, d, cos, sin, torch.full((t,), 50))
+        ops.rotary_store_kv_(qkv, heads, kv_heads, d, cos, sin, torch.full((t,), 50), k_cache, v_cache, slots)
+    past_the_end = torch.full((t,), 40)
+    with pytest.raises(RuntimeError, match="slot 40 outside 40"):
+        ops.rotary_store_kv_(qkv, heads, kv_heads, d, cos, sin, positions, k_cache, v_cache, past_the_end)
 
     gate_up = torch.randn(t, 2 * 96, generator=gen)
     torch.testing.assert_close(

@@ -84,6 +84,11 @@ class AttentionBatch:
     prefill: dict[int, RaggedPrefill] = field(default_factory=dict)  # per allocator group
     prefill_kernel: PagedPrefill | None = None
 
+    def kv_target(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s K and V slot arrays and, per packed token, the slot its K/V goes to."""
+        k_cache, v_cache = self.kv_of_layer[layer]
+        return k_cache, v_cache, self.write_slots[self.views_of_layer[layer]]
+
 
 def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float, softcap: float | None
@@ -107,13 +112,21 @@ def attend_paged(
 ) -> torch.Tensor:
     """One layer's attention for the packed tokens: `q [T, H, D]`, `key`/`value [T, kv_heads, D]`
     (rows may be strided) -> `[T, H, D]`. Writes the new K/V into the pool first."""
+    k_cache, v_cache, slots = batch.kv_target(layer)
+    k_cache.index_copy_(0, slots, key)
+    v_cache.index_copy_(0, slots, value)
+    return attend_stored(batch, layer, q, scale, softcap)
+
+
+def attend_stored(
+    batch: AttentionBatch, layer: int, q: torch.Tensor, scale: float, softcap: float | None = None
+) -> torch.Tensor:
+    """`attend_paged` for a layer whose new K/V the caller already wrote into the pool."""
     view = batch.views_of_layer[layer]
     k_cache, v_cache = batch.kv_of_layer[layer]
     num_heads, head_dim = q.shape[1], q.shape[2]
-    kv_heads = key.shape[1]
+    kv_heads = k_cache.shape[1]
     group = num_heads // kv_heads
-    k_cache.index_copy_(0, batch.write_slots[view], key)
-    v_cache.index_copy_(0, batch.write_slots[view], value)
 
     native = batch.decode_kernel is not None or batch.prefill_kernel is not None
     if native and q.stride(1) != head_dim:

@@ -4,7 +4,8 @@ transformers' forward spends a third of a W1 step outside the matrix products: p
 about forty small kernels (RMSNorm as six, rotary as sixteen, SiLU and the product, three residual
 adds), three separate projections where one would do, and module and mask bookkeeping. Here a layer
 is four packed GEMMs (q|k|v, o, gate|up, down), the paged attention, and four fused passes
-(csrc/fused_ops.cpp): norm, rotary in place on the q|k|v rows, SiLU-times-up, add-and-norm. Weights
+(csrc/fused_ops.cpp): norm, rotary in place on the q|k|v rows with the K/V writes to the pool,
+SiLU-times-up, add-and-norm. Weights
 are the model's own, concatenated and packed once into panels; the final norm and the LM head run only
 on the rows whose logits are asked for (those that sample, and prompt logprobs' rows).
 
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.attention import AttentionBatch, attend_paged
+from services.worker.attention import AttentionBatch, attend_stored
 from services.worker.kernels import fused_ops, packed_linear_ops
 from services.worker.packed_linear import PackedWeight
 
@@ -103,16 +104,16 @@ class FusedLlama:
         """`input_ids`, `positions` `[T]` -> logits `[len(rows), vocab]` of the packed rows `rows`."""
         ops, eps = self.ops, self.eps
         t, hd = input_ids.shape[0], self.head_dim
-        q_width, kv_width = self.num_heads * hd, self.kv_heads * hd
+        q_width = self.num_heads * hd
         residual = F.embedding(input_ids, self.embed)
         hidden = ops.rms_norm(residual, self.layers[0].input_norm, eps)
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(hidden)
-            ops.rotary_(qkv, self.num_heads + self.kv_heads, hd, self.cos, self.sin, positions)
-            q = qkv[:, :q_width].view(t, self.num_heads, hd)
-            k = qkv[:, q_width : q_width + kv_width].view(t, self.kv_heads, hd)
-            v = qkv[:, q_width + kv_width :].view(t, self.kv_heads, hd)
-            attn = attend_paged(batch, i, q, k, v, self.scale)
+            k_cache, v_cache, slots = batch.kv_target(i)
+            ops.rotary_store_kv_(
+                qkv, self.num_heads, self.kv_heads, hd, self.cos, self.sin, positions, k_cache, v_cache, slots
+            )
+            attn = attend_stored(batch, i, qkv[:, :q_width].view(t, self.num_heads, hd), self.scale)
             out = layer.o(attn.view(t, q_width))
             hidden = ops.add_rms_norm(out, residual, layer.post_norm, eps)
             mlp = layer.down(ops.silu_mul(layer.gate_up(hidden)))

@@ -35,13 +35,11 @@
 #include <vector>
 
 namespace {
-#ifdef __AVX512F__
-using __m512_or_float = __m512;  // one lane vector of partial dots (run_task_rows)
-#else
-using __m512_or_float = float;
-#endif
-constexpr int64_t kPrefetchKeys = 8;
-constexpr int64_t kBlock = 16;  // keys per block of dots
+// Rows this many keys ahead are prefetched by hand: measured best of 4..64 (16 GB/s from memory
+// against 12 with none, on a W1 decode step).
+constexpr int64_t kAheadKeys = 16;
+constexpr int64_t kBlock = 16;   // keys per block of dots
+constexpr int64_t kVBlock = 32;  // keys per block of the V pass: their rows, all heads, stay in L1
 constexpr int64_t kMaxRows = 4096;  // query heads of one request
 
 inline void prefetch_row(const float* row, int64_t bytes) {
@@ -95,15 +93,17 @@ inline void dots16(const Task& t, const float* q, int64_t head_off, int64_t j0, 
   _mm512_mask_storeu_ps(dst, keep, _mm512_mul_ps(sums, _mm512_set1_ps(t.scale)));
 }
 
-// out[g] = inv[g] * sum_j w[g][j] * V[j] for GB queries of one head (w rows t.n apart, out rows t.D
-// apart): each V row is loaded once for all of them, and the GB x NC accumulators stay in registers.
+// out[g] (+)= sum_j w[g][j] * V[j] over keys [j0, j1) for GB queries of one head (w rows t.n apart,
+// out rows t.D apart): each V row is loaded once for all of them, and the GB x NC accumulators stay in
+// registers within the block; `first` starts from zero, `last` scales by inv[g] = 1 / the row's sum.
 template <int NC, int GB>
-inline void weighted_sum(const Task& t, const float* w, int64_t head_off, const float* inv, float* out) {
+inline void weighted_block(const Task& t, const float* w, int64_t head_off, int64_t j0, int64_t j1,
+                           const float* inv, float* out, bool first, bool last) {
   __m512 acc[GB][NC];
   for (int g = 0; g < GB; ++g)
-    for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < t.n; ++j) {
-    if (j + kPrefetchKeys < t.n) prefetch_row(t.v + t.slot[j + kPrefetchKeys] * t.stride + head_off, t.D * 4);
+    for (int c = 0; c < NC; ++c)
+      acc[g][c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + g * t.D + 16 * c);
+  for (int64_t j = j0; j < j1; ++j) {
     const float* vr = t.v + t.slot[j] * t.stride + head_off;
     __m512 v[NC];
     for (int c = 0; c < NC; ++c) v[c] = _mm512_loadu_ps(vr + 16 * c);
@@ -113,23 +113,25 @@ inline void weighted_sum(const Task& t, const float* w, int64_t head_off, const 
     }
   }
   for (int g = 0; g < GB; ++g) {
-    const __m512 s = _mm512_set1_ps(inv[g]);
+    const __m512 s = _mm512_set1_ps(last ? inv[g] : 1.f);
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + g * t.D + 16 * c, _mm512_mul_ps(acc[g][c], s));
   }
 }
 
-// Queries of one head per weighted_sum call: as many as keep the accumulators within 16 registers.
+// The queries of one head over a block of keys, as many per weighted_block call as keep the
+// accumulators within 16 registers.
 template <int NC>
-inline void weighted_sums(const Task& t, const float* w, int64_t head_off, const float* inv, float* out) {
+inline void weighted_blocks(const Task& t, const float* w, int64_t head_off, int64_t j0, int64_t j1,
+                            const float* inv, float* out, bool first, bool last) {
   constexpr int kMax = std::max(1, std::min(4, 16 / NC));
   for (int64_t g = 0; g < t.G; g += kMax) {
     const int64_t gb = std::min<int64_t>(kMax, t.G - g);
     const float* wg = w + g * t.n;
     float* og = out + g * t.D;
-    if (gb == 1) weighted_sum<NC, 1>(t, wg, head_off, inv + g, og);
-    if constexpr (kMax >= 2) if (gb == 2) weighted_sum<NC, 2>(t, wg, head_off, inv + g, og);
-    if constexpr (kMax >= 3) if (gb == 3) weighted_sum<NC, 3>(t, wg, head_off, inv + g, og);
-    if constexpr (kMax >= 4) if (gb == 4) weighted_sum<NC, 4>(t, wg, head_off, inv + g, og);
+    if (gb == 1) weighted_block<NC, 1>(t, wg, head_off, j0, j1, inv + g, og, first, last);
+    if constexpr (kMax >= 2) if (gb == 2) weighted_block<NC, 2>(t, wg, head_off, j0, j1, inv + g, og, first, last);
+    if constexpr (kMax >= 3) if (gb == 3) weighted_block<NC, 3>(t, wg, head_off, j0, j1, inv + g, og, first, last);
+    if constexpr (kMax >= 4) if (gb == 4) weighted_block<NC, 4>(t, wg, head_off, j0, j1, inv + g, og, first, last);
   }
 }
 
@@ -146,9 +148,10 @@ inline void dots_generic(const Task& t, const float* q, int64_t head_off, int64_
   }
 }
 
-inline void weighted_sums_generic(const Task& t, const float* w, int64_t head_off, const float* inv, float* out) {
-  std::fill(out, out + t.G * t.D, 0.f);
-  for (int64_t j = 0; j < t.n; ++j) {
+inline void weighted_blocks_generic(const Task& t, const float* w, int64_t head_off, int64_t j0, int64_t j1,
+                                    const float* inv, float* out, bool first, bool last) {
+  if (first) std::fill(out, out + t.G * t.D, 0.f);
+  for (int64_t j = j0; j < j1; ++j) {
     const float* vr = t.v + t.slot[j] * t.stride + head_off;
     for (int64_t g = 0; g < t.G; ++g) {
       const float wj = w[g * t.n + j];
@@ -157,8 +160,9 @@ inline void weighted_sums_generic(const Task& t, const float* w, int64_t head_of
       for (int64_t d = 0; d < t.D; ++d) o[d] += wj * vr[d];
     }
   }
-  for (int64_t g = 0; g < t.G; ++g)
-    for (int64_t d = 0; d < t.D; ++d) out[g * t.D + d] *= inv[g];
+  if (last)
+    for (int64_t g = 0; g < t.G; ++g)
+      for (int64_t d = 0; d < t.D; ++d) out[g * t.D + d] *= inv[g];
 }
 
 // Softmax of one score row in place; returns 1 / its sum.
@@ -168,9 +172,19 @@ inline float softmax_(float* row, int64_t n, float cap) {
 #pragma omp simd
     for (int64_t j = 0; j < n; ++j) row[j] = std::tanh(row[j] / cap) * cap;
   }
+#ifdef __AVX512F__
+  // By hand: the compiler left this reduction scalar, one dependent vmaxss a key (a fifth of a
+  // decode step's attention).
+  __m512 mv = _mm512_set1_ps(-FLT_MAX);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(row + i));
+  const __mmask16 tail = __mmask16((1u << (n - i)) - 1);
+  if (i < n) mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_maskz_loadu_ps(tail, row + i));
+  const float m = _mm512_reduce_max_ps(mv);
+#else
   float m = -FLT_MAX;
-#pragma omp simd reduction(max : m)
   for (int64_t j = 0; j < n; ++j) m = std::max(m, row[j]);
+#endif
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t j = 0; j < n; ++j) {
@@ -180,76 +194,19 @@ inline float softmax_(float* row, int64_t n, float cap) {
   return 1.f / sum;
 }
 
-#ifdef __AVX512F__
-// A task over several heads, in key order: each K and V row (all the task's heads, one contiguous
-// read) is loaded once, front to back. Reading it head by head instead strides through the rows
-// several times, which from memory ran at a quarter of a core's streaming rate (7 GB/s per core
-// against 28 for a plain sum); in order, the hardware prefetcher streams each page. The per-key
-// partial dots wait in `part` (L1) until a block of 16 is folded; the V sums accumulate in `out`.
-template <int NC>
-void run_task_rows(const Task& t, float* scores, __m512* part) {
-  const int64_t rows = t.hs * t.G;
-  for (int64_t j0 = 0; j0 < t.n; j0 += kBlock) {
-    const int64_t count = std::min(kBlock, t.n - j0);
-    for (int64_t i = 0; i < kBlock; ++i) {
-      if (i >= count) {
-        for (int64_t r = 0; r < rows; ++r) part[r * kBlock + i] = _mm512_setzero_ps();
-        continue;
-      }
-      const float* kr = t.k + t.slot[j0 + i] * t.stride;
-      for (int64_t h = 0; h < t.hs; ++h) {
-        __m512 kv[NC];
-        for (int c = 0; c < NC; ++c) kv[c] = _mm512_loadu_ps(kr + h * t.D + 16 * c);
-        for (int64_t g = 0; g < t.G; ++g) {
-          const float* q = t.q + (h * t.G + g) * t.D;
-          __m512 s = _mm512_mul_ps(_mm512_loadu_ps(q), kv[0]);
-          for (int c = 1; c < NC; ++c) s = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), kv[c], s);
-          part[(h * t.G + g) * kBlock + i] = s;
-        }
-      }
-    }
-    const __mmask16 keep = count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
-    const __m512 scale = _mm512_set1_ps(t.scale);
-    for (int64_t r = 0; r < rows; ++r)
-      _mm512_mask_storeu_ps(scores + r * t.n + j0, keep, _mm512_mul_ps(fold16(part + r * kBlock), scale));
-  }
-  float inv[kMaxRows];
-  for (int64_t r = 0; r < rows; ++r) inv[r] = softmax_(scores + r * t.n, t.n, t.cap);
-  std::fill(t.out, t.out + rows * t.D, 0.f);
-  for (int64_t j = 0; j < t.n; ++j) {
-    const float* vr = t.v + t.slot[j] * t.stride;
-    for (int64_t h = 0; h < t.hs; ++h) {
-      __m512 v[NC];
-      for (int c = 0; c < NC; ++c) v[c] = _mm512_loadu_ps(vr + h * t.D + 16 * c);
-      for (int64_t g = 0; g < t.G; ++g) {
-        const int64_t r = h * t.G + g;
-        const __m512 w = _mm512_set1_ps(scores[r * t.n + j]);
-        float* o = t.out + r * t.D;
-        for (int c = 0; c < NC; ++c)
-          _mm512_storeu_ps(o + 16 * c, _mm512_fmadd_ps(w, v[c], _mm512_loadu_ps(o + 16 * c)));
-      }
-    }
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    const __m512 s = _mm512_set1_ps(inv[r]);
-    float* o = t.out + r * t.D;
-    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(o + 16 * c), s));
-  }
-}
-#endif
-
+// One task: the dots of every (head, query) row with each key, in key order, 16 keys a block; the
+// softmax of each row; then the V sums in blocks of kVBlock keys. Both passes read each K or V row
+// (all the task's heads, one contiguous read) front to back, once from memory: reading a whole context
+// head by head instead strides through the rows several times, which from memory ran at a quarter
+// of a core's streaming rate.
 template <int NC>  // D / 16 on the AVX-512 path; 0: the portable one
-void run_task(const Task& t, float* scores, __m512_or_float* part) {
-#ifdef __AVX512F__
-  // A one-head task keeps its V sums in registers below: for few, short contexts that measured faster
-  // than the key-order pass (16 against 23 us a layer for one request of 400 keys).
-  if constexpr (NC > 0) if (t.hs > 1) return run_task_rows<NC>(t, scores, part);
-#endif
-  const int64_t span = t.hs * t.D;
+void run_task(const Task& t, float* scores) {
+  const int64_t rows = t.hs * t.G, span = t.hs * t.D * 4;
+  for (int64_t j = 0; j < std::min(kAheadKeys, t.n); ++j) prefetch_row(t.k + t.slot[j] * t.stride, span);
   for (int64_t j0 = 0; j0 < t.n; j0 += kBlock) {
     const int64_t count = std::min(kBlock, t.n - j0);
-    for (int64_t i = j0 + kBlock; i < std::min(t.n, j0 + 2 * kBlock); ++i)
-      prefetch_row(t.k + t.slot[i] * t.stride, span * 4);
+    for (int64_t i = j0 + kAheadKeys; i < std::min(t.n, j0 + kBlock + kAheadKeys); ++i)
+      prefetch_row(t.k + t.slot[i] * t.stride, span);
     for (int64_t h = 0; h < t.hs; ++h)
       for (int64_t g = 0; g < t.G; ++g) {
         const float* q = t.q + (h * t.G + g) * t.D;
@@ -260,15 +217,23 @@ void run_task(const Task& t, float* scores, __m512_or_float* part) {
         dots_generic(t, q, h * t.D, j0, count, dst);
       }
   }
-  float inv[64];  // G <= 64, checked by the caller
-  for (int64_t h = 0; h < t.hs; ++h) {
-    float* w = scores + h * t.G * t.n;
-    for (int64_t g = 0; g < t.G; ++g) inv[g] = softmax_(w + g * t.n, t.n, t.cap);
-    float* out = t.out + h * t.G * t.D;
+  float inv[kMaxRows];
+  for (int64_t r = 0; r < rows; ++r) inv[r] = softmax_(scores + r * t.n, t.n, t.cap);
+  for (int64_t j = 0; j < std::min(kAheadKeys, t.n); ++j) prefetch_row(t.v + t.slot[j] * t.stride, span);
+  for (int64_t j0 = 0; j0 < t.n; j0 += kVBlock) {
+    const int64_t j1 = std::min(t.n, j0 + kVBlock);
+    for (int64_t i = j0 + kAheadKeys; i < std::min(t.n, j1 + kAheadKeys); ++i)
+      prefetch_row(t.v + t.slot[i] * t.stride, span);
+    for (int64_t h = 0; h < t.hs; ++h) {
+      const int64_t r = h * t.G;
 #ifdef __AVX512F__
-    if constexpr (NC > 0) { weighted_sums<NC>(t, w, h * t.D, inv, out); continue; }
+      if constexpr (NC > 0) {
+        weighted_blocks<NC>(t, scores + r * t.n, h * t.D, j0, j1, inv + r, t.out + r * t.D, j0 == 0, j1 == t.n);
+        continue;
+      }
 #endif
-    weighted_sums_generic(t, w, h * t.D, inv, out);
+      weighted_blocks_generic(t, scores + r * t.n, h * t.D, j0, j1, inv + r, t.out + r * t.D, j0 == 0, j1 == t.n);
+    }
   }
 }
 
@@ -290,7 +255,7 @@ Fn by_head_size(int64_t D, Fn other, Make make) {
 }
 #endif
 
-using TaskFn = void (*)(const Task&, float*, __m512_or_float*);
+using TaskFn = void (*)(const Task&, float*);
 
 TaskFn pick(int64_t D) {
 #ifdef __AVX512F__
@@ -337,7 +302,6 @@ void paged_decode(
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<float> scores(static_cast<size_t>(hs * G * L));
-    std::vector<__m512_or_float> part(static_cast<size_t>(hs * G * kBlock));
     for (int64_t task = next++; task < tasks; task = next++) {
       const int64_t b = task / parts, h0 = (task % parts) * hs;
       const Task t{
@@ -348,7 +312,7 @@ void paged_decode(
           slots.data_ptr<int64_t>() + b * L,
           lp[b], hs, G, D, H * D,
           static_cast<float>(scale), static_cast<float>(softcap)};
-      fn(t, scores.data(), part.data());
+      fn(t, scores.data());
     }
   });
 }
