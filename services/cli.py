@@ -57,7 +57,7 @@ def _prepare_model(args: argparse.Namespace) -> int:
 
 
 def _prepare_kernels(args: argparse.Namespace) -> int:
-    from services.worker import kernels
+    from services.worker import gemm_crossover, kernels
 
     built = {
         "paged_attention": kernels.paged_decode_kernel(),
@@ -66,6 +66,14 @@ def _prepare_kernels(args: argparse.Namespace) -> int:
     }
     for name, module in built.items():
         print(f"{name}: {'ready' if module is not None else 'not built (torch fallback)'}")
+    linears = built["panel_linear"]
+    if linears is not None:
+        crossover = linears.torch_from_rows
+        print(
+            "linears: the panel kernel at every size"
+            if crossover == gemm_crossover.NEVER
+            else f"linears: the panel kernel below {crossover} rows, torch's GEMM from {crossover}"
+        )
     # Off by choice, or no compiler: the fallbacks serve. A compiler that fails is an error.
     expected = kernels.native_kernels_enabled() and kernels.compiler_available()
     return 1 if expected and None in built.values() else 0

@@ -3,6 +3,7 @@ paths, and the engine is exact either way."""
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from services.common.model_source import cbserve_home
-from services.worker import kernels
+from services.worker import gemm_crossover, kernels
 from services.worker.engine import Engine
 from services.worker.packed_linear import PackedLinear, pack_linears
 from tests.stack import REPO
@@ -191,8 +192,13 @@ def test_fallback_path_is_exact(
 @pytest.mark.parametrize("rows", [0, 1, 5, 8, 9, 38, 600])
 @pytest.mark.parametrize(("in_features", "out_features"), [(96, 200), (33, 17), (64, 64)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_torch(rows: int, in_features: int, out_features: int, bias: bool) -> None:
-    ops = built(kernels.packed_linear_ops(), "panel linears")
+@pytest.mark.parametrize("torch_from_rows", [gemm_crossover.NEVER, 9], ids=["panels", "torch-from-9"])
+def test_packed_linear_matches_torch(
+    rows: int, in_features: int, out_features: int, bias: bool, torch_from_rows: int
+) -> None:
+    """Whichever GEMM this CPU's crossover picks for a size, the product is torch's."""
+    ops = copy.copy(built(kernels.packed_linear_ops(), "panel linears"))
+    ops.torch_from_rows = torch_from_rows
     gen = torch.Generator().manual_seed(rows)
     linear = torch.nn.Linear(in_features, out_features, bias=bias)
     torch.nn.init.normal_(linear.weight, generator=gen)
@@ -307,6 +313,13 @@ def test_llama_shaped_families_run_the_fused_forward(
         assert (engine.runner.fused is not None) == fused
         # Fused models keep transformers' linears (the fused forward packs its own concatenations).
         assert any(isinstance(m, PackedLinear) for m in engine.model.modules()) != fused
+        if fused:  # ... as views of those concatenations: one plain copy of the weights
+            attn = engine.model.model.layers[0].self_attn
+            qkv = engine.runner.fused.layers[0].qkv.weight
+            assert attn.k_proj.weight.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()
+            assert torch.equal(
+                qkv[attn.q_proj.out_features :][: attn.k_proj.out_features], attn.k_proj.weight
+            )
 
 
 def test_a_lock_left_by_a_killed_load_does_not_hold_up_the_next() -> None:

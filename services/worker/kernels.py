@@ -22,6 +22,7 @@ import structlog
 import torch
 
 from services.common.model_source import cbserve_home
+from services.worker import gemm_crossover
 
 log = structlog.get_logger(__name__)
 
@@ -43,6 +44,10 @@ def _cpu_tag() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:10]
 
 
+def _build_dir(stem: str) -> Path:
+    return cbserve_home() / "kernels" / f"cbserve_{stem}_{_cpu_tag()}"
+
+
 def _build(stem: str) -> Any:
     """Compile (once per CPU and source) and import `csrc/<stem>.cpp`; None when that fails."""
     if not native_kernels_enabled():
@@ -51,8 +56,8 @@ def _build(stem: str) -> Any:
     try:
         from torch.utils.cpp_extension import load
 
-        name = f"cbserve_{stem}_{_cpu_tag()}"
-        build_dir = cbserve_home() / "kernels" / name
+        build_dir = _build_dir(stem)
+        name = build_dir.name
         build_dir.mkdir(parents=True, exist_ok=True)
         # torch takes a lock file on every load, even with nothing to build, and a process killed
         # meanwhile (a worker stopped while it starts) leaves it behind: every later load then
@@ -121,10 +126,13 @@ def paged_prefill_kernel(head_dim: int) -> PagedPrefill | None:
 
 class PanelLinear:
     """Linears on weights packed once into column panels (csrc/panel_linear.cpp): `pack_weight(W [N, K])`,
-    then `packed_linear(x [..., K], packed, bias, N) -> [..., N]`."""
+    then `packed_linear(x [..., K], packed, bias, N) -> [..., N]`. Products of `torch_from_rows` rows
+    or more run faster on torch's GEMM on this CPU (`gemm_crossover`): their callers send them there.
+    """
 
-    def __init__(self, module: Any) -> None:
+    def __init__(self, module: Any, torch_from_rows: int) -> None:
         self._module = module
+        self.torch_from_rows = torch_from_rows
 
     def pack_weight(self, weight: torch.Tensor) -> torch.Tensor:
         return self._module.pack_weight(weight)
@@ -139,7 +147,12 @@ class PanelLinear:
 def packed_linear_ops() -> PanelLinear | None:
     """The packed linears, or None (switched off, or not built): then linears run torch's own GEMM."""
     module = _build("panel_linear")
-    return None if module is None else PanelLinear(module)
+    if module is None:
+        return None
+    build_dir = _build_dir("panel_linear")
+    return PanelLinear(
+        module, gemm_crossover.torch_from_rows(build_dir, module.pack_weight, module.panel_linear)
+    )
 
 
 @functools.cache

@@ -1,11 +1,12 @@
 """Linears with their weights packed once into column panels (CPU, float32; `kernels.PanelLinear`).
 
-torch's own GEMM (MKL here) re-packs a weight matrix on every product and on this AMD CPU takes no
-AVX-512 path; oneDNN on weights reordered once does better, and our panel kernel better still (see
-csrc/panel_linear.cpp): 2x at the few rows of a decode step, where the weights' reads set the pace.
-`pack_linears` swaps every `nn.Linear` of a CPU float32 model for a `PackedLinear` that keeps the
-original parameters (tied weights, `.weight` readers and checkpoints see no change) plus the packed
-copy. Results equal torch's GEMM up to fp32 summation order, as any change of batch shape does.
+torch's own GEMM (MKL here) re-packs a weight matrix on every product; our panel kernel streams
+weights packed once (see csrc/panel_linear.cpp): 2x torch's at the few rows of a decode step, where
+the weights' reads set the pace. Products of many rows go to torch's GEMM on the plain weights where
+this CPU runs it faster (`gemm_crossover`). `pack_linears` swaps every `nn.Linear` of a CPU float32
+model for a `PackedLinear` that keeps the original parameters (tied weights, `.weight` readers and
+checkpoints see no change) plus the packed copy. Results equal torch's GEMM up to fp32 summation
+order, as any change of batch shape does.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from services.worker.kernels import packed_linear_ops
@@ -21,27 +23,38 @@ from services.worker.kernels import packed_linear_ops
 
 @dataclass
 class PackedWeight:
-    """One or several linears' weights, concatenated along the outputs and packed once, and their bias:
-    `x [..., K] -> [..., N]`."""
+    """One or several linears' weights, concatenated along the outputs (`weight [N, K]`) and packed
+    once, and their bias: `x [..., K] -> [..., N]`."""
 
     ops: Any
+    weight: torch.Tensor
     packed: torch.Tensor
     bias: torch.Tensor | None
-    out_features: int
 
     @classmethod
     def of(cls, ops: Any, *linears: nn.Module) -> PackedWeight:
+        """Several linears' weights are concatenated once, and each linear's parameter becomes a view
+        of its rows: one plain copy of the weights stays, besides the packed one."""
         with torch.no_grad():
-            weight = torch.cat([lin.weight.detach() for lin in linears]).contiguous()
+            if len(linears) == 1:
+                weight = linears[0].weight.detach()
+            else:
+                weight = torch.cat([lin.weight.detach() for lin in linears])
+                first = 0
+                for lin in linears:
+                    lin.weight = nn.Parameter(weight[first : first + lin.out_features], requires_grad=False)
+                    first += lin.out_features
             biases = [lin.bias for lin in linears]
             bias = None if all(b is None for b in biases) else torch.cat([
                 b.detach() if b is not None else torch.zeros(lin.out_features)
                 for b, lin in zip(biases, linears, strict=True)
             ])  # fmt: skip
-            return cls(ops, ops.pack_weight(weight), bias, weight.shape[0])
+            return cls(ops, weight, ops.pack_weight(weight), bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.packed_linear(x, self.packed, self.bias, self.out_features)
+        if x.numel() >= self.ops.torch_from_rows * x.shape[-1]:
+            return F.linear(x, self.weight, self.bias)
+        return self.ops.packed_linear(x, self.packed, self.bias, self.weight.shape[0])
 
 
 class PackedLinear(nn.Module):

@@ -1,0 +1,38 @@
+"""The GEMM crossover: the rule that picks it, and its measurement kept once per machine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from services.worker import gemm_crossover, kernels
+from services.worker.gemm_crossover import NEVER, choose
+from tests.test_attention import built
+
+
+def test_torch_serves_from_the_smallest_size_it_wins_at_and_above() -> None:
+    assert choose({64: (1.0, 1.2), 128: (1.0, 0.9), 256: (1.0, 0.8), 512: (1.0, 0.5)}) == 128
+    # A loss at a larger size keeps the panels below it: one crossover, no islands.
+    assert choose({64: (1.0, 0.5), 128: (1.0, 1.2), 256: (1.0, 0.8), 512: (1.0, 0.5)}) == 256
+    # A win inside the margin is a tie, and a tie keeps the panels.
+    assert choose({64: (1.0, 0.99), 128: (1.0, 0.97)}) == NEVER
+    assert choose({64: (1.0, 2.0), 512: (1.0, 3.0)}) == NEVER
+
+
+def test_crossover_is_measured_once_then_read(tmp_path: Path) -> None:
+    ops = built(kernels.packed_linear_ops(), "panel linears")
+    first = gemm_crossover.torch_from_rows(tmp_path, ops.pack_weight, ops.packed_linear)
+    [kept] = tmp_path.glob(f"gemm-crossover-torch{torch.__version__}-{torch.get_num_threads()}threads.json")
+    record = json.loads(kept.read_text())
+    assert record["torch_from_rows"] == first
+    assert set(record["gflops"]) == {str(m) for m in gemm_crossover.ROWS}
+    # The kept choice is what a later start uses, whatever it would measure now.
+    kept.write_text(json.dumps({**record, "torch_from_rows": 4096}))
+    assert gemm_crossover.torch_from_rows(tmp_path, ops.pack_weight, ops.packed_linear) == 4096
+    kept.write_text("{not json")  # a damaged file is measured again, not trusted
+    assert gemm_crossover.torch_from_rows(tmp_path, ops.pack_weight, ops.packed_linear) in {
+        *gemm_crossover.ROWS,
+        NEVER,
+    }
