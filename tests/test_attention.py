@@ -300,6 +300,22 @@ def test_fused_rotary_and_silu_match_transformers() -> None:
     )
 
 
+@pytest.mark.parametrize("n", [1, 15, 16, 49_152, 49_157])
+def test_native_argmax_is_torchs(n: int) -> None:
+    """First maximum wins, a NaN wins over any number (torch's rule), rows may be strided."""
+    ops = _fused_ops()
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(7, n + 3, generator=gen)[:, 2 : 2 + n]
+    x[1] = x[1].max()  # all tied: the first
+    x[2, n // 2] = float("nan")
+    x[2, -1] = float("nan")
+    x[3] = float("-inf")
+    x[4, -1] = float("inf")
+    x[5, n // 3] = x[5, n - 1] = x[5].max() + 1  # a tie of two maxima: the first
+    assert torch.equal(ops.argmax_rows(x), x.argmax(dim=-1))
+    assert ops.argmax_rows(x[:0]).shape == (0,)
+
+
 FUSED_FAMILIES = [("llama", True), ("qwen2", True), ("mistral", True), ("qwen3", False), ("gemma2", False)]
 
 

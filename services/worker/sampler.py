@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.common.sampling_params import SamplingParams
+from services.worker.kernels import fused_ops
 
 _NEG_INF = float("-inf")
 
@@ -151,7 +152,7 @@ class Sampler:
         plan = _Plan.build(rows, logits.shape[1])
 
         if plan.all_plain_greedy:
-            tokens = logits.argmax(dim=-1)
+            tokens = _argmax_rows(logits)
         else:
             tokens = _sample_general(logits, plan)
 
@@ -278,6 +279,13 @@ def _exponential_noise(shape: torch.Size, plan: _Plan, device: torch.device) -> 
     # exponential_ can return exactly 0 on some backends; 0/0 would be NaN, which argmax prefers, and a
     # filtered (zero-probability) token could win.
     return q.clamp_min_(torch.finfo(torch.float32).tiny)
+
+
+def _argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(-1)`, by the native kernel for CPU rows: torch's scalar pass took 2.7 ms for 48
+    rows of a 49,152-token vocabulary, the whole of a greedy step's sampling."""
+    ops = fused_ops() if logits.device.type == "cpu" and logits.stride(-1) == 1 else None
+    return logits.argmax(dim=-1) if ops is None else ops.argmax_rows(logits)
 
 
 def _sample_general(logits: torch.Tensor, plan: _Plan) -> torch.Tensor:

@@ -12,8 +12,13 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/utils/pybind.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 
 namespace {
 void check_rows(const at::Tensor& t, const char* name) {
@@ -159,7 +164,60 @@ at::Tensor silu_mul(at::Tensor gate_up) {
   return y;
 }
 
+namespace {
+// Index of the first maximum of x[0 .. n), or of the first NaN if there is one (torch.argmax's rule).
+// NaN is tested on the bits, which -ffast-math cannot assume away.
+int64_t argmax_row(const float* x, int64_t n) {
+  const auto is_nan = [](float v) {
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    return (bits & 0x7fffffffu) > 0x7f800000u;
+  };
+  int64_t i = 0;
+  float m = -INFINITY;
+#ifdef __AVX512F__
+  __m512 mv = _mm512_set1_ps(-INFINITY);
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), inf_bits = _mm512_set1_epi32(0x7f800000);
+  __mmask16 nan = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    nan |= _mm512_cmpgt_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), abs_mask), inf_bits);
+    mv = _mm512_max_ps(mv, v);
+  }
+  if (nan != 0) {
+    for (int64_t j = 0; j < n; ++j)
+      if (is_nan(x[j])) return j;
+  }
+  m = _mm512_reduce_max_ps(mv);
+#endif
+  for (int64_t j = i; j < n; ++j) {
+    if (is_nan(x[j])) return j;
+    m = std::max(m, x[j]);
+  }
+  for (int64_t j = 0; j < n; ++j)
+    if (x[j] == m) return j;
+  return 0;  // n == 0 is refused by the caller
+}
+}  // namespace
+
+// argmax over each row of x [rows, n] -> int64 [rows], equal to torch's x.argmax(-1) (first maximum;
+// a NaN wins), one vector pass a row: torch's own ran 2.7 ms for 48 rows of a 49,152-token vocabulary
+// (1.7 GB/s), a greedy step's whole sampling time.
+at::Tensor argmax_rows(at::Tensor x) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.size(1) > 0, "rows of no values have no argmax");
+  auto out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  const int64_t n = x.size(1), sx = x.stride(0);
+  at::parallel_for(0, x.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) op[t] = argmax_row(xp + t * sx, n);
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("argmax_rows", &argmax_rows, "x.argmax(-1) for float32 rows");
   m.def("rms_norm", &rms_norm, "x / rms(x) * weight, per row");
   m.def("add_rms_norm", &add_rms_norm, "residual += x; rms_norm(residual)");
   m.def("rotary_store_kv_", &rotary_store_kv_, "rotary on q|k, then k and v written to their KV slots");
