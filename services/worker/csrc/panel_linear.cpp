@@ -7,8 +7,9 @@
 // hardware prefetcher streams them) and multiplies each loaded line into up to 8 rows at once
 // (16 accumulators in registers, one load of W per 16 FMAs). Threads split the panels, so each weight
 // is read once per product, by one core. Measured on SmolLM2's shapes against oneDNN's brgemm on its
-// own blocked weights (30 layers, so the weights come from memory as in a real step), 2 threads:
-// 2.0x at 1 row (44 GB/s of weights against 22), 1.4x at 48 rows, 1.07x at 512.
+// own blocked weights (30 layers, so the weights come from memory as in a real step), 2 threads, on an
+// AMD machine: 2.0x at 1 row (44 GB/s of weights against 22), 1.4x at 48 rows, 1.07x at 512. Where
+// torch's GEMM is faster at many rows (MKL on an Intel CPU), gemm_crossover.py sends those there.
 //
 // Each output is one sequential sum over k, which equals torch's GEMM up to fp32 summation order.
 // Only the headers used: <torch/extension.h> (all of libtorch's C++ API) tripled the compile time.
