@@ -5,9 +5,9 @@ about forty small kernels (RMSNorm as six, rotary as sixteen, SiLU and the produ
 adds), three separate projections where one would do, and module and mask bookkeeping. Here a layer
 is four packed GEMMs (q|k|v, o, gate|up, down), the paged attention, and four fused passes
 (csrc/fused_ops.cpp): norm, rotary in place on the q|k|v rows with the K/V writes to the pool,
-SiLU-times-up, add-and-norm. Weights
-are the model's own, concatenated and packed once into panels; the final norm and the LM head run only
-on the rows whose logits are asked for (those that sample, and prompt logprobs' rows).
+SiLU-times-up, add-and-norm. Weights are the model's own, concatenated (the model's parameters become
+views of the concatenations) and packed once into panels; the final norm and the LM head run only on
+the rows whose logits are asked for (those that sample, and prompt logprobs' rows).
 
 Results equal transformers' up to fp32 summation order; `FusedLlama.build` returns None (the model
 then runs transformers' forward) for anything else: another architecture, a rotary embedding that

@@ -76,7 +76,7 @@ at::Tensor add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, do
 }
 
 namespace {
-// The rotary table's row of each packed row's position, checked once.
+// Each packed row's position, checked against the rotary table.
 const int64_t* checked_positions(const at::Tensor& positions, const at::Tensor& x, const at::Tensor& cos,
                                  const at::Tensor& sin, int64_t num_heads, int64_t head_dim) {
   TORCH_CHECK(num_heads * head_dim <= x.size(1) && head_dim % 2 == 0, "bad rotary heads ", num_heads,
@@ -109,9 +109,10 @@ inline void rotate_row(float* row, int64_t num_heads, int64_t head_dim, const fl
 }  // namespace
 
 // Rotary embedding, in place, on the q and k heads of each row of a fused q|k|v projection
-// [rows, (q_heads + 2 kv_heads) x D], with cos/sin [max_positions, D] read at each row's position; then the row's k heads (rotated) and v heads written to its KV slot `slots[t]` of
-// k_cache/v_cache [S, kv_heads, D]: one pass while the row is in cache, where index_copy_ after the
-// rotary took 70 us a layer for a few dozen rows.
+// [rows, (q_heads + 2 kv_heads) x D], with cos/sin [max_positions, D] read at each row's position;
+// then the row's k heads (rotated) and v heads written to its KV slot `slots[t]` of k_cache/v_cache
+// [S, kv_heads, D]: one pass while the row is in cache, where index_copy_ after the rotary took 70 us
+// a layer for a few dozen rows. Every position and slot is checked before anything is written.
 void rotary_store_kv_(at::Tensor qkv, int64_t q_heads, int64_t kv_heads, int64_t head_dim, at::Tensor cos,
                       at::Tensor sin, at::Tensor positions, at::Tensor k_cache, at::Tensor v_cache,
                       at::Tensor slots) {
