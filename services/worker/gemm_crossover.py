@@ -2,8 +2,9 @@
 
 The panel kernel wins where the weights' reads set the pace (the few rows of a decode step: 2x torch's
 at one row). Where FMAs set it (a prefill chunk's hundreds of rows) the winner depends on the CPU:
-on an AMD machine torch's MKL takes no AVX-512 path and the panels won at every size; on an Intel one
-with AVX-512 MKL ran 1.2x faster at 512 rows (W1's prefill linears 12.8 s against 10.0 s). So the
+on an AMD machine, where torch's MKL takes no AVX-512 path, the panels measured ahead of oneDNN's
+brgemm (itself ahead of MKL there) at every size tried; on an Intel one with AVX-512 MKL ran 1.2x
+faster at 512 rows (W1's prefill linears 12.8 s against 10.0 s). So the
 crossover is measured, once per CPU, torch build and thread count, and kept in
 `$CBSERVE_HOME/kernels`: the same machine always makes the same choice, and results (equal up to fp32
 summation order either way) do not change from one start to the next.
@@ -28,7 +29,7 @@ ROWS = (64, 128, 256, 512)  # the sizes timed; below the first, the panels alway
 MARGIN = 1.05  # torch must win by this much: a near tie keeps one kernel for every size
 NEVER = 1 << 62  # torch_from_rows when the panels win everywhere
 _SHAPE = (1536, 576)  # a mid-sized linear of a small decoder (SmolLM2's gate or up projection)
-_WEIGHTS = 8  # distinct weights per timing, so they come from memory as in a forward
+_WEIGHTS = 8  # distinct weights per timing (28 MB), so that they do not all sit in a core's L2
 _ROUNDS = 5
 
 
