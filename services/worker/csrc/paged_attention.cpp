@@ -57,6 +57,12 @@ struct Task {
   float scale, cap;
 };
 
+// The rows (`span` bytes from `base`: K or V, all the task's heads) of its keys [from, to), clamped
+// to its n keys.
+inline void prefetch_keys(const Task& t, const float* base, int64_t from, int64_t to, int64_t span) {
+  for (int64_t j = from; j < std::min(to, t.n); ++j) prefetch_row(base + t.slot[j] * t.stride, span);
+}
+
 #ifdef __AVX512F__
 // Transpose-and-add: lane i of the result holds the sum of part[i]'s lanes (four levels).
 inline __m512 fold16(const __m512* part) {
@@ -202,11 +208,10 @@ inline float softmax_(float* row, int64_t n, float cap) {
 template <int NC>  // D / 16 on the AVX-512 path; 0: the portable one
 void run_task(const Task& t, float* scores) {
   const int64_t rows = t.hs * t.G, span = t.hs * t.D * 4;
-  for (int64_t j = 0; j < std::min(kAheadKeys, t.n); ++j) prefetch_row(t.k + t.slot[j] * t.stride, span);
+  prefetch_keys(t, t.k, 0, kAheadKeys, span);
   for (int64_t j0 = 0; j0 < t.n; j0 += kBlock) {
     const int64_t count = std::min(kBlock, t.n - j0);
-    for (int64_t i = j0 + kAheadKeys; i < std::min(t.n, j0 + kBlock + kAheadKeys); ++i)
-      prefetch_row(t.k + t.slot[i] * t.stride, span);
+    prefetch_keys(t, t.k, j0 + kAheadKeys, j0 + kBlock + kAheadKeys, span);
     for (int64_t h = 0; h < t.hs; ++h)
       for (int64_t g = 0; g < t.G; ++g) {
         const float* q = t.q + (h * t.G + g) * t.D;
@@ -219,11 +224,10 @@ void run_task(const Task& t, float* scores) {
   }
   float inv[kMaxRows];
   for (int64_t r = 0; r < rows; ++r) inv[r] = softmax_(scores + r * t.n, t.n, t.cap);
-  for (int64_t j = 0; j < std::min(kAheadKeys, t.n); ++j) prefetch_row(t.v + t.slot[j] * t.stride, span);
+  prefetch_keys(t, t.v, 0, kAheadKeys, span);
   for (int64_t j0 = 0; j0 < t.n; j0 += kVBlock) {
     const int64_t j1 = std::min(t.n, j0 + kVBlock);
-    for (int64_t i = j0 + kAheadKeys; i < std::min(t.n, j1 + kAheadKeys); ++i)
-      prefetch_row(t.v + t.slot[i] * t.stride, span);
+    prefetch_keys(t, t.v, j0 + kAheadKeys, j1 + kAheadKeys, span);
     for (int64_t h = 0; h < t.hs; ++h) {
       const int64_t r = h * t.G;
 #ifdef __AVX512F__
