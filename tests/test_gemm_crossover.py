@@ -23,16 +23,19 @@ def test_torch_serves_from_the_smallest_size_it_wins_at_and_above() -> None:
 
 def test_crossover_is_measured_once_then_read(tmp_path: Path) -> None:
     ops = built(kernels.packed_linear_ops(), "panel linears")
-    first = gemm_crossover.torch_from_rows(tmp_path, ops.pack_weight, ops.packed_linear)
-    [kept] = tmp_path.glob(f"gemm-crossover-torch{torch.__version__}-{torch.get_num_threads()}threads.json")
+    first = gemm_crossover.torch_from_rows(tmp_path, "v1", ops.pack_weight, ops.packed_linear)
+    threads = torch.get_num_threads()
+    [kept] = tmp_path.glob(f"gemm-crossover-v1-torch{torch.__version__}-{threads}threads.json")
     record = json.loads(kept.read_text())
     assert record["torch_from_rows"] == first
     assert set(record["gflops"]) == {str(m) for m in gemm_crossover.ROWS}
     # The kept choice is what a later start uses, whatever it would measure now.
     kept.write_text(json.dumps({**record, "torch_from_rows": 4096}))
-    assert gemm_crossover.torch_from_rows(tmp_path, ops.pack_weight, ops.packed_linear) == 4096
+    assert gemm_crossover.torch_from_rows(tmp_path, "v1", ops.pack_weight, ops.packed_linear) == 4096
+    # Another version of the kernel is measured for itself.
+    assert gemm_crossover.torch_from_rows(tmp_path, "v2", ops.pack_weight, ops.packed_linear) != 4096
     kept.write_text("{not json")  # a damaged file is measured again, not trusted
-    assert gemm_crossover.torch_from_rows(tmp_path, ops.pack_weight, ops.packed_linear) in {
+    assert gemm_crossover.torch_from_rows(tmp_path, "v1", ops.pack_weight, ops.packed_linear) in {
         *gemm_crossover.ROWS,
         NEVER,
     }

@@ -7,7 +7,8 @@ brgemm (itself ahead of MKL there) at every size tried; on an Intel one with AVX
 faster at 512 rows (W1's prefill linears 12.8 s against 10.0 s). So the
 crossover is measured, once per CPU, torch build and thread count, and kept in
 `$CBSERVE_HOME/kernels`: the same machine always makes the same choice, and results (equal up to fp32
-summation order either way) do not change from one start to the next.
+summation order either way) do not change from one start to the next. A changed panel kernel is
+measured anew: the file is keyed by its source.
 """
 
 from __future__ import annotations
@@ -73,11 +74,15 @@ def measure(
 
 
 def torch_from_rows(
-    cache_dir: Path, pack_weight: Callable[[torch.Tensor], torch.Tensor], panel_linear: Callable[..., Any]
+    cache_dir: Path,
+    kernel_version: str,
+    pack_weight: Callable[[torch.Tensor], torch.Tensor],
+    panel_linear: Callable[..., Any],
 ) -> int:
-    """This machine's crossover: read from `cache_dir`, or measured once and written there."""
+    """This machine's crossover for this version of the panel kernel: read from `cache_dir`, or
+    measured once and written there."""
     threads = torch.get_num_threads()
-    path = cache_dir / f"gemm-crossover-torch{torch.__version__}-{threads}threads.json"
+    path = cache_dir / f"gemm-crossover-{kernel_version}-torch{torch.__version__}-{threads}threads.json"
     try:
         return int(json.loads(path.read_text())["torch_from_rows"])
     except (OSError, ValueError, KeyError, TypeError):

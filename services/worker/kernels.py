@@ -149,10 +149,11 @@ def packed_linear_ops() -> PanelLinear | None:
     module = _build("panel_linear")
     if module is None:
         return None
-    build_dir = _build_dir("panel_linear")
-    return PanelLinear(
-        module, gemm_crossover.torch_from_rows(build_dir, module.pack_weight, module.panel_linear)
+    source_hash = hashlib.sha1((_CSRC / "panel_linear.cpp").read_bytes()).hexdigest()[:10]
+    crossover = gemm_crossover.torch_from_rows(
+        _build_dir("panel_linear"), source_hash, module.pack_weight, module.panel_linear
     )
+    return PanelLinear(module, crossover)
 
 
 @functools.cache
