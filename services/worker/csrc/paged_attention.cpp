@@ -452,10 +452,12 @@ void run_prefill(const PrefillTask& t, float* qt, float* st) {
         for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_fmadd_ps(wr, vv[c], acc[r][c]);
       }
     }
-    for (int64_t r = r0; r < std::min(r0 + kRows, R); ++r) {
-      float* o = t.out + (r / t.G) * t.so + (r % t.G) * D;
-      const __m512 s = _mm512_set1_ps(inv[r]);
-      for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[r - r0][c], s));
+    // Constant indices into acc: one runtime index kept it on the stack, stored every key.
+    for (int r = 0; r < kRows; ++r) {
+      if (r0 + r >= R) break;
+      float* o = t.out + ((r0 + r) / t.G) * t.so + ((r0 + r) % t.G) * D;
+      const __m512 s = _mm512_set1_ps(inv[r0 + r]);
+      for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[r][c], s));
     }
   }
 }
