@@ -79,6 +79,7 @@ def gather_sdpa(
         (1, 5, 128, 2),  # few requests: one task per head; five queries exceed one register pass
         (2, 3, 24, 1),  # a head size off the vector path
         (4, 1, 80, 9),
+        (1, 71, 64, 3),  # Falcon-7B's multi-query shape: more query heads per kv head than registers
     ],
 )
 def test_native_decode_matches_reference(kv: int, group: int, d: int, b: int, softcap: float) -> None:

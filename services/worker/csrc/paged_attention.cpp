@@ -291,7 +291,6 @@ void paged_decode(
   const int64_t T = q.size(0), D = q.size(2), H = k_cache.size(1);
   TORCH_CHECK(q.size(1) % H == 0, q.size(1), " query heads do not share ", H, " kv heads");
   const int64_t G = q.size(1) / H, B = slots.size(0), L = slots.size(1);
-  TORCH_CHECK(G <= 64, "at most 64 query heads per kv head, got ", G);
   TORCH_CHECK(H * G <= kMaxRows, "at most ", kMaxRows, " query heads, got ", H * G);
   TORCH_CHECK(rows.numel() == B && lengths.numel() == B, "rows and lengths need ", B, " entries");
   const int64_t* lp = lengths.data_ptr<int64_t>();
