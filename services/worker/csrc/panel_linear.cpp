@@ -10,10 +10,12 @@
 // rows every tile after the first re-reads it from L2; the first tile would wait on memory while the
 // others wait on nothing. So while a panel's tiles run, they pull the next panel into L2, a line every
 // few k, spreading the weights' traffic evenly over the FMAs: 1.1-1.2x at 16-64 rows on an Intel
-// Xeon (30 layers of SmolLM2's weights, 2 threads), the range of a decode step. Measured on SmolLM2's shapes against oneDNN's brgemm on its
-// own blocked weights (30 layers, so the weights come from memory as in a real step), 2 threads, on an
-// AMD machine: 2.0x at 1 row (44 GB/s of weights against 22), 1.4x at 48 rows, 1.07x at 512. Where
-// torch's GEMM is faster at many rows (MKL on an Intel CPU), gemm_crossover.py sends those there.
+// Xeon (30 layers of SmolLM2's weights, 2 threads), the range of a decode step.
+//
+// Measured on SmolLM2's shapes against oneDNN's brgemm on its own blocked weights (30 layers, so the
+// weights come from memory as in a real step), 2 threads, on an AMD machine: 2.0x at 1 row (44 GB/s
+// of weights against 22), 1.4x at 48 rows, 1.07x at 512. Where torch's GEMM is faster at many rows
+// (MKL on an Intel CPU), gemm_crossover.py sends those there.
 //
 // Each output is one sequential sum over k, which equals torch's GEMM up to fp32 summation order.
 // Only the headers used: <torch/extension.h> (all of libtorch's C++ API) tripled the compile time.
