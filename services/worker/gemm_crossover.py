@@ -1,14 +1,13 @@
 """Which GEMM runs a linear of M rows on this CPU: the panel kernel (csrc/panel_linear.cpp) or torch's.
 
 The panel kernel wins where the weights' reads set the pace (the few rows of a decode step: 2x torch's
-at one row). Where FMAs set it (a prefill chunk's hundreds of rows) the winner depends on the CPU:
-on an AMD machine, where torch's MKL takes no AVX-512 path, the panels measured ahead of oneDNN's
-brgemm (itself ahead of MKL there) at every size tried; on an Intel one with AVX-512 MKL ran 1.2x
-faster at 512 rows (W1's prefill linears 12.8 s against 10.0 s). So the
-crossover is measured, once per CPU, torch build and thread count, and kept in
+at one row). Where FMAs set it (a prefill chunk's hundreds of rows) the winner depends on the CPU: on
+an AMD machine, where torch's MKL takes no AVX-512 path, the panels measured ahead of oneDNN's brgemm
+(itself ahead of MKL there) at every size tried; on an Intel one with AVX-512 MKL ran 1.2x faster at
+512 rows (W1's prefill linears 12.8 s against 10.0 s). So the crossover is measured, once per CPU,
+torch build, thread count and version of the panel kernel (a hash of its source), and kept in
 `$CBSERVE_HOME/kernels`: the same machine always makes the same choice, and results (equal up to fp32
-summation order either way) do not change from one start to the next. A changed panel kernel is
-measured anew: the file is keyed by its source.
+summation order either way) do not change from one start to the next.
 """
 
 from __future__ import annotations
