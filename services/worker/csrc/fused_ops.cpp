@@ -218,9 +218,11 @@ at::Tensor argmax_rows(at::Tensor x) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("argmax_rows", &argmax_rows, "x.argmax(-1) for float32 rows");
-  m.def("rms_norm", &rms_norm, "x / rms(x) * weight, per row");
-  m.def("add_rms_norm", &add_rms_norm, "residual += x; rms_norm(residual)");
-  m.def("rotary_store_kv_", &rotary_store_kv_, "rotary on q|k, then k and v written to their KV slots");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  // Without the GIL: the host plans the next step while a forward runs (async batching).
+  using nogil = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("argmax_rows", &argmax_rows, "x.argmax(-1) for float32 rows", nogil{});
+  m.def("rms_norm", &rms_norm, "x / rms(x) * weight, per row", nogil{});
+  m.def("add_rms_norm", &add_rms_norm, "residual += x; rms_norm(residual)", nogil{});
+  m.def("rotary_store_kv_", &rotary_store_kv_, "rotary on q|k, then k and v written to their KV slots", nogil{});
+  m.def("silu_mul", &silu_mul, "silu(gate) * up", nogil{});
 }

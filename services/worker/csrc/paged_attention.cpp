@@ -543,7 +543,9 @@ void paged_prefill(
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention (CPU, float32)");
-  m.def("paged_prefill", &paged_prefill, "paged causal attention of prefill chunks (CPU, float32, AVX-512)");
+  // Without the GIL: the host plans the next step while a forward runs (async batching).
+  using nogil = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("paged_decode", &paged_decode, "paged decode attention (CPU, float32)", nogil{});
+  m.def("paged_prefill", &paged_prefill, "paged causal attention of prefill chunks (CPU, float32, AVX-512)", nogil{});
   m.def("prefill_supports", &prefill_supports, "whether paged_prefill runs this head size here");
 }

@@ -160,6 +160,8 @@ at::Tensor panel_linear(at::Tensor x, at::Tensor panels, c10::optional<at::Tenso
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack_weight", &pack_weight, "W [N, K] -> column panels (CPU, float32)");
-  m.def("panel_linear", &panel_linear, "x W^T + bias with W packed by pack_weight");
+  // Without the GIL: the host plans the next step while a forward runs (async batching).
+  using nogil = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("pack_weight", &pack_weight, "W [N, K] -> column panels (CPU, float32)", nogil{});
+  m.def("panel_linear", &panel_linear, "x W^T + bias with W packed by pack_weight", nogil{});
 }
