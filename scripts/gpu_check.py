@@ -274,9 +274,9 @@ class StepClock:
         self._kind = "no_forward"
         runner, forward, step = engine.runner, engine.runner.forward, engine.step
 
-        def timed_forward(batch: Any) -> torch.Tensor:
+        def timed_forward(batch: Any, before: torch.Tensor | None = None) -> torch.Tensor:
             self._kind = "graph" if batch.shape is not None else "eager"
-            return forward(batch)
+            return forward(batch, before)
 
         def timed_step(*args: Any, **kwargs: Any) -> Any:
             self._kind = "no_forward"

@@ -1,5 +1,6 @@
 """Engine behaviour beyond greedy parity: sampling, seeds, logprobs (of samples and of prompts), stops,
-cancellation, bad input; each with async batching off and on, and what async batching adds: a
+cancellation, bad input; each with async batching off and on, and what async batching adds: a step
+starts before the host has the tokens of the one before (unless a repetition penalty needs them), a
 request that stops wastes at most one computed token, and one aborted meanwhile gets no more."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from services.common.sampling_params import SamplingParams
 from services.worker.batch import BatchItem
 from services.worker.engine import Engine
 from services.worker.request import FinishReason, Request, RequestStatus
+from services.worker.scheduler import StepBatch
 from tests.test_engine_parity import assert_no_leak, make_prompts, reference
 
 
@@ -181,6 +184,14 @@ def test_min_new_tokens_and_stop_token_ids(engine: Engine) -> None:
     )
     engine.run_until_done()
     assert len(held.output_ids) == 12 and stop not in held.output_ids
+    # Allowed from exactly `min_new_tokens` outputs on, counting those whose ids are still on the
+    # device when the next step starts (async batching).
+    at = free_run.index(stop)
+    edge = engine.add_request(
+        prompt, SamplingParams(max_new_tokens=12, min_new_tokens=at, stop_token_ids=(stop,))
+    )
+    engine.run_until_done()
+    assert edge.output_ids == free_run[: at + 1]
     assert_no_leak(engine)
 
 
@@ -270,6 +281,41 @@ def test_async_batching_wastes_at_most_one_token_of_a_stopped_request(
             assert_no_leak(e)
     assert outputs[0] == outputs[1] == free_run[: free_run.index(free_run[6]) + 1]
     assert computed[1] - computed[0] == (1 if stop == "stop_token" else 0), computed
+
+
+def generate_counting_steps_ahead(
+    engine: Engine, prompts: list[list[int]], **sampling: Any
+) -> tuple[list[list[int]], list[int]]:
+    """Outputs, and for each step the host takes the tokens of, how many steps were launched then."""
+    ahead: list[int] = []
+    postprocess = engine.scheduler.postprocess
+
+    def recording(batch: StepBatch, sampled: list[int]) -> list[Request]:
+        ahead.append(engine.in_flight)
+        return postprocess(batch, sampled)
+
+    engine.scheduler.postprocess = recording  # type: ignore[method-assign]
+    return engine.generate(prompts, 10, ignore_eos=True, **sampling), ahead
+
+
+@pytest.mark.parametrize("repetition_penalty", [1.0, 1.3])
+def test_async_batching_starts_a_step_before_the_host_has_the_tokens_it_reads(
+    repetition_penalty: float, tiny_models: Callable[[str], Path]
+) -> None:
+    """The next step is launched before the host takes the tokens of the one computing (its
+    placeholders are filled on the device), unless a repetition penalty reads them on the host:
+    then it waits. The outputs are those of sync batching either way."""
+    prompts = make_prompts(seed=8, count=3)
+    outputs = []
+    for async_batching in (False, True):
+        with Engine.from_pretrained(
+            tiny_models("llama"), num_blocks=24, page_size=8, use_async_batching=async_batching
+        ) as e:
+            out, ahead = generate_counting_steps_ahead(e, prompts, repetition_penalty=repetition_penalty)
+            assert any(ahead) == (async_batching and repetition_penalty == 1.0), ahead
+            assert_no_leak(e)
+        outputs.append(out)
+    assert outputs[0] == outputs[1]
 
 
 def test_an_abort_while_its_next_token_computes_streams_no_more(tiny_models: Callable[[str], Path]) -> None:

@@ -47,6 +47,11 @@ class ForwardBatch:
     logits_indices: torch.Tensor
     attention: AttentionBatch
     shape: Shape | None = None  # the bucket it was built for (a decode step whose graph replays)
+    # Placeholders filled on the device (async batching): input row `fill_rows[i]` takes the token
+    # the step before sampled in its sampling row `fill_sources[i]`, when the forward starts.
+    fill_rows: torch.Tensor | None = None
+    fill_sources: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None  # CUDA: the build's copies are done once it has happened
 
 
 def first_keys(start: torch.Tensor, window: int | None) -> torch.Tensor:

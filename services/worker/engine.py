@@ -13,6 +13,7 @@ import itertools
 import os
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from services.common.sampling_params import SamplingParams
 from services.worker.batch import BatchItem, ForwardBatch
 from services.worker.cache_client import CacheClient
 from services.worker.model_runner import ModelRunner
-from services.worker.request import PLACEHOLDER_ID, FinishReason, Request
+from services.worker.request import FinishReason, Request
 from services.worker.sampler import SampleOutput, Sampler, SamplingRow, TokenLogprobs, token_logprobs
 from services.worker.scheduler import Scheduler, StepBatch
 
@@ -69,9 +70,13 @@ class StepPhases:
 
 @dataclass
 class _Computed:
-    """What a step's forward thread hands back."""
+    """What a step's forward thread hands back. `sampled.tokens` stays on the device for the next
+    step's placeholders; `token_ids` is their copy on the host, complete once `copied` has
+    happened (a CUDA event; None: already)."""
 
     sampled: SampleOutput
+    token_ids: torch.Tensor
+    copied: torch.cuda.Event | None
     prompt_logprobs: list[TokenLogprobs]
     forward_s: float
     sample_s: float
@@ -79,13 +84,11 @@ class _Computed:
 
 @dataclass
 class _Built:
-    """A step's batch, built: `placeholders` are the (packed row, request, position) of the ids not
-    known when it was built."""
+    """A step's batch, built."""
 
     batch: StepBatch
     items: list[BatchItem]
     forward: ForwardBatch
-    placeholders: list[tuple[int, Request, int]]
 
 
 @dataclass
@@ -145,7 +148,9 @@ class Engine:
         self.phase_totals = StepPhases()  # since start: the step profile summed
         # Told each step's prefix-cache changes (a server forwards them to routers); None: dropped.
         self.on_kv_events: Callable[[KvEvents], None] | None = None
-        self._running: _Running | None = None  # its tokens not taken yet
+        # Steps whose tokens are not taken yet, oldest first: with async batching at most two, the
+        # one computing and, briefly, the one launched after it.
+        self._in_flight: deque[_Running] = deque()
         # One thread: the forwards run one after another, each after the swap copies it depends on.
         self._forward_thread = (
             ThreadPoolExecutor(1, thread_name_prefix="forward") if config.use_async_batching else None
@@ -207,7 +212,12 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or self.scheduler.has_releases or self._running is not None
+        return self.scheduler.has_work or self.scheduler.has_releases or bool(self._in_flight)
+
+    @property
+    def in_flight(self) -> int:
+        """Steps launched whose tokens the host has not taken yet."""
+        return len(self._in_flight)
 
     # ----------------------------------------------------------------------------------------- step
 
@@ -217,7 +227,10 @@ class Engine:
         With async batching (`use_async_batching`) a step's forward and sampling run on a thread of
         their own while the next call plans the step after it, takes its grant and builds its batch;
         the tokens it samples are placeholders until then. A call then returns the previous step's
-        news, and the placeholders are filled in before the next forward starts.
+        news. The next step is launched before the host has them: the forward thread fills its
+        placeholders from the tokens left on the device, so that forwards follow one another with
+        no host round trip between them. A step that samples with a repetition penalty reads the
+        tokens on the host, and waits for them.
 
         `on_committed` runs once the cache manager has taken this step's plan, which commits the KV
         the previous step computed (its full pages enter the prefix cache); with async batching, the
@@ -226,15 +239,17 @@ class Engine:
         partial page."""
         times = self.last_step_times = StepPhases()
         t0 = time.perf_counter()
-        plan = self.scheduler.plan(self._running.built.batch if self._running is not None else None)
+        previous = self._in_flight[-1] if self._in_flight else None
+        plan = self.scheduler.plan(previous.built.batch if previous is not None else None)
         t1 = time.perf_counter()
         grant: StepGrant = self.cache.step(plan)
         t2 = time.perf_counter()
         if grant.kv_events is not None and self.on_kv_events is not None:
             self.on_kv_events(grant.kv_events)
+        t3 = time.perf_counter()
         if on_committed is not None:
             on_committed()  # the caller's work: no phase of this step counts it
-        t3 = time.perf_counter()
+        callers_s = time.perf_counter() - t3
         batch = self.scheduler.apply(grant)
         updated: list[Request] = list(batch.failed)
         self.last_step_size = len(batch.scheduled)
@@ -242,23 +257,25 @@ class Engine:
             if s.request.scheduled_at is None:
                 s.request.scheduled_at = t2
         t4 = time.perf_counter()
-        built = self._build(batch) if batch.scheduled else None
+        built = self._build(batch, previous) if batch.scheduled else None
         t5 = time.perf_counter()
         times.cache, times.build = t2 - t1, t5 - t4
-        updated += self.finish_running()
-        # The swap copies wait for the step before: it may still write the KV of the requests moved.
-        self.runner.copy_swap(batch.swap_out, batch.swap_in)
-        if built is not None:
-            self._launch(built)
-        if self._forward_thread is None:
+        if built is None or not self._starts_before_tokens(batch):
             updated += self.finish_running()
-        times.schedule = time.perf_counter() - t0 - (t3 - t2) - times.cache - times.build - times.wait
+        if built is None:
+            self.runner.copy_swap(batch.swap_out, batch.swap_in)
+        else:
+            self._launch(built, previous)
+        updated += self.finish_running(keep=0 if self._forward_thread is None else 1)
+        times.schedule = time.perf_counter() - t0 - callers_s - times.cache - times.build - times.wait
         if self._forward_thread is None:
             times.schedule -= times.forward + times.sample  # they ran on this thread
         self.phase_totals.add(times)
         return updated
 
-    def _build(self, batch: StepBatch) -> _Built:
+    def _build(self, batch: StepBatch, before: _Running | None) -> _Built:
+        """`before`: the step still computing. An input id not known yet is the token it samples for
+        that request (it samples one per request): a placeholder the forward takes on the device."""
         items = [
             BatchItem(
                 s.start,
@@ -269,23 +286,33 @@ class Engine:
             )
             for s in batch.scheduled
         ]
-        placeholders = []
+        source = (
+            {} if before is None else {id(s.request): i for i, s in enumerate(before.built.batch.sampling)}
+        )
+        fill = []
         row = 0
         for s in batch.scheduled:
-            first_unknown = max(s.start, s.request.num_known)
-            placeholders += [
-                (row + p - s.start, s.request, p) for p in range(first_unknown, s.start + s.num_tokens)
-            ]
+            req = s.request
+            if s.start + s.num_tokens > req.num_known:
+                if s.start + s.num_tokens != req.num_known + 1 or id(req) not in source:
+                    raise RuntimeError(
+                        f"{req.request_id}: positions {s.start}..{s.start + s.num_tokens} planned, "
+                        f"{req.num_known} known, and the step computing samples the next one: "
+                        f"{id(req) in source}"
+                    )
+                fill.append((row + req.num_known - s.start, source[id(req)]))
             row += s.num_tokens
-        return _Built(batch, items, self.runner.build(items), placeholders)
+        return _Built(batch, items, self.runner.build(items, fill))
 
-    def _launch(self, step: _Built) -> None:
-        """Start the step's forward: in the forward thread with async batching, else here and now.
-        Its placeholders' ids are known by now (the step before has ended)."""
-        if step.placeholders:
-            rows = torch.tensor([row for row, _, _ in step.placeholders])
-            ids = [r.token(p) if p < r.num_known else PLACEHOLDER_ID for _, r, p in step.placeholders]
-            step.forward.input_ids[0, rows] = torch.tensor(ids, device=self.device)
+    @staticmethod
+    def _starts_before_tokens(batch: StepBatch) -> bool:
+        """Whether the step may start before the host has the tokens of the step before: a repetition
+        penalty reads them on the host."""
+        return all(s.request.params.repetition_penalty == 1.0 for s in batch.sampling)
+
+    def _launch(self, step: _Built, before: _Running | None) -> None:
+        """Start the step's forward, after its swap copies: in the forward thread with async batching,
+        else here and now. `before`: the step its placeholders take their tokens from."""
         sampling = step.batch.sampling
         rows = [
             SamplingRow(
@@ -303,41 +330,72 @@ class Engine:
         for s, item in zip(step.batch.scheduled, step.items, strict=True):
             chosen += s.request.prompt_ids[item.logit_rows.start + 1 : item.logit_rows.stop + 1]
             top_n += [min(s.request.params.prompt_logprobs or 0, self.vocab_size)] * len(item.logit_rows)
+        batch = step.batch
+        source = before.result if before is not None else None
+        args = (step.forward, batch.swap_out, batch.swap_in, source, rows, chosen, top_n)
         if self._forward_thread is None:
             result: Future[_Computed] = Future()
-            result.set_result(self._compute(step.forward, rows, chosen, top_n))
+            result.set_result(self._compute(*args))
         else:
-            result = self._forward_thread.submit(self._compute, step.forward, rows, chosen, top_n)
-        self._running = _Running(step, result)
+            result = self._forward_thread.submit(self._compute, *args)
+        self._in_flight.append(_Running(step, result))
 
     def _compute(
-        self, built: ForwardBatch, rows: list[SamplingRow], chosen: list[int], top_n: list[int]
+        self,
+        built: ForwardBatch,
+        swap_out: Sequence[tuple[int, int]],
+        swap_in: Sequence[tuple[int, int]],
+        before: Future[_Computed] | None,
+        rows: list[SamplingRow],
+        chosen: list[int],
+        top_n: list[int],
     ) -> _Computed:
-        """The forward and the sampling of one step; touches no request (another thread may be
-        planning the next step)."""
+        """The swap copies, the forward and the sampling of one step; touches no request (another
+        thread may be planning the next step). The swap copies wait for the step before: it may
+        still write the KV of the requests moved. `before`: that step, when this one's placeholders
+        take its tokens on the device; this thread computed it, so its result is there (or its
+        error, raised again)."""
         t0 = time.perf_counter()
-        logits = self.runner.forward(built)
+        self.runner.copy_swap(swap_out, swap_in)
+        tokens = before.result().sampled.tokens if before is not None else None
+        logits = self.runner.forward(built, tokens)
         t1 = time.perf_counter()
         prompt_logprobs = []
         if chosen:
             prompt_logprobs = token_logprobs(
                 logits[len(rows) :], torch.tensor(chosen, device=logits.device), top_n
             )
-        sampled = self.sampler.sample(logits[: len(rows)], rows) if rows else SampleOutput([], [])
-        return _Computed(sampled, prompt_logprobs, t1 - t0, time.perf_counter() - t1)
+        if rows:
+            sampled = self.sampler.sample(logits[: len(rows)], rows)
+        else:
+            sampled = SampleOutput(torch.empty(0, dtype=torch.long, device=logits.device), [])
+        token_ids, copied = sampled.tokens, None
+        if token_ids.is_cuda:
+            # Queued before the next step's forward, so that the host waits for this step alone.
+            token_ids = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+            token_ids.copy_(sampled.tokens, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        return _Computed(sampled, token_ids, copied, prompt_logprobs, t1 - t0, time.perf_counter() - t1)
 
-    def finish_running(self) -> list[Request]:
-        """Wait for the step still computing, if any, and give its tokens to requests not finished
-        meanwhile. Returns the requests that got a token or finished."""
-        running = self._running
-        if running is None:
-            return []
+    def finish_running(self, keep: int = 0) -> list[Request]:
+        """Wait for the steps still computing, oldest first, until `keep` are left, and give their
+        tokens to requests not finished meanwhile. Returns the requests that got a token or finished."""
+        updated = []
+        while len(self._in_flight) > keep:
+            updated += self._finish_oldest()
+        return updated
+
+    def _finish_oldest(self) -> list[Request]:
+        running = self._in_flight[0]
         t0 = time.perf_counter()
         try:
             computed = running.result.result()
+            if computed.copied is not None:
+                computed.copied.synchronize()
         finally:
             if running.result.done():  # else interrupted: the forward still runs, and stays waited for
-                self._running = None
+                self._in_flight.popleft()
         times = self.last_step_times
         times.wait += time.perf_counter() - t0
         times.forward, times.sample = computed.forward_s, computed.sample_s
@@ -352,7 +410,7 @@ class Engine:
         for s, lp in zip(batch.sampling, computed.sampled.logprobs, strict=True):
             if s.request.params.logprobs is not None and not s.request.finished:
                 s.request.logprobs.append(lp)
-        return self.scheduler.postprocess(batch, computed.sampled.token_ids)
+        return self.scheduler.postprocess(batch, computed.token_ids.tolist())
 
     def run_until_done(self) -> None:
         idle = 0

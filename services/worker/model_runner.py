@@ -12,6 +12,7 @@ from services.common.config import CBConfig
 from services.common.kv_geometry import KVGeometry
 from services.worker.attention import ATTENTION_NAME
 from services.worker.batch import BatchBuilder, BatchItem, ForwardBatch
+from services.worker.buckets import Shape
 from services.worker.cuda_graphs import Capture, CudaGraphs
 from services.worker.fused_llama import FusedLlama
 from services.worker.kernels import paged_decode_kernel, paged_prefill_kernel
@@ -67,6 +68,9 @@ class ModelRunner:
             num_buffers=2 if config.use_async_batching else 1,
         )
         self.swap_copies = SwapCopies(kv_pool, swap_pool)
+        # CUDA: steps are built on a stream of their own. A copy from pageable host memory waits for
+        # its stream, and the forward's is busy with the step before (async batching).
+        self.build_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.config = config
         # A request reads at most the model's positions or the whole pool, whichever is fewer.
         self.max_keys = min(getattr(text, "max_position_embeddings", num_chunks * page), num_chunks * page)
@@ -92,12 +96,37 @@ class ModelRunner:
     def copy_swap(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]]) -> None:
         self.swap_copies.copy(swap_out, swap_in)
 
-    def build(self, items: Sequence[BatchItem]) -> ForwardBatch:
+    def build(self, items: Sequence[BatchItem], fill: Sequence[tuple[int, int]] = ()) -> ForwardBatch:
+        """`fill`: (input row, sampling row) pairs, the placeholders `forward` takes from the tokens
+        the step before sampled (ForwardBatch.fill_rows)."""
         shape = self.graphs.shape_for(items) if self.graphs is not None else None
-        return self.builder.build(items, shape)
+        if self.build_stream is None:
+            return self._build(items, shape, fill)
+        with torch.cuda.stream(self.build_stream):
+            batch = self._build(items, shape, fill)
+            batch.ready = torch.cuda.Event()
+            batch.ready.record()
+        return batch
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits `[R + P, vocab]` (float32) of the rows `batch.logits_indices` names, in order."""
+    def _build(
+        self, items: Sequence[BatchItem], shape: Shape | None, fill: Sequence[tuple[int, int]]
+    ) -> ForwardBatch:
+        batch = self.builder.build(items, shape)
+        if fill:
+            rows, sources = zip(*fill, strict=True)
+            batch.fill_rows = torch.tensor(rows, device=self.device)
+            batch.fill_sources = torch.tensor(sources, device=self.device)
+        return batch
+
+    def forward(self, batch: ForwardBatch, before: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits `[R + P, vocab]` (float32) of the rows `batch.logits_indices` names, in order.
+        `before`: the tokens the step before sampled, on the device, for `batch.fill_rows`."""
+        if batch.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(batch.ready)
+        if batch.fill_rows is not None:
+            if before is None:
+                raise ValueError("the batch has placeholders to fill, and no tokens to fill them from")
+            batch.input_ids[0, batch.fill_rows] = before[batch.fill_sources].to(batch.input_ids.dtype)
         if self.graphs is not None and batch.shape is not None:
             return self.graphs.replay(batch)
         return self._forward(batch)

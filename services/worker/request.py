@@ -77,10 +77,6 @@ class Request:
     def num_tokens(self) -> int:
         return self.num_known + self.num_placeholders
 
-    def token(self, i: int) -> int:
-        n = len(self.prompt_ids)
-        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
-
     def tokens(self, start: int, end: int) -> list[int]:
         """Ids of positions `[start, end)`, PLACEHOLDER_ID for those not sampled yet."""
         n = len(self.prompt_ids)

@@ -59,10 +59,17 @@ class TokenLogprobs:
 
 @dataclass
 class SampleOutput:
-    """`token_ids[i]` and `logprobs[i]` belong to row i; `logprobs[i]` is None if row i did not ask."""
+    """`tokens[i]` and `logprobs[i]` belong to row i; `logprobs[i]` is None if row i did not ask.
 
-    token_ids: list[int]
+    `tokens` stays on the logits' device, so that the next step can read its input ids from there
+    without the host waiting for them (async batching)."""
+
+    tokens: torch.Tensor  # [R] long
     logprobs: list[TokenLogprobs | None]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.tokens.tolist()
 
 
 @dataclass
@@ -156,12 +163,11 @@ class Sampler:
         else:
             tokens = _sample_general(logits, plan)
 
-        token_ids: list[int] = tokens.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(rows)
         if plan.logprob_rows:
             for i, lp in zip(plan.logprob_rows, _logprobs(logits, tokens, plan), strict=True):
                 logprobs[i] = lp
-        return SampleOutput(token_ids=token_ids, logprobs=logprobs)
+        return SampleOutput(tokens=tokens, logprobs=logprobs)
 
     @staticmethod
     def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:

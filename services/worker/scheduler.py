@@ -244,9 +244,11 @@ class Scheduler:
         return None
 
     def suppressed_ids(self, req: Request) -> tuple[int, ...]:
-        """Stop ids a request may not sample yet (it has fewer than `min_new_tokens` outputs)."""
+        """Stop ids a request may not sample yet: it has fewer than `min_new_tokens` outputs before the
+        one its step samples, counting those steps still computing sample (its placeholders but that
+        one), whose ids the host may not know yet (async batching)."""
         params = req.params
-        if len(req.output_ids) >= params.min_new_tokens:
+        if len(req.output_ids) + max(req.num_placeholders - 1, 0) >= params.min_new_tokens:
             return ()
         eos = () if params.ignore_eos else tuple(self.eos_token_ids)
         return eos + params.stop_token_ids

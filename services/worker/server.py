@@ -354,8 +354,13 @@ class WorkerServer:
         times = engine.last_step_times
         if times.num_requests:
             t_end = time.perf_counter()
+            # Schedule is the rest of the step call's wall time, so that it takes, too, what the
+            # engine's timers cannot see: a wait for the GIL on the way out while the forward thread
+            # runs Python (async batching).
+            ran_here = 0.0 if engine.config.use_async_batching else times.forward + times.sample
+            schedule = t_emit - t_step - flush_s - times.cache - times.build - times.wait - ran_here
             self._profile = StepTimes(
-                times.schedule, times.cache, times.build, times.forward, times.sample,
+                schedule, times.cache, times.build, times.forward, times.sample,
                 t_end - t_emit + flush_s, times.num_tokens, times.num_requests, times.wait, t_end - t_step,
             )  # fmt: skip
 
