@@ -175,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
         _print_agreement(results)
         if "engine" in results:
             _print_engine_stats(results["engine"])
+        if "stack" in results:
+            _print_stack_profile(results["stack"])
     print(
         f"\nGFLOP/s counts 2 x {body_params / 1e6:.1f} M parameters (outside embedding and LM head) x "
         f"{workload.total_tokens} tokens (prompt + output) + 2 x {head_params / 1e6:.1f} M (LM head) x "
@@ -256,15 +258,16 @@ def run_peer(peer: PeerProcess, workload: Workload, max_in_flight: int | None) -
 
 
 def run_stack(stack: StackSystem, workload: Workload, max_in_flight: int | None) -> SystemResult:
-    wall, outputs, load, peak_rss = stack.run(workload, (_WARMUP_PROMPT, _WARMUP_NEW_TOKENS), max_in_flight)
+    run = stack.run(workload, (_WARMUP_PROMPT, _WARMUP_NEW_TOKENS), max_in_flight)
     return SystemResult(
         name="stack",
-        wall_s=wall,
-        outputs=outputs,
+        wall_s=run.wall_s,
+        outputs=run.outputs,
         prompt_tokens=workload.total_prompt_tokens,
         extra={
-            "load": {f.name: getattr(load, f.name) for f in load.DESCRIPTOR.fields},
-            "peak_rss_bytes": peak_rss,
+            "load": {f.name: getattr(run.load, f.name) for f in run.load.DESCRIPTOR.fields},
+            "peak_rss_bytes": run.peak_rss_bytes,
+            "step_profile": run.step_profile,
         },
     )
 
@@ -589,6 +592,17 @@ def _print_engine_stats(result: SystemResult) -> None:
     per_step = (f"{k} {1000 * v / max(steps, 1):.1f} ms ({100 * v / total:.0f}%)" for k, v in profile.items())
     phases = ", ".join(per_step)
     print(f"engine step profile over {steps} timed steps, per step: {phases}")
+
+
+def _print_stack_profile(result: SystemResult) -> None:
+    rows = result.extra["step_profile"]
+    phases = ", ".join(
+        f"{r['phase']} {1000 * r['mean_s']:.1f} ms ({100 * r['share']:.0f}%)"
+        for r in rows
+        if r["phase"] != "total"
+    )
+    steps = max((r["steps"] for r in rows), default=0)
+    print(f"stack step profile over {steps} timed steps (the worker's, from /metrics), per step: {phases}")
 
 
 def _report(

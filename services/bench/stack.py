@@ -3,7 +3,8 @@
 `cbserve up` runs as a child process with the same engine settings as the in-process `engine`
 system; every request is sent at once over one channel (grpc.aio) as token ids, greedy, EOS ignored,
 and the wall time runs from the first send to the last final message. Start-up and a warm-up call
-are not timed. The child's logs go to a file so that they do not interleave with the table.
+are not timed. The child's logs go to a file so that they do not interleave with the table. The
+worker's step profile over the timed part comes from the stack's /metrics, scraped before and after.
 """
 
 from __future__ import annotations
@@ -19,12 +20,15 @@ import subprocess
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 
 from services.bench.memory import PeakRss
+from services.bench.serve_metrics import parse_histogram, scrape
+from services.bench.serve_report import step_profile
 from services.bench.workload import Workload
 from services.common.cli_args import settings_env
 from services.supervisor import cbserve_argv, die_with_parent, stop_process
@@ -38,14 +42,27 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@dataclass
+class StackRun:
+    wall_s: float
+    outputs: list[list[int]]  # in workload order
+    load: Any  # GetLoad afterwards
+    peak_rss_bytes: int  # of the three processes, KV pool excluded
+    step_profile: list[dict[str, Any]]  # serve_report.step_profile rows of the timed part
+
+
 class StackSystem:
     def __init__(self, model_path: Path, settings: dict[str, Any], threads: int) -> None:
         self.port = free_port()
         self.target = f"127.0.0.1:{self.port}"
+        metrics_port = free_port()
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         env = os.environ | settings_env(settings | {"threads": threads})
         self.log_path = Path(tempfile.mkstemp(prefix="cbserve-bench-stack-", suffix=".log")[1])
         self._log = self.log_path.open("wb")
-        argv = cbserve_argv("up", "--model", str(model_path), "--port", str(self.port), "--metrics-port", "0")
+        argv = cbserve_argv(
+            "up", "--model", str(model_path), "--port", str(self.port), "--metrics-port", str(metrics_port)
+        )
         self.process = subprocess.Popen(
             argv, env=env, stdout=self._log, stderr=self._log, preexec_fn=die_with_parent
         )
@@ -68,18 +85,17 @@ class StackSystem:
 
     def run(
         self, workload: Workload, warmup: tuple[list[int], int], max_in_flight: int | None = None
-    ) -> tuple[float, list[list[int]], Any, int]:
-        """(wall seconds, outputs in workload order, the load afterwards, the peak RSS of the three
-        processes, KV pool excluded); at most `max_in_flight` streams open at once (None: all)."""
+    ) -> StackRun:
+        """The workload through the stack, at most `max_in_flight` streams open at once (None: all)."""
         with PeakRss(self.process.pid) as peak:
-            wall, outputs, load = asyncio.run(
+            wall, outputs, load, profile = asyncio.run(
                 self._run(workload, warmup, max_in_flight or workload.num_requests)
             )
-        return wall, outputs, load, peak.bytes
+        return StackRun(wall, outputs, load, peak.bytes, profile)
 
     async def _run(
         self, workload: Workload, warmup: tuple[list[int], int], max_in_flight: int
-    ) -> tuple[float, list[list[int]], Any]:
+    ) -> tuple[float, list[list[int]], Any, list[dict[str, Any]]]:
         from services.gateway.api import pb, pb_grpc
 
         async with grpc.aio.insecure_channel(self.target) as channel:
@@ -107,13 +123,15 @@ class StackSystem:
                 return ids
 
             await one(*warmup)
+            steps_before = parse_histogram(scrape(self.metrics_url))
             start = time.perf_counter()
             outputs = await asyncio.gather(
                 *(one(p, n) for p, n in zip(workload.prompts, workload.max_new_tokens, strict=True))
             )
             wall = time.perf_counter() - start
             load = await stub.GetLoad(pb.GetLoadRequest(), timeout=30)
-        return wall, list(outputs), load
+            profile = step_profile(steps_before, parse_histogram(scrape(self.metrics_url)))
+        return wall, list(outputs), load, profile
 
     def close(self) -> None:
         stop_process(self.process, 60)
