@@ -5,6 +5,7 @@ request that stops wastes at most one computed token, and one aborted meanwhile 
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -316,6 +317,26 @@ def test_async_batching_starts_a_step_before_the_host_has_the_tokens_it_reads(
             assert_no_leak(e)
         outputs.append(out)
     assert outputs[0] == outputs[1]
+
+
+def test_a_forward_that_fails_releases_everything(engine: Engine) -> None:
+    """The error reaches the caller; the requests' blocks come back (async batching: the step launched
+    behind the failed one, which takes its tokens from it, fails alike), and the engine serves on."""
+    prompts = make_prompts(seed=9, count=3)
+    expected = engine.generate(prompts, 8, ignore_eos=True)
+    forward, calls = engine.runner.forward, itertools.count()
+
+    def failing(*args: Any) -> torch.Tensor:
+        if next(calls) == 4:
+            raise RuntimeError("the device fell over")
+        return forward(*args)
+
+    engine.runner.forward = failing  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="fell over"):
+        engine.generate(prompts, 8, ignore_eos=True)
+    assert not engine.has_work
+    assert_no_leak(engine)
+    assert engine.generate(prompts, 8, ignore_eos=True) == expected
 
 
 def test_an_abort_while_its_next_token_computes_streams_no_more(tiny_models: Callable[[str], Path]) -> None:

@@ -383,7 +383,14 @@ class Engine:
         tokens to requests not finished meanwhile. Returns the requests that got a token or finished."""
         updated = []
         while len(self._in_flight) > keep:
-            updated += self._finish_oldest()
+            try:
+                updated += self._finish_oldest()
+            except Exception:
+                # The steps launched behind the failed one take their tokens from it: they fail alike.
+                for running in self._in_flight:
+                    running.result.exception()  # waited for; the first error is the one to raise
+                self._in_flight.clear()
+                raise
         return updated
 
     def _finish_oldest(self) -> list[Request]:
