@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from services.worker import gemm_crossover, kernels
@@ -21,8 +22,21 @@ def test_torch_serves_from_the_smallest_size_it_wins_at_and_above() -> None:
     assert choose({64: (1.0, 2.0), 512: (1.0, 3.0)}) == NEVER
 
 
-def test_crossover_is_measured_once_then_read(tmp_path: Path) -> None:
+def test_the_last_level_cache_is_read_from_sysfs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for index, size in (("index0", "48K"), ("index2", "2048K"), ("index3", "307200K")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(size + "\n")
+    monkeypatch.setattr(gemm_crossover, "_SYSFS_CACHES", tmp_path)
+    assert gemm_crossover.last_level_cache_bytes() == 300 << 20
+    monkeypatch.setattr(gemm_crossover, "_SYSFS_CACHES", tmp_path / "absent")
+    assert gemm_crossover.last_level_cache_bytes() == 32 << 20
+
+
+def test_crossover_is_measured_once_then_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ops = built(kernels.packed_linear_ops(), "panel linears")
+    # A cache of unknown size (32 MiB assumed): the measurement cycles through two layers, not the
+    # hundreds of MB a large shared cache calls for, and keeps this test quick.
+    monkeypatch.setattr(gemm_crossover, "_SYSFS_CACHES", tmp_path / "no-sysfs")
     first = gemm_crossover.torch_from_rows(tmp_path, "v1", ops.pack_weight, ops.packed_linear)
     threads = torch.get_num_threads()
     [kept] = tmp_path.glob(f"gemm-crossover-v1-torch{torch.__version__}-{threads}threads.json")
