@@ -71,11 +71,11 @@ class StepPhases:
 @dataclass
 class _Computed:
     """What a step's forward thread hands back. `sampled.tokens` stays on the device for the next
-    step's placeholders; `token_ids` is their copy on the host, complete once `copied` has
+    step's placeholders; `host_tokens` is their copy on the host, complete once `copied` has
     happened (a CUDA event; None: already)."""
 
     sampled: SampleOutput
-    token_ids: torch.Tensor
+    host_tokens: torch.Tensor
     copied: torch.cuda.Event | None
     prompt_logprobs: list[TokenLogprobs]
     forward_s: float
@@ -369,14 +369,14 @@ class Engine:
             sampled = self.sampler.sample(logits[: len(rows)], rows)
         else:
             sampled = SampleOutput(torch.empty(0, dtype=torch.long, device=logits.device), [])
-        token_ids, copied = sampled.tokens, None
-        if token_ids.is_cuda:
+        host_tokens, copied = sampled.tokens, None
+        if host_tokens.is_cuda:
             # Queued before the next step's forward, so that the host waits for this step alone.
-            token_ids = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
-            token_ids.copy_(sampled.tokens, non_blocking=True)
+            host_tokens = torch.empty(host_tokens.shape, dtype=host_tokens.dtype, pin_memory=True)
+            host_tokens.copy_(sampled.tokens, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record()
-        return _Computed(sampled, token_ids, copied, prompt_logprobs, t1 - t0, time.perf_counter() - t1)
+        return _Computed(sampled, host_tokens, copied, prompt_logprobs, t1 - t0, time.perf_counter() - t1)
 
     def finish_running(self, keep: int = 0) -> list[Request]:
         """Wait for the steps still computing, oldest first, until `keep` are left, and give their
@@ -417,7 +417,7 @@ class Engine:
         for s, lp in zip(batch.sampling, computed.sampled.logprobs, strict=True):
             if s.request.params.logprobs is not None and not s.request.finished:
                 s.request.logprobs.append(lp)
-        return self.scheduler.postprocess(batch, computed.token_ids.tolist())
+        return self.scheduler.postprocess(batch, computed.host_tokens.tolist())
 
     def run_until_done(self) -> None:
         idle = 0
