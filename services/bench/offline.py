@@ -589,20 +589,21 @@ def _print_engine_stats(result: SystemResult) -> None:
     profile: dict[str, float] = result.extra["step_profile_s"]
     steps = after["steps"] - before["steps"]
     total = sum(profile.values()) or 1.0
-    per_step = (f"{k} {1000 * v / max(steps, 1):.1f} ms ({100 * v / total:.0f}%)" for k, v in profile.items())
-    phases = ", ".join(per_step)
-    print(f"engine step profile over {steps} timed steps, per step: {phases}")
+    phases = [(k, v / max(steps, 1), v / total) for k, v in profile.items()]
+    print(f"engine step profile over {steps} timed steps, per step: {_phases_line(phases)}")
 
 
 def _print_stack_profile(result: SystemResult) -> None:
     rows = result.extra["step_profile"]
-    phases = ", ".join(
-        f"{r['phase']} {1000 * r['mean_s']:.1f} ms ({100 * r['share']:.0f}%)"
-        for r in rows
-        if r["phase"] != "total"
-    )
+    phases = [(r["phase"], r["mean_s"], r["share"]) for r in rows if r["phase"] != "total"]
     steps = max((r["steps"] for r in rows), default=0)
-    print(f"stack step profile over {steps} timed steps (the worker's, from /metrics), per step: {phases}")
+    where = "the worker's, from /metrics"
+    print(f"stack step profile over {steps} timed steps ({where}), per step: {_phases_line(phases)}")
+
+
+def _phases_line(phases: list[tuple[str, float, float]]) -> str:
+    """(phase, seconds a step, share of the step) -> "schedule 0.6 ms (0%), ..."."""
+    return ", ".join(f"{name} {1000 * mean_s:.1f} ms ({100 * share:.0f}%)" for name, mean_s, share in phases)
 
 
 def _report(

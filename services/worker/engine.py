@@ -63,6 +63,12 @@ class StepPhases:
 
     PHASES = ("schedule", "cache", "build", "forward", "sample", "wait")
 
+    def rest_of(self, wall_s: float, overlapped: bool) -> float:
+        """The schedule phase: what of a step call's `wall_s` no other phase took. Overlapped (async
+        batching), the forward and sampling ran on their own thread, outside the call's time."""
+        ran_here = 0.0 if overlapped else self.forward + self.sample
+        return wall_s - self.cache - self.build - self.wait - ran_here
+
     def add(self, other: StepPhases) -> None:
         for name in (*self.PHASES, "num_tokens", "num_requests"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
@@ -267,9 +273,7 @@ class Engine:
         else:
             self._launch(built, previous)
         updated += self.finish_running(keep=0 if self._forward_thread is None else 1)
-        times.schedule = time.perf_counter() - t0 - callers_s - times.cache - times.build - times.wait
-        if self._forward_thread is None:
-            times.schedule -= times.forward + times.sample  # they ran on this thread
+        times.schedule = times.rest_of(time.perf_counter() - t0 - callers_s, self._forward_thread is not None)
         self.phase_totals.add(times)
         return updated
 

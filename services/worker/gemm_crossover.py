@@ -36,6 +36,7 @@ MARGIN = 1.05  # torch must win by this much: a near tie keeps one kernel for ev
 NEVER = 1 << 62  # torch_from_rows when the panels win everywhere
 # One layer's linears of a small decoder: SmolLM2-135M's, q|k|v and gate|up fused as its forward runs them.
 _LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+_LAYER_PARAMS = sum(n * k for n, k in _LAYER)
 _ROUNDS = 15
 _SYSFS_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
 
@@ -76,7 +77,7 @@ def measure(
     last-level cache, so that the weights come from memory as a model's do: with them in cache the
     panels measured ahead at 512 rows where, in W1, torch's GEMM from 512 rows ran 1.07x faster."""
     gen = torch.Generator().manual_seed(0)
-    layer_bytes = sum(n * k for n, k in _LAYER) * 4
+    layer_bytes = _LAYER_PARAMS * 4
     num_layers = max(2, math.ceil(1.25 * last_level_cache_bytes() / (2 * layer_bytes)))
     weights = [[torch.randn(n, k, generator=gen) for n, k in _LAYER] for _ in range(num_layers)]
     panels = [[pack_weight(w) for w in layer] for layer in weights]
@@ -123,7 +124,7 @@ def torch_from_rows(
         pass
     timings = measure(pack_weight, panel_linear)
     chosen = choose(timings)
-    flop = 2 * sum(n * k for n, k in _LAYER)
+    flop = 2 * _LAYER_PARAMS
     gflops = {
         m: {"panel": round(flop * m / p / 1e9, 1), "torch": round(flop * m / t / 1e9, 1)}
         for m, (p, t) in timings.items()

@@ -357,8 +357,7 @@ class WorkerServer:
             # Schedule is the rest of the step call's wall time, so that it takes, too, what the
             # engine's timers cannot see: a wait for the GIL on the way out while the forward thread
             # runs Python (async batching).
-            ran_here = 0.0 if engine.config.use_async_batching else times.forward + times.sample
-            schedule = t_emit - t_step - flush_s - times.cache - times.build - times.wait - ran_here
+            schedule = times.rest_of(t_emit - t_step - flush_s, engine.config.use_async_batching)
             self._profile = StepTimes(
                 schedule, times.cache, times.build, times.forward, times.sample,
                 t_end - t_emit + flush_s, times.num_tokens, times.num_requests, times.wait, t_end - t_step,
