@@ -75,8 +75,9 @@ def E(
     arrival: int = 0,
     salt: str = "",
     max_total: int = 0,
+    may_sample: bool = True,
 ) -> PlanEntry:
-    return PlanEntry(rid, n, list(new), arrival, salt, max_total)
+    return PlanEntry(rid, n, list(new), arrival, salt, max_total, may_sample=may_sample)
 
 
 class Driver:
@@ -92,9 +93,17 @@ class Driver:
         frees: Iterable[str] = (),
         aborts: Iterable[str] = (),
         overlapped: bool = False,
+        token_budget: int | None = None,
     ) -> StepGrant:
         self.n += 1
-        plan = StepPlan(self.n, list(entries), frees=list(frees), aborts=list(aborts), overlapped=overlapped)
+        plan = StepPlan(
+            self.n,
+            list(entries),
+            frees=list(frees),
+            aborts=list(aborts),
+            overlapped=overlapped,
+            token_budget=token_budget,
+        )
         grant = self.bm.step(plan)
         assert grant.step == self.n
         assert grant.version == PROTOCOL_VERSION
@@ -294,6 +303,30 @@ def test_prefix_hit_same_salt_full_pages_only() -> None:
     g = d.step(E("e", 2, [*a[:9], 77], arrival=4, salt="t1"))
     assert granted(g) == {"e": (8, 2)}
     assert bm.pool.refcount[table(bm, "a")[0]] == 5
+
+
+def test_admissions_share_the_token_budget_their_prefix_hits_leave() -> None:
+    bm = make_bm(FULL, 32)
+    d = Driver(bm)
+    a = toks(0, 12)
+    d.step(E("a", 12, a))
+    followers = {rid: [*a[:8], *toks(50 + 10 * i, 4)] for i, rid in enumerate("bcdef")}
+    # Every follower is planned whole (12 tokens); its 8-token hit leaves 4 to compute. Of the budget
+    # of 10, a's decode has 1, b and c take 4 each, d the 1 left (a chunk), and e waits.
+    g = d.step(
+        E("a", 1, [5]),
+        *(E(rid, 12, ids, arrival=1 + i) for i, (rid, ids) in enumerate(followers.items()) if rid != "f"),
+        token_budget=10,
+    )
+    assert granted(g) == {"a": (12, 1), "b": (8, 4), "c": (8, 4), "d": (8, 1)}
+    assert bm.requests["e"].state is CacheState.PENDING and "e" not in bm.allocators[0].tables
+    # Without a logits row for it, an admission stops short of its last token, hit or not.
+    g = d.step(E("e", 12, may_sample=False), E("f", 12, followers["f"], arrival=5, may_sample=False))
+    assert granted(g) == {"e": (8, 3), "f": (8, 3)}
+    # A budget the planned running entries use up admits nothing.
+    g = d.step(E("b", 1, [6]), E("e", 1), E("g", 12, a, arrival=6), token_budget=2)
+    assert granted(g) == {"b": (12, 1), "e": (11, 1)}
+    assert bm.requests["g"].state is CacheState.PENDING
 
 
 def test_prefix_hit_requires_same_salt() -> None:
@@ -950,17 +983,43 @@ class WorkerModel(RuleBasedStateMachine):
             del self.reqs[rid]
         entries = []
         asked: dict[str, int] = {}
+        may_sample: dict[str, bool] = {}
         before = {r.rid: r.state for r, _ in chosen}
         for r, n in chosen:
             assert 1 <= n <= self.available(r)
-            entries.append(PlanEntry(r.rid, n, r.tokens[r.sent :], r.arrival, r.salt, r.max_total, r.pending))
+            admission = r.state in ("new", "pending")
+            may_sample[r.rid] = not admission or data is None or data.draw(st.booleans(), label="may sample")
+            entries.append(
+                PlanEntry(
+                    r.rid,
+                    n,
+                    r.tokens[r.sent :],
+                    r.arrival,
+                    r.salt,
+                    r.max_total,
+                    r.pending,
+                    may_sample[r.rid],
+                )
+            )
             asked[r.rid] = n
             r.sent = len(r.tokens)
         old_tables = {rid: [list(t) for t in self._bm_tables(rid)] for rid in self._bm_active()}
         active_before = len(old_tables) - sum(1 for rid in frees + aborts if rid in old_tables)
+        # As the worker plans: the running entries' tokens fit the budget, admissions may overshoot it.
+        running_tokens = sum(n for r, n in chosen if before[r.rid] in ("active", "offloaded"))
+        budgets = st.none() | st.integers(running_tokens, running_tokens + self.max_step)
+        token_budget = None if data is None else data.draw(budgets, label="budget")
+        admission_budget = None if token_budget is None else token_budget - running_tokens
 
         self.steps += 1
-        plan = StepPlan(self.steps, entries, frees=frees, aborts=aborts, overlapped=bool(self.running))
+        plan = StepPlan(
+            self.steps,
+            entries,
+            frees=frees,
+            aborts=aborts,
+            overlapped=bool(self.running),
+            token_budget=token_budget,
+        )
         grant = bm.step(plan)
         bm.check()
         assert grant.step == self.steps
@@ -1018,6 +1077,8 @@ class WorkerModel(RuleBasedStateMachine):
             if rid in self.reqs and state == "new" and self.reqs[rid].state == "new" and rid not in moved:
                 self.reqs[rid].state = "pending"  # sent, not admitted (maybe admitted just below)
 
+        if token_budget is not None:
+            assert sum(g.num_tokens for g in grant.granted) <= token_budget
         for g in grant.granted:
             r = self.reqs[g.request_id]
             state = before[r.rid]
@@ -1028,7 +1089,13 @@ class WorkerModel(RuleBasedStateMachine):
                 assert g.replace and g.start % P == 0 and g.start <= len(r.tokens) - 1
                 if not bm.sharing:
                     assert g.start == 0
-                assert g.num_tokens == min(n, len(r.tokens) + r.pending - g.start)
+                end = min(g.start + n, len(r.tokens) + r.pending)
+                if not may_sample[r.rid]:
+                    end = min(end, len(r.tokens) + r.pending - 1)
+                if admission_budget is not None:
+                    end = min(end, g.start + admission_budget)
+                    admission_budget -= end - g.start  # admissions take the budget in plan order
+                assert g.num_tokens == end - g.start
                 r.tables = [list(t) for t in g.tables]
                 r.written = g.start  # a prefix hit's pages hold their KV already
             elif state == "offloaded":

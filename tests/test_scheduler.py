@@ -56,6 +56,19 @@ def test_long_prefill_token_threshold_leaves_budget_to_later_prompts() -> None:
     assert step(sched, bm) == [("short", 5, 1), ("long", 6, 6)]
 
 
+def test_admissions_behind_a_prefix_hit_take_the_budget_it_spares() -> None:
+    sched, bm = make(CBConfig(max_batch_tokens=12, page_size=GEOMETRY.page_size))
+    head = list(range(10, 22))
+    sched.add(Request("head", head, SamplingParams(max_new_tokens=8), 0))
+    for i in range(3):
+        sched.add(Request(f"f{i}", [*head[:8], *range(100 + 10 * i, 104 + 10 * i)], SamplingParams(), 0))
+    assert step(sched, bm) == [("head", 0, 12)]
+    # The head's pages are now cached: each follower computes the 4 tokens after its 8-token hit, so the
+    # 11 tokens the head's decode leaves admit all three (the last one in part), not one of them.
+    assert step(sched, bm) == [("head", 12, 1), ("f0", 8, 4), ("f1", 8, 4), ("f2", 8, 3)]
+    assert step(sched, bm) == [("head", 13, 1), ("f0", 12, 1), ("f1", 12, 1), ("f2", 11, 1)]
+
+
 def test_prefill_first_finishes_chunked_prefills_before_decodes() -> None:
     sched, bm = make(CBConfig(max_batch_tokens=8, scheduler_type="prefill_first"))
     sched.add(request("a", 3))

@@ -150,6 +150,7 @@ class BlockManager:
         out = _GrantBuilder(plan.step)
         placed: set[str] = set()
         blocked: list[PlanEntry] = []
+        admission_budget = self._admission_budget(plan)
         for entry in plan.entries:
             req = self._ingest(entry, out)
             if req is None:
@@ -158,7 +159,13 @@ class BlockManager:
                 # Running requests are stuck: admitting or restoring others now would only take the
                 # memory they need and push older requests out (newest-first would be violated).
                 continue
-            if self._place(req, entry, out):
+            if req.state is CacheState.PENDING:
+                admitted = self._admit(req, entry, out, admission_budget)
+                if admitted:
+                    placed.add(req.request_id)
+                    if admission_budget is not None:
+                        admission_budget -= admitted
+            elif self._place(req, entry, out):
                 placed.add(req.request_id)
             elif req.state is CacheState.ACTIVE:
                 blocked.append(entry)
@@ -289,12 +296,23 @@ class BlockManager:
 
     # ------------------------------------------------------------------------------------ placement
 
+    def _admission_budget(self, plan: StepPlan) -> int | None:
+        """What `plan.token_budget` leaves to admissions once every admitted or offloaded entry has its
+        planned tokens (those are exact: only an admission can hit the prefix cache)."""
+        if plan.token_budget is None:
+            return None
+        planned = 0
+        for entry in plan.entries:
+            req = self.requests.get(entry.request_id)
+            if req is not None and req.state is not CacheState.PENDING:
+                planned += entry.num_tokens
+        return plan.token_budget - planned
+
     def _place(self, req: CacheRequest, entry: PlanEntry, out: _GrantBuilder) -> bool:
+        """Grant an admitted (ACTIVE) or offloaded request its planned tokens."""
         if req.state is CacheState.ACTIVE:
             return self._grow(req, entry.num_tokens, out)
-        if req.state is CacheState.OFFLOADED:
-            return self._restore(req, entry.num_tokens, out)
-        return self._admit(req, entry.num_tokens, out)
+        return self._restore(req, entry.num_tokens, out)
 
     def _need(self, rid: str, start: int, end: int) -> int:
         for alloc in self.allocators:
@@ -310,15 +328,25 @@ class BlockManager:
         out.grant(req, start, num_tokens, tables, replace=False)
         return True
 
-    def _admit(self, req: CacheRequest, num_tokens: int, out: _GrantBuilder) -> bool:
+    def _admit(self, req: CacheRequest, entry: PlanEntry, out: _GrantBuilder, budget: int | None) -> int:
+        """Admit a request from its longest cached prefix on: it computes up to `entry.num_tokens`
+        tokens from there, at most `budget`. Returns the tokens granted (0: it waits)."""
+        if budget is not None and budget < 1:
+            return 0
         if self.pool.num_free < self.safety_margin * self.pool.capacity:
-            return False
+            return 0
         hits = self._lookup_prefix(req) if self.sharing else []
         start = len(hits) * self.page_size
-        end = min(start + num_tokens, req.num_tokens)
+        end = min(start + entry.num_tokens, req.num_tokens)
+        if budget is not None:
+            end = min(end, start + budget)
+        if not entry.may_sample:
+            end = min(end, req.num_tokens - 1)  # the worker has no logits row for its sample
+        if end <= start:
+            return 0
         need = pages_for(end, self.page_size) * sum(a.k for a in self.allocators) - len(hits)
         if need > self.pool.num_free - self.pool.num_evictable_in(hits):
-            return False
+            return 0
         if self.sharing:
             self.stats.prefix_queries += req.num_tokens
             self.stats.prefix_hit_tokens += start
@@ -329,7 +357,7 @@ class BlockManager:
         req.state = CacheState.ACTIVE
         req.num_computed = start
         out.grant(req, start, end - start, [a.tables[req.request_id] for a in self.allocators], replace=True)
-        return True
+        return end - start
 
     def _lookup_prefix(self, req: CacheRequest) -> list[int]:
         """Cached chunks for the longest prefix of full pages of known ids, leaving at least the last

@@ -14,7 +14,7 @@ import msgspec
 
 from services.common.tensor_handles import TensorHandle
 
-PROTOCOL_VERSION = 2  # 2: placeholders and overlapped steps (async batching)
+PROTOCOL_VERSION = 3  # 2: placeholders and overlapped steps (async batching); 3: admission budget
 # Token ids out of this range fail to decode, so they never reach the hashing code.
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 
@@ -24,7 +24,10 @@ class PlanEntry(msgspec.Struct, array_like=True, frozen=True):
 
     `new_token_ids` are the request's tokens the cachemgr has not been sent yet (the whole prompt the
     first time, the last sampled token afterwards); the cachemgr keeps the token list for hashing.
-    `num_tokens` is how many tokens the worker wants to compute this step.
+    `num_tokens` is how many tokens the worker wants to compute this step. For a request not admitted
+    yet it counts from wherever its prefix hit leaves it, and the grant may be shorter (the step's
+    `token_budget`); such a chunk reaches the prompt's end, and so samples, only with `may_sample`
+    (the worker holds a logits row for it).
 
     With async batching the plan leaves before the step still computing has sampled: its tokens are
     `num_placeholders` more after `new_token_ids`, ids unknown. They count toward `num_tokens` (a
@@ -39,6 +42,7 @@ class PlanEntry(msgspec.Struct, array_like=True, frozen=True):
     cache_salt: str = ""
     max_total_tokens: int = 0  # prompt + max new tokens, for the fits-at-all check on first sight
     num_placeholders: Annotated[int, msgspec.Meta(ge=0, lt=2**31)] = 0
+    may_sample: bool = True
 
 
 class StepPlan(msgspec.Struct, frozen=True, tag="plan"):
@@ -49,6 +53,11 @@ class StepPlan(msgspec.Struct, frozen=True, tag="plan"):
     # The previous step still computes (async batching): its grants count as computed from the next
     # plan on, so that no page enters the prefix cache before its KV is written.
     overlapped: bool = False
+    # Tokens the whole step may compute (the worker's `max_batch_tokens`). The worker cannot know
+    # admissions' prefix hits, so it plans more admissions than fit if none hit; the cachemgr grants
+    # them, in order, what the running entries' planned tokens and the earlier admissions leave.
+    # None: every entry as planned.
+    token_budget: int | None = None
     version: int = PROTOCOL_VERSION
 
 

@@ -4,7 +4,10 @@ Per step: `plan()` orders candidates by policy and gives each the tokens it woul
 `max_batch_tokens`, `long_prefill_token_threshold` (per request) and `max_requests_per_batch`; the
 BlockManager answers which ones got blocks; `apply(grant)` turns the answer into the step's batch;
 `postprocess` appends sampled tokens and decides which requests finished. Finished and aborted
-requests are released in the next plan, before anything is allocated.
+requests are released in the next plan, before anything is allocated. A request not admitted yet is
+planned whole (up to the threshold): only the BlockManager knows its prefix hit, and it trims
+admissions to what the step's token budget leaves, so that a hit's unneeded tokens go to the next
+admission instead of idling (see `PlanEntry`).
 
 Async batching plans step N+1 between N's `apply` and its `postprocess` (`plan(running=N)`): a request
 N samples for plans its next token as a placeholder, and one N completes (length limit) is not planned
@@ -129,7 +132,7 @@ class Scheduler:
                 and len(req.output_ids) + req.num_placeholders >= req.params.max_new_tokens
             ):
                 continue  # the running step samples its last token
-            n = min(req.num_remaining, tokens_left, cfg.long_prefill_token_threshold or tokens_left)
+            n = min(req.num_remaining, cfg.long_prefill_token_threshold or req.num_remaining)
             owed = req.prompt_logprobs_owed
             if owed and req.request_id in busy:
                 continue  # its chunk's rows are taken only when the running step ends
@@ -139,16 +142,24 @@ class Scheduler:
                 n = min(n, rows_left)
                 if n == 0:
                     continue
-            samples = n == req.num_remaining
-            if samples and rows_left == 0:
-                continue  # a chunk that stops short of sampling needs no logits row
+            if req.status is RequestStatus.PENDING and not owed and rows_left:
+                # Its prefix hit, which only the cachemgr knows, may leave it far fewer tokens than
+                # planned; the cachemgr trims admissions to `token_budget`, so plan it whole, hold its
+                # logits row, and count only the tokens that no hit can spare.
+                samples, charge = True, min(n, tokens_left, self._least_admission(req))
+            else:
+                n = min(n, tokens_left)
+                samples = n == req.num_remaining
+                if samples and rows_left == 0:
+                    continue  # a chunk that stops short of sampling needs no logits row
+                charge = n
             # A pending request's chunk may move forward by a prefix hit: budget its whole length.
             reach = req.num_tokens if req.status is RequestStatus.PENDING else req.num_computed + n
             pages = -(-reach // cfg.page_size)
             if pages > pages_left:
                 continue
             pages_left -= pages
-            tokens_left -= n
+            tokens_left -= charge
             rows_left -= min(n, owed) + samples
             entries.append(
                 PlanEntry(
@@ -159,6 +170,7 @@ class Scheduler:
                     cache_salt=req.cache_salt,
                     max_total_tokens=len(req.prompt_ids) + req.params.max_new_tokens,
                     num_placeholders=req.num_placeholders,
+                    may_sample=samples,
                 )
             )
             req.num_sent = req.num_known
@@ -168,9 +180,17 @@ class Scheduler:
             frees=self._frees,
             aborts=self._aborts,
             overlapped=running is not None,
+            token_budget=cfg.max_batch_tokens,
         )
         self._frees, self._aborts = [], []
         return plan
+
+    def _least_admission(self, req: Request) -> int:
+        """The fewest tokens an admission can compute: a prefix hit is whole pages and leaves at least
+        the last token (its logits are needed)."""
+        if not self.config.allow_block_sharing:
+            return req.num_remaining
+        return req.num_tokens - (req.num_tokens - 1) // self.config.page_size * self.config.page_size
 
     def _policy_key(self, req: Request) -> tuple[int, int, int]:
         return (self.order[req.status], -req.priority, req.arrival)
