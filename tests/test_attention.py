@@ -188,9 +188,9 @@ def test_fallback_path_is_exact(
         )
 
 
-# Rows: none, every tile height (1..8) and uneven splits of several tiles; outputs: a partial last
-# panel (200 = 6 x 32 + 8, 17 < 32) and whole ones (64).
-@pytest.mark.parametrize("rows", [0, 1, 5, 8, 9, 38, 600])
+# Rows: none, one tile (1, 5, and 14, the tallest) and uneven splits of several tiles (15 = 8 + 7, 38,
+# 600); outputs: a partial last panel (200 = 6 x 32 + 8, 17 < 32) and whole ones (64).
+@pytest.mark.parametrize("rows", [0, 1, 5, 14, 15, 38, 600])
 @pytest.mark.parametrize(("in_features", "out_features"), [(96, 200), (33, 17), (64, 64)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("torch_from_rows", [gemm_crossover.NEVER, 9], ids=["panels", "torch-from-9"])

@@ -4,13 +4,20 @@
 // by how fast the weights stream from memory, and a prefill chunk's by the FMA units. One simple
 // layout serves both: W [N, K] is cut into panels of 32 output columns, each stored k-major
 // ([K, 32], one contiguous 128-byte line per k), so a thread reads its panels front to back (the
-// hardware prefetcher streams them) and multiplies each loaded line into up to 8 rows at once
-// (16 accumulators in registers, one load of W per 16 FMAs). Threads split the panels, so each weight
-// is read once per product, by one core. A panel (72 KiB at K = 576) outgrows L1, so with more than 8
-// rows every tile after the first re-reads it from L2; the first tile would wait on memory while the
-// others wait on nothing. So while a panel's tiles run, they pull the next panel into L2, a line every
-// few k, spreading the weights' traffic evenly over the FMAs: 1.1-1.2x at 16-64 rows on an Intel
-// Xeon (30 layers of SmolLM2's weights, 2 threads), the range of a decode step.
+// hardware prefetcher streams them) and multiplies each loaded line into up to 14 rows at once
+// (28 accumulators, the panel's two vectors and a broadcast: 31 of the 32 vector registers; one load
+// of W per 14 FMAs). Threads split the panels, so each weight is read once per product, by one core.
+// A panel (72 KiB at K = 576) outgrows L1, so with more than one tile every tile after the first
+// re-reads it from L2; the first tile would wait on memory while the others wait on nothing. So while
+// a panel's tiles run, they pull the next panel into L2, a line every few k, spreading the weights'
+// traffic evenly over the FMAs: 1.1-1.2x at 16-64 rows on an Intel Xeon (30 layers of SmolLM2's
+// weights, 2 threads), the range of a decode step.
+//
+// x is first copied tile by tile k-major ([K, rows]), so that a tile reads its 14 values of each k at
+// constant offsets from one pointer: read in place, each row's address took an add of its own, 13
+// dependent integer adds per k beside 28 FMAs. With both (8 -> 14 rows, packed x), on the same Xeon:
+// 1.04-1.17x at 32-192 rows, even at 1-16 (rounds alternating with the old kernel; in a second run,
+// under heavy load from other tenants, the two tied at every size).
 //
 // Measured on SmolLM2's shapes against oneDNN's brgemm on its own blocked weights (30 layers, so the
 // weights come from memory as in a real step), 2 threads, on an AMD machine: 2.0x at 1 row (44 GB/s
@@ -32,12 +39,11 @@
 
 namespace {
 constexpr int64_t kPanel = 32;   // output columns per panel
-constexpr int kMaxRows = 8;      // rows per tile: 2 x 8 accumulators
+constexpr int kMaxRows = 14;     // rows per tile: 2 x 14 accumulators
 constexpr int64_t kAhead = 32;   // k lines prefetched ahead (4 KiB): panels are read once, from memory
 
 struct Tile {
-  const float* x;  // first row of the tile
-  int64_t sx;      // x's row stride
+  const float* x;  // the tile's rows, k-major: [K, rows]
   const float* w;  // the panel, [K, 32]
   int64_t K;
   float* y;        // first row of the tile at the panel's first column
@@ -68,8 +74,9 @@ void tile(const Tile& t) {
     _mm_prefetch(reinterpret_cast<const char*>(w + kAhead * kPanel), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(w + kAhead * kPanel + 16), _MM_HINT_T0);
     const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
+    const float* xk = t.x + k * R;
     for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_set1_ps(t.x[r * t.sx + k]);
+      const __m512 xv = _mm512_set1_ps(xk[r]);
       lo[r] = _mm512_fmadd_ps(xv, w0, lo[r]);
       hi[r] = _mm512_fmadd_ps(xv, w1, hi[r]);
     }
@@ -91,7 +98,7 @@ void tile(const Tile& t) {
   const float* w = t.w;
   for (int64_t k = 0; k < t.K; ++k, w += kPanel)
     for (int r = 0; r < R; ++r) {
-      const float xv = t.x[r * t.sx + k];
+      const float xv = t.x[k * R + r];
 #pragma omp simd
       for (int64_t c = 0; c < kPanel; ++c) acc[r][c] += xv * w[c];
     }
@@ -101,8 +108,9 @@ void tile(const Tile& t) {
 #endif
 
 using TileFn = void (*)(const Tile&);
-constexpr TileFn kTiles[kMaxRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>,
-                                         tile<5>, tile<6>, tile<7>, tile<8>};
+constexpr TileFn kTiles[kMaxRows + 1] = {
+    nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>, tile<7>,
+    tile<8>, tile<9>, tile<10>, tile<11>, tile<12>, tile<13>, tile<14>};
 }  // namespace
 
 // W [N, K] -> panels [ceil(N / 32), K, 32], the last one zero-padded.
@@ -140,15 +148,25 @@ at::Tensor panel_linear(at::Tensor x, at::Tensor panels, c10::optional<at::Tenso
   const float* bp = bias_padded.defined() ? bias_padded.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t sx = x2.stride(0);
-  // Tiles as even as possible: 20 rows run as 7 + 7 + 6, not 8 + 8 + 4.
+  // Tiles as even as possible: 30 rows run as 10 + 10 + 10, not 14 + 14 + 2.
   const int64_t tiles = (M + kMaxRows - 1) / kMaxRows, base = M / tiles, extra = M % tiles;
+  auto packed_x = at::empty({M * K}, x.options());
+  float* xq = packed_x.data_ptr<float>();
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t rows = base + (i < extra ? 1 : 0), r0 = i * base + std::min(i, extra);
+      float* tile_x = xq + r0 * K;
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t r = 0; r < rows; ++r) tile_x[k * rows + r] = xp[(r0 + r) * sx + k];
+    }
+  });
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
       for (int64_t i = 0, r0 = 0; i < tiles; ++i) {
         const int64_t rows = base + (i < extra ? 1 : 0);
         const int64_t line0 = K * i / tiles, line1 = K * (i + 1) / tiles;
         const float* next = j + 1 < end ? wp + ((j + 1) * K + line0) * kPanel : nullptr;
-        const Tile t{xp + r0 * sx, sx, wp + j * K * kPanel, K, yp + r0 * N + j * kPanel, N,
+        const Tile t{xq + r0 * K, wp + j * K * kPanel, K, yp + r0 * N + j * kPanel, N,
                      bp == nullptr ? nullptr : bp + j * kPanel, std::min(kPanel, N - j * kPanel),
                      next, next == nullptr ? 0 : line1 - line0, tiles};
         kTiles[rows](t);
