@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.cachemgr.block_manager import BlockManager
+from services.cachemgr.block_manager import BlockManager, CacheState
 from services.common.config import CBConfig
 from services.common.kv_geometry import KVGeometry
 from services.common.sampling_params import SamplingParams
@@ -144,6 +144,19 @@ def test_abort_in_every_state_releases_everything() -> None:
     bm.step(sched.plan())
     stats = bm.stats_dict()
     assert stats["used_blocks"] == 0 and stats["requests_known"] == 0
+    bm.check()
+
+
+def test_a_request_sent_but_not_admitted_is_forgotten_when_aborted() -> None:
+    sched, bm = make(CBConfig(max_batch_tokens=8, page_size=GEOMETRY.page_size))
+    sched.add(request("a", 8))
+    sched.add(request("b", 9))
+    # "b" is planned too (a hit could have left it room); "a" takes the whole budget, so it waits.
+    assert step(sched, bm) == [("a", 0, 8)]
+    assert bm.requests["b"].state is CacheState.PENDING
+    assert sched.abort("b") is not None
+    assert step(sched, bm) == [("a", 8, 1)]
+    assert "b" not in bm.requests
     bm.check()
 
 
