@@ -150,11 +150,13 @@ at::Tensor panel_linear(at::Tensor x, at::Tensor panels, c10::optional<at::Tenso
   const int64_t sx = x2.stride(0);
   // Tiles as even as possible: 30 rows run as 10 + 10 + 10, not 14 + 14 + 2.
   const int64_t tiles = (M + kMaxRows - 1) / kMaxRows, base = M / tiles, extra = M % tiles;
+  auto tile_rows = [&](int64_t i) { return base + (i < extra ? 1 : 0); };
+  auto tile_first_row = [&](int64_t i) { return i * base + std::min(i, extra); };
   auto packed_x = at::empty({M * K}, x.options());
   float* xq = packed_x.data_ptr<float>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t rows = base + (i < extra ? 1 : 0), r0 = i * base + std::min(i, extra);
+      const int64_t rows = tile_rows(i), r0 = tile_first_row(i);
       float* tile_x = xq + r0 * K;
       for (int64_t k = 0; k < K; ++k)
         for (int64_t r = 0; r < rows; ++r) tile_x[k * rows + r] = xp[(r0 + r) * sx + k];
@@ -162,15 +164,14 @@ at::Tensor panel_linear(at::Tensor x, at::Tensor panels, c10::optional<at::Tenso
   });
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
-      for (int64_t i = 0, r0 = 0; i < tiles; ++i) {
-        const int64_t rows = base + (i < extra ? 1 : 0);
+      for (int64_t i = 0; i < tiles; ++i) {
+        const int64_t rows = tile_rows(i), r0 = tile_first_row(i);
         const int64_t line0 = K * i / tiles, line1 = K * (i + 1) / tiles;
         const float* next = j + 1 < end ? wp + ((j + 1) * K + line0) * kPanel : nullptr;
         const Tile t{xq + r0 * K, wp + j * K * kPanel, K, yp + r0 * N + j * kPanel, N,
                      bp == nullptr ? nullptr : bp + j * kPanel, std::min(kPanel, N - j * kPanel),
                      next, next == nullptr ? 0 : line1 - line0, tiles};
         kTiles[rows](t);
-        r0 += rows;
       }
     }
   });
