@@ -25,10 +25,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
 from tqdm.auto import tqdm
 
 if TYPE_CHECKING:
+    # Imported where used: `cbserve up` resolves --model here before its children start, and a
+    # torch import would add seconds to every start.
+    import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
@@ -89,6 +91,7 @@ def _is_converted(directory: Path, source: Path) -> bool:
 
 def _convert(source: Path, out_dir: Path) -> None:
     """De-quantize `source` into a float32 safetensors model (+ tokenizer, generation config) in `out_dir`."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     steps = ("load GGUF weights", "load tokenizer", "save safetensors", "save tokenizer")
@@ -182,7 +185,7 @@ def has_tokenizer(directory: Path) -> bool:
 
 def load_model(
     name_or_path: str | os.PathLike[str] | None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,  # float32
     device: str | torch.device = "cpu",
     attn_implementation: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
@@ -191,10 +194,11 @@ def load_model(
     The tokenizer is None exactly when the directory has no tokenizer files; callers that only pass
     token ids (the worker, tests on tiny random models) do not need one.
     """
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model(name_or_path)
-    kwargs: dict[str, object] = {"dtype": dtype, "local_files_only": True}
+    kwargs: dict[str, object] = {"dtype": dtype or torch.float32, "local_files_only": True}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device).eval()
