@@ -15,6 +15,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -98,9 +99,20 @@ def compiler_available() -> bool:
     return shutil.which(os.environ.get("CXX", "c++")) is not None
 
 
+_KERNELS = ("fused_ops", "paged_attention", "panel_linear")
+
+
 @functools.cache
+def _built() -> dict[str, Any]:
+    """Every kernel, compiled side by side on a first start: each is one compiler process, and one
+    after the other they took about a minute on two cores. (Before the GEMM crossover is measured,
+    which must not share the cores with a compiler.)"""
+    with ThreadPoolExecutor(len(_KERNELS)) as pool:
+        return dict(zip(_KERNELS, pool.map(_build, _KERNELS), strict=True))
+
+
 def _paged_attention() -> Any:
-    return _build("paged_attention")
+    return _built()["paged_attention"]
 
 
 @functools.cache
@@ -146,7 +158,7 @@ class PanelLinear:
 @functools.cache
 def packed_linear_ops() -> PanelLinear | None:
     """The packed linears, or None (switched off, or not built): then linears run torch's own GEMM."""
-    module = _build("panel_linear")
+    module = _built()["panel_linear"]
     if module is None:
         return None
     # A new kernel or a new way to measure it: measured again.
@@ -162,4 +174,4 @@ def packed_linear_ops() -> PanelLinear | None:
 def fused_ops() -> Any:
     """`rms_norm`, `add_rms_norm`, `rotary_` and `silu_mul` (csrc/fused_ops.cpp), or None: then the
     model runs transformers' own forward."""
-    return _build("fused_ops")
+    return _built()["fused_ops"]
