@@ -10,7 +10,7 @@ Systems:
 - `engine`: cbserve's in-process `Engine` (services.worker.engine). Like the stack and the peers'
   servers it is built once and serves every round, each round under a cache salt of its own so that
   no round hits what an earlier one cached. (Built afresh per round, the first touches of its pool
-  and buffers landed inside the timed part: 3-10% slower than a built engine, 3 pairs of rounds.)
+  fell inside the timed part: about 7,000 page faults in a W1 round, against about 400 once built.)
 - `hf-cb`: transformers' own continuous batching (`init_continuous_batching` + `add_request`), with
   the settings PERFORMANCE.md quotes its baseline for (sdpa, page 32, 512 blocks, max_batch_tokens 512).
 - `hf-generate`: `model.generate`, one request at a time.
