@@ -71,7 +71,7 @@ def _build(stem: str) -> Any:
             built = [so.stat().st_mtime for so in build_dir.glob("*.so")]
             compiling = not built or max(built) < source.stat().st_mtime
             if compiling:
-                log.info("compiling native kernel, once per CPU and source (about 10-25 s)", kernel=stem)
+                log.info("compiling native kernel, once per CPU and source (about 30 s)", kernel=stem)
             started = time.monotonic()
             # -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers, serial without it.
             # The extension's libgomp.so.1 resolves to the one torch already loaded: one pool.
