@@ -619,9 +619,6 @@ INTERRUPTED_EXIT = 130
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse `argv` (default: sys.argv[1:]), run the chosen subcommand and return its exit status."""
-    from services.common.huge_pages import prefer_huge_pages
-
-    prefer_huge_pages()  # before any import of torch: it reads the setting once
     args = build_parser().parse_args(argv)
     from services.common.logging import configure_logging, disable_progress_bars
 

@@ -5,7 +5,6 @@ error field names, the metrics port)."""
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -21,7 +20,6 @@ import pytest
 from services.cli import build_parser, generate_request, main
 from services.common import ready_file
 from services.common.gateway_messages import Load, WorkerFacts
-from services.common.huge_pages import HUGE_PAGES_ENV
 from services.gateway.api import pb
 from services.gateway.inputs import InvalidRequest, Limits, prepare
 from services.gateway.metrics import GatewayMetrics
@@ -293,16 +291,3 @@ def test_prepare_kernels_reports_each_kernel(capsys: pytest.CaptureFixture[str])
         assert len(lines) == 4 and lines[3].startswith("linears: the panel kernel "), lines
     else:
         assert len(lines) == 3, lines
-
-
-@pytest.mark.parametrize(("preset", "after"), [(None, "1"), ("0", "0")])
-def test_cbserve_asks_torch_for_huge_pages_unless_told_not_to(
-    preset: str | None, after: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """Set in the entry point's environment, so the children `cbserve up` starts inherit it."""
-    if preset is None:
-        monkeypatch.delenv(HUGE_PAGES_ENV, raising=False)
-    else:
-        monkeypatch.setenv(HUGE_PAGES_ENV, preset)
-    assert run_main(["prepare-kernels"], capsys)[0] == 0
-    assert os.environ[HUGE_PAGES_ENV] == after
