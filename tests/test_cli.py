@@ -138,7 +138,10 @@ def test_ctrl_c_in_generate_exits_quietly_with_130() -> None:
         )  # fmt: skip
         connection, _ = silent.accept()
         with connection:
-            time.sleep(0.5)
+            # gRPC connects from its own thread: give the main one time to reach its wait for the
+            # stream. Half a second was once too little in a full run on 2 loaded cores (the
+            # interrupt was lost and the call ran to its connect timeout).
+            time.sleep(1.5)
             proc.send_signal(signal.SIGINT)
             _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130, err.decode()
