@@ -138,9 +138,9 @@ def test_ctrl_c_in_generate_exits_quietly_with_130() -> None:
         )  # fmt: skip
         connection, _ = silent.accept()
         with connection:
-            # gRPC connects from its own thread: give the main one time to reach its wait for the
-            # stream. Half a second was once too little in a full run on 2 loaded cores (the
-            # interrupt was lost and the call ran to its connect timeout).
+            # Half a second was once not enough in a full run on 2 loaded cores: the interrupt was
+            # lost and the call ran to gRPC's connect timeout (why is not known). gRPC connects from
+            # a thread of its own, so the accept says nothing of where the client's main thread is.
             time.sleep(1.5)
             proc.send_signal(signal.SIGINT)
             _, err = proc.communicate(timeout=30)
