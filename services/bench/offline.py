@@ -138,7 +138,10 @@ def run(args: argparse.Namespace) -> int:
         "hf-static": lambda c: run_hf_static(_need(hf_model), workload, args.static_batch or 16, pad_id),
     }
     # Systems take turns, round after round, so a slow spell of a shared machine hits them alike;
-    # each system is then represented by its median round.
+    # each system is then represented by its median round. Every other round runs them in reverse:
+    # in one fixed order, a host that speeds up over the run (on 2026-12-02 the four systems of W1 ran
+    # 102-113 tok/s in round 1 and 123-135 in round 3) gives the later systems the faster host in
+    # every round.
     in_flight: list[int | None] = list(args.in_flight or [None])
     rounds: dict[int | None, dict[str, list[SystemResult]]] = {c: {} for c in in_flight}
     status = 0
@@ -159,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
         systems = [s for s in systems if s in runners]
         for c in in_flight:
             for round_no in range(1, args.repeat + 1):
-                for name in systems:
+                for name in systems if round_no % 2 else systems[::-1]:
                     where = "" if c is None else f", at most {c} in flight"
                     print(f"running {name} (round {round_no}/{args.repeat}{where}) ...", flush=True)
                     result = runners[name](c)
