@@ -14,9 +14,10 @@
 // weights, 2 threads), the range of a decode step. A lone tile of 8-14 rows (16 requests in flight
 // decode about 11 rows a step) pulls only the first line of every other k, one line in four, and
 // leaves the rest to the hardware prefetchers: 1.03-1.07x at 8-14 rows on that Xeon, 3 runs of 9
-// rounds alternating. Each software prefetch holds one of the core's few fill buffers until memory
-// answers, and the tile's own L2-to-L1 reads queue behind them. With fewer rows, or more than one
-// tile, pulling every line stays faster (the sparse pull ran 0.93-0.97x at 1-4 rows, 0.95x at 20).
+// rounds alternating. Our guess at why, not measured: each software prefetch holds one of the core's
+// few fill buffers until memory answers, and the tile's own L2-to-L1 reads queue behind them. With
+// fewer rows, or more than one tile, pulling every line stays faster (the sparse pull ran 0.93-0.97x
+// at 1-4 rows, 0.95x at 20).
 //
 // x is first copied tile by tile k-major ([K, rows]), so that a tile reads its 14 values of each k at
 // constant offsets from one pointer: read in place, each row's address took an add of its own, 13
