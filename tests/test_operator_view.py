@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -15,9 +16,11 @@ from typing import Any
 
 import grpc
 import pytest
+import structlog
 from transformers import AutoTokenizer
 
 from services.cli import main
+from services.common.logging import configure_logging
 from services.gateway.api import pb
 from tests.stack import Stack, greedy_request
 
@@ -62,6 +65,28 @@ def test_one_plain_line_says_what_serves_where(tiny_stack: Stack) -> None:
     )
     # That line, once, and nothing else outside the JSON lines: no progress bars among them.
     assert len(lines) == 1 and lines[0].startswith(expected), lines
+
+
+def test_each_log_line_reaches_stderr_in_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`cbserve up`'s processes share one stderr file, so a line written in two pieces (its text,
+    then its newline) can merge with another process's line into one no JSON parser reads. That
+    happened once in CI: a merged line and an empty one after the "serving" line."""
+    writes: list[str] = []
+
+    class Recorder:
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Recorder())
+    configure_logging(json=True, service="probe")
+    structlog.get_logger("probe").info("one line", payload="x" * 10_000)
+    assert len(writes) == 1, writes
+    assert writes[0].endswith("\n") and writes[0].count("\n") == 1
+    assert json.loads(writes[0])["service"] == "probe"
 
 
 def test_every_log_line_names_its_process(tiny_stack: Stack) -> None:

@@ -66,6 +66,9 @@ def configure_logging(level: int = logging.INFO, json: bool = True, service: str
     structlog.configure(
         processors=[structlog.contextvars.merge_contextvars, *fields, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=stderr),
+        # One write a line: `print` writes the line, then its newline, in two, and stderr sends each
+        # straight to the file that `cbserve up`'s processes share, so lines of two processes could
+        # merge into one that no JSON parser reads, followed by an empty one (seen in CI).
+        logger_factory=structlog.WriteLoggerFactory(file=stderr),
         cache_logger_on_first_use=True,
     )
