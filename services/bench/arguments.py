@@ -13,6 +13,14 @@ SYSTEMS = ("engine", "stack", "hf-cb", "hf-generate", "hf-static", *PEER_NAMES)
 DEFAULT_SYSTEMS = "engine,hf-cb,hf-generate"
 
 
+def peer_name(value: str) -> str:
+    """A peer's name. A `type`, not `choices`: Python 3.11's argparse checks a `nargs="*"` positional's
+    empty default against `choices` and rejects giving no name at all."""
+    if value not in PEER_NAMES:
+        raise argparse.ArgumentTypeError(f"unknown peer {value!r} (choose from {', '.join(PEER_NAMES)})")
+    return value
+
+
 def int_range(value: str) -> tuple[int, int]:
     lo, sep, hi = value.partition(",")
     try:
