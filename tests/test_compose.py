@@ -21,6 +21,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -608,6 +609,32 @@ def test_dockerfile_base_torch_model_user_entrypoint() -> None:
     assert entrypoints and json.loads(entrypoints[-1]) == ["cbserve"], (
         'ENTRYPOINT must be exec form ["cbserve"]'
     )
+
+
+def test_the_installed_package_carries_the_kernels_sources(tmp_path: Path) -> None:
+    """The image installs cbserve from a wheel (`pip install /src`), which carries only the package data
+    pyproject.toml names: without the kernels' sources, `cbserve prepare-kernels` failed in the first live
+    image build and every container would run torch's slower kernels."""
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--wheel-dir",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        check=True,
+        timeout=300,
+    )
+    [wheel] = tmp_path.glob("cbserve-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        shipped = set(archive.namelist())
+    sources = {str(p.relative_to(ROOT)) for p in (ROOT / "services/worker/csrc").glob("*.cpp")}
+    assert sources and sources <= shipped, sorted(sources - shipped)
 
 
 def test_dockerfile_passes_hadolint() -> None:
