@@ -614,7 +614,14 @@ def test_dockerfile_base_torch_model_user_entrypoint() -> None:
 def test_the_installed_package_carries_the_kernels_sources(tmp_path: Path) -> None:
     """The image installs cbserve from a wheel (`pip install /src`), which carries only the package data
     pyproject.toml names: without the kernels' sources, `cbserve prepare-kernels` failed in the first live
-    image build and every container would run torch's slower kernels."""
+    image build and every container would run torch's slower kernels. Built, as there, from a copy of what
+    the Dockerfile copies: in the checkout a stale build/ could hand the wheel files no longer named."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, src / name)
+    for name in ("proto", "services"):
+        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run(
         [
             sys.executable,
@@ -625,7 +632,7 @@ def test_the_installed_package_carries_the_kernels_sources(tmp_path: Path) -> No
             "--no-deps",
             "--wheel-dir",
             str(tmp_path),
-            str(ROOT),
+            str(src),
         ],
         check=True,
         timeout=300,
