@@ -82,8 +82,12 @@ def test_each_log_line_reaches_stderr_in_one_write(monkeypatch: pytest.MonkeyPat
             pass
 
     monkeypatch.setattr(sys, "stderr", Recorder())
-    configure_logging(json=True, service="probe")
-    structlog.get_logger("probe").info("one line", payload="x" * 10_000)
+    before = structlog.get_config()
+    try:
+        configure_logging(json=True, service="probe")
+        structlog.get_logger("probe").info("one line", payload="x" * 10_000)
+    finally:
+        structlog.configure(**before)  # the rest of the run logs where it did, not into the recorder
     assert len(writes) == 1, writes
     assert writes[0].endswith("\n") and writes[0].count("\n") == 1
     assert json.loads(writes[0])["service"] == "probe"
