@@ -545,8 +545,10 @@ def run_worker(
 ) -> int:
     import os
 
+    from services.common.heap import keep_freed_memory
     from services.common.model_source import load_model
 
+    keep_freed_memory()
     torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
     loaded, _ = load_model(model, dtype=dtype, device=device)
     WorkerServer(

@@ -1,0 +1,46 @@
+"""The C heap of a process that runs forwards on the CPU: memory freed by one step stays for the next.
+
+glibc hands a freed block larger than its mmap threshold back to the kernel and trims the top of its
+heap beyond a threshold; both adapt to the sizes seen, but not to a forward's pattern of several
+megabyte-sized activations alive at once, all freed and allocated again every step. The next step
+then faults every page in again, zeroed by the kernel. Measured on the 2-core EPYC (2026-12-02): a
+640-token prompt computed in one step took 770 ms with glibc's defaults (median of 6), 545 ms with
+the settings below and 565 ms with tcmalloc preloaded, which is what vLLM's CPU guide does for the
+same reason. Blocks up to glibc's largest mmap threshold (32 MiB) then come from the heap and the heap
+never shrinks: a process keeps the peak of its transient memory, a few tens of MiB for the default
+step budget. Larger blocks (the weights, a KV pool) are mapped and unmapped as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+# <malloc.h>
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_MAX = 32 << 20  # glibc's cap on 64-bit (4 MiB x sizeof(long)); above it mallopt fails
+TRIM_THRESHOLD = (1 << 31) - 1  # mallopt takes an int: the heap's top is never given back
+
+# A user's own choice wins: glibc's variables, its tunables, or another allocator preloaded.
+_USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES", "LD_PRELOAD")
+
+
+def keep_freed_memory() -> bool:
+    """Set the thresholds above for this process; whether they were set (not where the user chose
+    the allocator's settings, nor where the C library has no working `mallopt`, such as musl)."""
+    chosen = [name for name in _USER_SETTINGS if os.environ.get(name)]
+    if chosen:
+        log.info("heap settings left to the environment", variables=chosen)
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mapped = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)
+    return bool(mapped) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
