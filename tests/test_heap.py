@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from services.common.heap import keep_freed_memory
+from services.common.heap import USER_SETTINGS, keep_freed_memory
 
 # A forward's pattern in small: several 8 MiB activations alive at once, all freed, again and again.
 # Prints the page faults one such step costs once warm.
@@ -30,8 +30,7 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10)
 
 
 def _faults_per_step(mode: str) -> float:
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "GLIBC_TUNABLES")}
-    env = {k: v for k, v in env.items() if not k.startswith("MALLOC_")}
+    env = {k: v for k, v in os.environ.items() if k not in USER_SETTINGS and not k.startswith("MALLOC_")}
     done = subprocess.run(
         [sys.executable, "-c", _STEPS, mode], env=env, capture_output=True, text=True, timeout=120, check=True
     )
@@ -48,7 +47,7 @@ def test_a_step_reuses_the_pages_the_step_before_freed() -> None:
 
 
 def test_a_users_own_allocator_settings_are_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("LD_PRELOAD", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES"):
+    for name in USER_SETTINGS:
         with monkeypatch.context() as m:
             m.setenv(name, "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
             assert not keep_freed_memory(), name

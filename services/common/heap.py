@@ -28,13 +28,13 @@ MMAP_THRESHOLD_MAX = 32 << 20  # glibc's cap on 64-bit (4 MiB x sizeof(long)); a
 TRIM_THRESHOLD = (1 << 31) - 1  # mallopt takes an int: the heap's top is never given back
 
 # A user's own choice wins: glibc's variables, its tunables, or another allocator preloaded.
-_USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES", "LD_PRELOAD")
+USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES", "LD_PRELOAD")
 
 
 def keep_freed_memory() -> bool:
     """Set the thresholds above for this process; whether they were set (not where the user chose
     the allocator's settings, nor where the C library has no working `mallopt`, such as musl)."""
-    chosen = [name for name in _USER_SETTINGS if os.environ.get(name)]
+    chosen = [name for name in USER_SETTINGS if os.environ.get(name)]
     if chosen:
         log.info("heap settings left to the environment", variables=chosen)
         return False
