@@ -4,9 +4,10 @@ pages of the supervisor and its three children, plus the /dev/shm files the cach
 under a stated budget: the KV and swap pools' sizes plus `PROCESS_BUDGET` for everything else.
 Afterwards no block, swap slot or request state is held.
 
-Distinct prompts never hit the prefix cache but each leaves its full pages cached, so the committed
-pool grows until it reaches the pool's size and then stays there: the curve this writes (CSV and SVG,
-under `CBSERVE_SOAK_MEMORY_OUT`) shows where. Not in `make test`: `make soak-memory` runs 20,000
+The pool is committed whole at start (prefaulted, the default). With `CBSERVE_PREFAULT_KV_POOL=off`
+distinct prompts, which never hit the prefix cache but each leave their full pages cached, make the
+committed pool grow until it reaches the pool's size and then stay there: the curve this writes (CSV
+and SVG, under `CBSERVE_SOAK_MEMORY_OUT`) shows where. Not in `make test`: `make soak-memory` runs 20,000
 requests (about an hour on two cores).
 """
 

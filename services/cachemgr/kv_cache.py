@@ -7,6 +7,7 @@ and serves it over ZMQ (`cachemgr/server.py`). Either way the worker sees the sa
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import structlog
@@ -40,8 +41,15 @@ class KVCache:
         self.sizing: CacheSizing = size_cache(
             self.geometry, model_config, config, device, reserve_bytes=reserve_bytes, shm=shared
         )
+        started = time.perf_counter()
         self.memory: PoolMemory = create_pool_memory(
-            self.geometry, self.sizing.num_chunks, self.sizing.swap_slots, dtype, device, shared=shared
+            self.geometry,
+            self.sizing.num_chunks,
+            self.sizing.swap_slots,
+            dtype,
+            device,
+            shared=shared,
+            prefault=config.prefault_kv_pool,
         )
         self.block_manager = BlockManager(
             self.geometry,
@@ -58,6 +66,8 @@ class KVCache:
             groups=self.geometry.groups,
             prefix_caching=self.block_manager.sharing,
             shared=shared,
+            prefault_kv_pool=config.prefault_kv_pool,
+            pool_seconds=round(time.perf_counter() - started, 2),
         )
 
     @property
@@ -69,8 +79,10 @@ class KVCache:
 
     def stats(self) -> dict[str, int]:
         stats = self.block_manager.stats_dict()
-        # Device memory is committed whole at allocation; a host pool page by page as it is written.
-        committed = stats["total_blocks"] if self.device.type == "cuda" else stats["committed_blocks"]
+        # Device memory is committed whole at allocation, a prefaulted host pool at start, another host
+        # pool page by page as it is written.
+        whole = self.device.type == "cuda" or self.config.prefault_kv_pool
+        committed = stats["total_blocks"] if whole else stats["committed_blocks"]
         return stats | {
             "kv_pool_bytes": self.sizing.kv_bytes,
             "kv_pool_committed_bytes": (committed + RESERVED_CHUNKS) * self.sizing.chunk_bytes,

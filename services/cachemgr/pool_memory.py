@@ -7,10 +7,17 @@ host shared memory; the worker maps them with `attach_pool_memory` and pins the 
 
 Layout (see `kv_geometry`): `[layers_per_chunk, 2, num_chunks, page_size, kv_heads, head_dim]`; the swap
 pool has the same layout with `num_slots` in place of `num_chunks`.
+
+A host KV pool is prefaulted by default: its owner writes every page once at start, and a worker that
+maps it reads one value a page, so that no step waits for the kernel to fault in the pages its new
+tokens' KV goes to. Measured on a 2-core VM (SmolLM2-135M, 512 tokens a step): a step writing fresh
+pages took 5,760 faults and 9% longer, and W1 ran 6% slower, than on pages written before; committing
+a 4 GiB pool took 1-6 s there and mapping it 1 s. Device memory is committed whole at allocation.
 """
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass, field
 
 import msgspec
@@ -32,6 +39,7 @@ log = structlog.get_logger(__name__)
 class PoolHandles(msgspec.Struct, frozen=True):
     kv: TensorHandle
     swap: TensorHandle | None
+    kv_prefaulted: bool = False  # a mapping process reads the pages in too
 
 
 @dataclass
@@ -66,17 +74,20 @@ def create_pool_memory(
     device: torch.device,
     *,
     shared: bool = False,
+    prefault: bool = True,
 ) -> PoolMemory:
+    """`prefault`: write a host pool's pages now (see the module docstring)."""
     kv_shape, swap_shape = pool_shape(geometry, num_chunks), pool_shape(geometry, swap_slots)
     owned: list[SharedTensor] = []
     if shared and device.type != "cuda":
         owned.append(create_shm_tensor(kv_shape, dtype, "kv"))  # sparse file: lazily committed
         kv = owned[-1].tensor
     else:
-        kv = torch.empty(kv_shape, dtype=dtype, device=device)  # on a CPU, also lazily committed
+        kv = torch.empty(kv_shape, dtype=dtype, device=device)  # a host's pages committed as written
+    prefaulted = prefault and device.type == "cpu"
     # Only the reserved padding chunks are read before being written (masked reads), and must hold
     # finite values: 0 * NaN = NaN.
-    kv[:, :, :RESERVED_CHUNKS].zero_()
+    (kv if prefaulted else kv[:, :, :RESERVED_CHUNKS]).zero_()
     kv_handle = None
     if shared:
         # A CUDA handle after the zeroing: whoever opens it waits for the work queued before it.
@@ -89,7 +100,7 @@ def create_pool_memory(
         swap = torch.empty(swap_shape, dtype=dtype, device="cpu")
         if device.type == "cuda":
             swap = swap.pin_memory()  # async host<->device copies need page-locked memory
-    handles = PoolHandles(kv_handle, swap_handle) if kv_handle is not None else None
+    handles = PoolHandles(kv_handle, swap_handle, prefaulted) if kv_handle is not None else None
     return PoolMemory(kv=kv, swap=swap, handles=handles, _owned=owned)
 
 
@@ -98,6 +109,10 @@ def attach_pool_memory(handles: PoolHandles, device: torch.device) -> PoolMemory
     kv = open_tensor(handles.kv)
     if kv.device.type != device.type:
         raise ValueError(f"KV pool is on {kv.device}, this worker runs on {device}")
+    if handles.kv_prefaulted and kv.device.type == "cpu":
+        # One read a page maps the owner's committed pages into this process (writable: a shared
+        # mapping of shm needs no copy on write), so that the forward's first writes do not fault.
+        kv.view(-1)[:: mmap.PAGESIZE // kv.element_size()].sum()
     swap = open_tensor(handles.swap) if handles.swap is not None else None
     registered = False
     if swap is not None and device.type == "cuda":

@@ -107,6 +107,7 @@ class CacheServer:
             sizing=msgspec.to_builtins(self.cache.sizing),
             kv=memory.handles.kv,
             swap=memory.handles.swap,
+            kv_prefaulted=memory.handles.kv_prefaulted,
             prefix_caching=self.cache.prefix_caching,
             max_request_tokens=self.cache.block_manager.max_request_tokens(),
             released=released,

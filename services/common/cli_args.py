@@ -24,6 +24,7 @@ CB_SETTINGS: tuple[tuple[str, Any, str], ...] = (
     ("long_prefill_token_threshold", int, "most prompt tokens one request computes per step (0: no cap)"),
     ("kv_cache_space", float, "GiB of KV cache (overrides max_memory_percent)"),
     ("max_memory_percent", float, "fraction of free memory for the KV cache"),
+    ("prefault_kv_pool", bool, "commit a host KV pool's memory at start (off: as pages are first written)"),
     ("max_requests_per_batch", int, "rows of logits (sampling requests) per step"),
     ("allow_block_sharing", bool, "prefix caching"),
     ("scheduler_type", str, "fifo or prefill_first"),

@@ -36,6 +36,9 @@ class CBConfig:
     # size on a CPU host, which other programs share).
     kv_cache_space: float | None = None
     max_memory_percent: float | None = None
+    # A host pool's pages are written once at start (cachemgr/pool_memory.py), as the peers do, so that
+    # no step waits for the kernel to fault in fresh KV pages. Off: committed as first written.
+    prefault_kv_pool: bool = True
     max_requests_per_batch: int = 64
     allow_block_sharing: bool = True
     scheduler_type: SchedulerType = "fifo"

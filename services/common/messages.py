@@ -134,6 +134,7 @@ class Attached(msgspec.Struct, frozen=True, tag="attached"):
     sizing: dict[str, Any]  # CacheSizing fields
     kv: TensorHandle
     swap: TensorHandle | None
+    kv_prefaulted: bool
     prefix_caching: bool
     max_request_tokens: int
     released: int  # requests of a previous worker dropped on this attach

@@ -102,8 +102,9 @@ class _LoadCollector(Collector):
                                                load.kv_blocks_cached),
             "cbserve:kv_cache_total_blocks": ("KV blocks in the pool.", load.kv_blocks_total),
             "cbserve:kv_pool_bytes": ("Bytes of the KV pool.", load.kv_pool_bytes),
-            "cbserve:kv_pool_committed_bytes": ("Bytes of the KV pool written at least once (a host "
-                                                "commits pages on first write).",
+            "cbserve:kv_pool_committed_bytes": ("Bytes of the KV pool committed: all of it for a device "
+                                                "or a prefaulted host pool, else those written at least "
+                                                "once.",
                                                 load.kv_pool_committed_bytes),
             "cbserve:host_available_bytes": ("Memory the host can still give (MemAvailable).",
                                              load.host_available_bytes),

@@ -95,7 +95,8 @@ class RemoteCache:
         self.sizing = msgspec.convert(attached.sizing, CacheSizing)
         self.max_request_tokens = attached.max_request_tokens
         self._prefix_caching = attached.prefix_caching
-        self.memory = attach_pool_memory(PoolHandles(attached.kv, attached.swap), device)
+        handles = PoolHandles(attached.kv, attached.swap, attached.kv_prefaulted)
+        self.memory = attach_pool_memory(handles, device)
         log.info(
             "attached to cachemgr",
             address=address,
