@@ -333,7 +333,7 @@ void paged_decode(
 namespace {
 constexpr int64_t kQueryBlock = 16;  // query tokens per task
 constexpr int64_t kLanes = 16;
-constexpr int64_t kKeys = 4;         // keys per score block: 4 x GR accumulators
+constexpr int64_t kKeys = 8;         // keys per score block: 8 x GR accumulators (of 32 registers)
 
 struct PrefillTask {
   const float* q;        // the block's first query token at its kv head's first query head
