@@ -81,7 +81,7 @@ class KVCache:
         stats = self.block_manager.stats_dict()
         # Device memory is committed whole at allocation, a prefaulted host pool at start, another host
         # pool page by page as it is written.
-        whole = self.device.type == "cuda" or self.config.prefault_kv_pool
+        whole = self.device.type == "cuda" or self.memory.prefaulted
         committed = stats["total_blocks"] if whole else stats["committed_blocks"]
         return stats | {
             "kv_pool_bytes": self.sizing.kv_bytes,

@@ -47,6 +47,7 @@ class PoolMemory:
     kv: torch.Tensor
     swap: torch.Tensor | None
     handles: PoolHandles | None = None  # set when another process may attach
+    prefaulted: bool = False  # a host KV pool whose pages were all written at start
     _owned: list[SharedTensor] = field(default_factory=list)
     registered: bool = False  # the swap pool was page-locked in place by this process (cudaHostRegister)
 
@@ -101,7 +102,7 @@ def create_pool_memory(
         if device.type == "cuda":
             swap = swap.pin_memory()  # async host<->device copies need page-locked memory
     handles = PoolHandles(kv_handle, swap_handle, prefaulted) if kv_handle is not None else None
-    return PoolMemory(kv=kv, swap=swap, handles=handles, _owned=owned)
+    return PoolMemory(kv=kv, swap=swap, handles=handles, _owned=owned, prefaulted=prefaulted)
 
 
 def attach_pool_memory(handles: PoolHandles, device: torch.device) -> PoolMemory:
@@ -109,7 +110,8 @@ def attach_pool_memory(handles: PoolHandles, device: torch.device) -> PoolMemory
     kv = open_tensor(handles.kv)
     if kv.device.type != device.type:
         raise ValueError(f"KV pool is on {kv.device}, this worker runs on {device}")
-    if handles.kv_prefaulted and kv.device.type == "cpu":
+    prefaulted = handles.kv_prefaulted and kv.device.type == "cpu"
+    if prefaulted:
         # One read a page maps the owner's committed pages into this process (writable: a shared
         # mapping of shm needs no copy on write), so that the forward's first writes do not fault.
         kv.view(-1)[:: mmap.PAGESIZE // kv.element_size()].sum()
@@ -121,4 +123,4 @@ def attach_pool_memory(handles: PoolHandles, device: torch.device) -> PoolMemory
         registered = err == 0
         if not registered:  # the copies still work, only synchronously
             log.warning("swap pool not page-locked: its copies will be synchronous", cuda_error=err)
-    return PoolMemory(kv=kv, swap=swap, registered=registered)
+    return PoolMemory(kv=kv, swap=swap, registered=registered, prefaulted=prefaulted)
