@@ -57,7 +57,7 @@ def _prepare_model(args: argparse.Namespace) -> int:
 
 
 def _prepare_kernels(args: argparse.Namespace) -> int:
-    from services.worker import gemm_crossover, kernels
+    from services.worker import gemm_crossover, kernels, torch_gemm
 
     built = {
         "paged_attention": kernels.paged_decode_kernel(),
@@ -72,7 +72,7 @@ def _prepare_kernels(args: argparse.Namespace) -> int:
         print(
             "linears: the panel kernel at every size"
             if crossover == gemm_crossover.NEVER
-            else f"linears: the panel kernel below {crossover} rows, torch's GEMM from {crossover}"
+            else f"linears: the panel kernel below {crossover} rows, {torch_gemm.describe()} from {crossover}"
         )
     # Off by choice, or no compiler: the fallbacks serve. A compiler that fails is an error.
     expected = kernels.native_kernels_enabled() and kernels.compiler_available()

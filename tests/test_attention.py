@@ -339,6 +339,27 @@ def test_llama_shaped_families_run_the_fused_forward(
             )
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_fused_forward_is_exact_with_torchs_gemm_for_many_rows(
+    family: str, tiny_models: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where this CPU's crossover sends prefill products to torch's GEMM (oneDNN on weights reordered
+    once) and decode rows to the panels, greedy tokens are still transformers'."""
+    ops = built(kernels.packed_linear_ops(), "panel linears")
+    _fused_ops()
+    monkeypatch.setattr(ops, "torch_from_rows", 9)
+    model_dir = tiny_models(family)
+    prompts = make_prompts(seed=5)
+    with Engine.from_pretrained(model_dir, **CONFIGS["chunked"]) as engine:
+        fused = engine.runner.fused
+        assert fused is not None
+        assert all(layer.gate_up.many_rows is not None for layer in fused.layers)
+        assert fused.lm_head.many_rows is None  # the panels serve the LM head at every size
+        assert engine.generate(prompts, 20, ignore_eos=True) == reference(
+            model_dir, reference_attn(family), prompts
+        )
+
+
 def test_a_lock_left_by_a_killed_load_does_not_hold_up_the_next() -> None:
     """torch leaves its lock file behind when a process dies inside `load()` (a worker stopped while
     it starts); the next worker waited on it for ever and never became ready."""

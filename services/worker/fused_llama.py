@@ -65,7 +65,7 @@ class FusedLlama:
         self.eps = float(config.rms_norm_eps)
         self.embed = inner.embed_tokens.weight
         self.final_norm = inner.norm.weight
-        self.lm_head = PackedWeight.of(linear_ops, model.lm_head)
+        self.lm_head = PackedWeight.of(linear_ops, model.lm_head, many_rows=False)  # sampled rows only
         attn0 = inner.layers[0].self_attn
         self.head_dim = int(attn0.head_dim)
         self.num_heads = int(config.num_attention_heads)

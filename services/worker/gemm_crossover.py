@@ -1,13 +1,15 @@
-"""Which GEMM runs a linear of M rows on this CPU: the panel kernel (csrc/panel_linear.cpp) or torch's.
+"""Which GEMM runs a linear of M rows on this CPU: the panel kernel (csrc/panel_linear.cpp) or torch's
+(`torch_gemm`: oneDNN's matmul on weights reordered once, where torch has oneDNN).
 
 The panel kernel wins where the weights' reads set the pace (the few rows of a decode step: 2x torch's
 at one row). Where FMAs set it (a prefill chunk's hundreds of rows) the winner depends on the CPU: on
-an AMD machine, where torch's MKL takes no AVX-512 path, the panels measured ahead of oneDNN's brgemm
-(itself ahead of MKL there) at every size tried; on an Intel one with AVX-512 MKL ran 1.2x faster at
-512 rows (W1's prefill linears 12.8 s against 10.0 s). So the crossover is measured, once per CPU,
-torch build, thread count and version of the panel kernel and of this measurement (a hash of both
-sources), and kept in `$CBSERVE_HOME/kernels`: the same machine always makes the same choice, and
-results (equal up to fp32 summation order either way) do not change from one start to the next.
+an Intel machine with AVX-512, MKL's `F.linear` ran 1.2x the panels at 512 rows (W1's prefill linears
+12.8 s against 10.0 s); on one AMD machine the panels ran ahead of oneDNN at every size tried (1.07x
+at 512 rows), and on another (Zen 5) oneDNN on reordered weights ran 1.09-1.21x the panels at
+256-2048 rows. So the crossover is measured, once per CPU, torch build, thread count and version of
+the kernels and of this measurement (a hash of their sources), and kept in `$CBSERVE_HOME/kernels`: the
+same machine always makes the same choice, and results (equal up to fp32 summation order either way)
+do not change from one start to the next.
 
 The measurement must hold on a host whose load comes and goes (other tenants): each size is timed in
 15 paired rounds and judged by the median round's ratio. One whose weights sat in cache, best-of-5
@@ -27,7 +29,8 @@ from typing import Any
 
 import structlog
 import torch
-import torch.nn.functional as F
+
+from services.worker import torch_gemm
 
 log = structlog.get_logger(__name__)
 
@@ -81,14 +84,15 @@ def measure(
     num_layers = max(2, math.ceil(1.25 * last_level_cache_bytes() / (2 * layer_bytes)))
     weights = [[torch.randn(n, k, generator=gen) for n, k in _LAYER] for _ in range(num_layers)]
     panels = [[pack_weight(w) for w in layer] for layer in weights]
+    prepared = [[torch_gemm.prepare(w) for w in layer] for layer in weights]
 
     def panel(i: int, inputs: dict[int, torch.Tensor]) -> None:
         for (n, k), w in zip(_LAYER, panels[i], strict=True):
             panel_linear(inputs[k], w, None, n)
 
-    def torch_gemm(i: int, inputs: dict[int, torch.Tensor]) -> None:
-        for (_, k), w in zip(_LAYER, weights[i], strict=True):
-            F.linear(inputs[k], w)
+    def torch_side(i: int, inputs: dict[int, torch.Tensor]) -> None:
+        for (_, k), w in zip(_LAYER, prepared[i], strict=True):
+            torch_gemm.linear(inputs[k], w, None)
 
     turn = itertools.count()
     timings = {}
@@ -98,11 +102,11 @@ def measure(
             rounds = []
             for r in range(_ROUNDS):
                 seconds = {}
-                for run in (panel, torch_gemm) if r % 2 == 0 else (torch_gemm, panel):
+                for run in (panel, torch_side) if r % 2 == 0 else (torch_side, panel):
                     start = time.perf_counter()
                     run(next(turn) % num_layers, inputs)
                     seconds[run] = time.perf_counter() - start
-                rounds.append((seconds[panel], seconds[torch_gemm]))
+                rounds.append((seconds[panel], seconds[torch_side]))
             rounds.sort(key=lambda pt: pt[0] / pt[1])
             timings[m] = rounds[len(rounds) // 2]
     return timings

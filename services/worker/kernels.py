@@ -23,7 +23,7 @@ import structlog
 import torch
 
 from services.common.model_source import cbserve_home
-from services.worker import gemm_crossover
+from services.worker import gemm_crossover, torch_gemm
 
 log = structlog.get_logger(__name__)
 
@@ -139,7 +139,8 @@ def paged_prefill_kernel(head_dim: int) -> PagedPrefill | None:
 class PanelLinear:
     """Linears on weights packed once into column panels (csrc/panel_linear.cpp): `pack_weight(W [N, K])`,
     then `packed_linear(x [..., K], packed, bias, N) -> [..., N]`. Products of `torch_from_rows` rows
-    or more run faster on torch's GEMM on this CPU (`gemm_crossover`): their callers send them there.
+    or more run faster on torch's GEMM on this CPU (`gemm_crossover`, `torch_gemm`): their callers
+    send them there.
     """
 
     def __init__(self, module: Any, torch_from_rows: int) -> None:
@@ -162,7 +163,10 @@ def packed_linear_ops() -> PanelLinear | None:
     if module is None:
         return None
     # A new kernel or a new way to measure it: measured again.
-    sources = (_CSRC / "panel_linear.cpp").read_bytes() + Path(gemm_crossover.__file__).read_bytes()
+    sources = b"".join(
+        path.read_bytes()
+        for path in (_CSRC / "panel_linear.cpp", Path(gemm_crossover.__file__), Path(torch_gemm.__file__))
+    )
     source_hash = hashlib.sha1(sources).hexdigest()[:10]
     crossover = gemm_crossover.torch_from_rows(
         _build_dir("panel_linear"), source_hash, module.pack_weight, module.panel_linear

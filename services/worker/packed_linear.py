@@ -3,7 +3,8 @@
 torch's own GEMM (MKL here) re-packs a weight matrix on every product; our panel kernel streams
 weights packed once (see csrc/panel_linear.cpp): 2x torch's at the few rows of a decode step, where
 the weights' reads set the pace. Products of many rows go to torch's GEMM on the plain weights where
-this CPU runs it faster (`gemm_crossover`). `pack_linears` swaps every `nn.Linear` of a CPU float32
+this CPU runs it faster (`gemm_crossover`), on a copy prepared for it once (`torch_gemm`: oneDNN's
+reordered weights where torch has oneDNN). `pack_linears` swaps every `nn.Linear` of a CPU float32
 model for a `PackedLinear` that keeps the original parameters (tied weights, `.weight` readers and
 checkpoints see no change) plus the packed copy. Results equal torch's GEMM up to fp32 summation
 order, as any change of batch shape does.
@@ -15,26 +16,33 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from services.worker import torch_gemm
+from services.worker.gemm_crossover import NEVER
 from services.worker.kernels import packed_linear_ops
 
 
 @dataclass
 class PackedWeight:
     """One or several linears' weights, concatenated along the outputs (`weight [N, K]`) and packed
-    once, and their bias: `x [..., K] -> [..., N]`."""
+    once, and their bias: `x [..., K] -> [..., N]`. `many_rows`: the copy that products of
+    `ops.torch_from_rows` rows or more multiply by (`torch_gemm.prepare`), None where the panels
+    serve every size."""
 
     ops: Any
     weight: torch.Tensor
     packed: torch.Tensor
     bias: torch.Tensor | None
+    many_rows: torch.Tensor | None
 
     @classmethod
-    def of(cls, ops: Any, *linears: nn.Module) -> PackedWeight:
+    def of(cls, ops: Any, *linears: nn.Module, many_rows: bool = True) -> PackedWeight:
         """Several linears' weights are concatenated once, and each linear's parameter becomes a view
-        of its rows: one plain copy of the weights stays, besides the packed one."""
+        of its rows: one plain copy of the weights stays, besides the packed one and, where this
+        CPU's crossover sends many rows to torch's GEMM, its prepared one. `many_rows=False` spares
+        that copy for a product that seldom has many rows (the LM head: the panels serve it at every
+        size)."""
         with torch.no_grad():
             if len(linears) == 1:
                 weight = linears[0].weight.detach()
@@ -49,11 +57,12 @@ class PackedWeight:
                 b.detach() if b is not None else torch.zeros(lin.out_features)
                 for b, lin in zip(biases, linears, strict=True)
             ])  # fmt: skip
-            return cls(ops, weight, ops.pack_weight(weight), bias)
+            prepared = torch_gemm.prepare(weight) if many_rows and ops.torch_from_rows < NEVER else None
+            return cls(ops, weight, ops.pack_weight(weight), bias, prepared)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() >= self.ops.torch_from_rows * x.shape[-1]:
-            return F.linear(x, self.weight, self.bias)
+        if self.many_rows is not None and x.numel() >= self.ops.torch_from_rows * x.shape[-1]:
+            return torch_gemm.linear(x, self.many_rows, self.bias)
         return self.ops.packed_linear(x, self.packed, self.bias, self.weight.shape[0])
 
 
