@@ -2,9 +2,9 @@
 
 torch's own GEMM (MKL here) re-packs a weight matrix on every product; our panel kernel streams
 weights packed once (see csrc/panel_linear.cpp): 2x torch's at the few rows of a decode step, where
-the weights' reads set the pace. Products of many rows go to torch's GEMM on the plain weights where
-this CPU runs it faster (`gemm_crossover`), on a copy prepared for it once (`torch_gemm`: oneDNN's
-reordered weights where torch has oneDNN). `pack_linears` swaps every `nn.Linear` of a CPU float32
+the weights' reads set the pace. Products of many rows go to torch's GEMM where this CPU runs it
+faster (`gemm_crossover`), on weights prepared for it once (`torch_gemm`: oneDNN's reordered copy where
+torch has oneDNN, else the plain weights). `pack_linears` swaps every `nn.Linear` of a CPU float32
 model for a `PackedLinear` that keeps the original parameters (tied weights, `.weight` readers and
 checkpoints see no change) plus the packed copy. Results equal torch's GEMM up to fp32 summation
 order, as any change of batch shape does.
