@@ -242,7 +242,9 @@ class Engine:
         the previous step computed (its full pages enter the prefix cache); with async batching, the
         step before that. A server streams the news of the previous call from there: should this
         process die, whatever a client has seen is cached, and a re-submission recomputes at most one
-        partial page."""
+        partial page. It runs after this step's batch is built, just before its forward: the
+        processes that news wakes (a gateway, its clients) would otherwise take the cores from the
+        build, which ran 4-5 ms a W1 step in the stack instead of 1.4."""
         times = self.last_step_times = StepPhases()
         t0 = time.perf_counter()
         previous = self._in_flight[-1] if self._in_flight else None
@@ -252,10 +254,6 @@ class Engine:
         t2 = time.perf_counter()
         if grant.kv_events is not None and self.on_kv_events is not None:
             self.on_kv_events(grant.kv_events)
-        t3 = time.perf_counter()
-        if on_committed is not None:
-            on_committed()  # the caller's work: no phase of this step counts it
-        callers_s = time.perf_counter() - t3
         batch = self.scheduler.apply(grant)
         updated: list[Request] = list(batch.failed)
         self.last_step_size = len(batch.scheduled)
@@ -265,6 +263,9 @@ class Engine:
         t4 = time.perf_counter()
         built = self._build(batch, previous) if batch.scheduled else None
         t5 = time.perf_counter()
+        if on_committed is not None:
+            on_committed()  # the caller's work: no phase of this step counts it
+        callers_s = time.perf_counter() - t5
         times.cache, times.build = t2 - t1, t5 - t4
         if built is None or not self._starts_before_tokens(batch):
             updated += self.finish_running()
