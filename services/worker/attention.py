@@ -37,14 +37,16 @@ class RowGroup:
 
     `rows` is `[B * Q]` (padded query positions point at row 0 and are dropped via `valid`); `bias`
     is the additive mask `[B, 1, group * Q, L]`: 0 where a query may attend, -inf elsewhere (already
-    folded for GQA; built once per step, since SDPA would convert a boolean mask in every layer).
+    folded for GQA; built once per step, since SDPA would convert a boolean mask in every layer), or
+    None for decode rows that the native decode kernel attends (it reads `lengths`, not a mask).
     `slots[view]` is `[B * L]`: pool slots in that view, padding slot where masked.
     """
 
     rows: torch.Tensor
     valid: torch.Tensor | None  # None: every row is real
     num_queries: int  # Q
-    bias: torch.Tensor
+    num_keys: int  # L
+    bias: torch.Tensor | None
     lengths: torch.Tensor  # [B]: keys each request really reads (the rest of its L is padding)
     slots: dict[tuple[int, int], torch.Tensor]
 
@@ -133,10 +135,10 @@ def attend_stored(
         q = q.contiguous()  # the native kernels want each token's heads adjacent; transformers' are not
     out = q.new_zeros(q.shape)
     for rg in batch.groups[view[0]]:
-        b, kv_len = rg.bias.shape[0], rg.bias.shape[-1]
+        b, kv_len = rg.lengths.shape[0], rg.num_keys
         nq = rg.num_queries
         slots = rg.slots[view]
-        if nq == 1 and batch.decode_kernel is not None:
+        if rg.bias is None:  # decode rows for the native kernel
             # Decode rows: read each context once, in place, instead of gathering a padded copy.
             batch.decode_kernel(
                 q, out, rg.rows, k_cache, v_cache, slots.view(b, kv_len), rg.lengths, scale, softcap or 0.0
