@@ -348,14 +348,56 @@ def test_prefix_is_registered_only_once_computed() -> None:
     bm = make_bm(FULL, 16)
     d = Driver(bm)
     a = toks(0, 12)
-    # Same step as `a`'s prefill: nothing is computed yet, no hit.
-    g = d.step(E("a", 4, a, salt="s"), E("b", 12, a, arrival=1, salt="s"))
+    # Same step as `a`'s prefill: nothing is computed yet, no hit. b's salt makes its pages other
+    # than a's, so it computes beside a instead of waiting for a's pages.
+    g = d.step(E("a", 4, a, salt="s"), E("b", 12, a, arrival=1, salt="t"))
     assert granted(g) == {"a": (0, 4), "b": (0, 12)}
-    # Next plan: a's first page and b's pages are computed. a registered page 0 first, so b's copy of
-    # it stays unhashed; c hits a's page 0 and b's page 1, and recomputes the page with its last token.
-    g = d.step(E("a", 8), E("c", 12, a, arrival=2, salt="s"))
+    # Next plan: a's first page is computed, its second in flight: c hits the first only.
+    g = d.step(E("a", 4), E("c", 12, a, arrival=2, salt="s"))
+    assert "c" not in granted(g) and bm.pool.lookup(bm.requests["a"].block_hashes[0]) is not None
+    g = d.step(E("a", 4), E("c", 12))
     assert granted(g)["c"] == (8, 4)
-    assert table(bm, "c")[:2] == [table(bm, "a")[0], table(bm, "b")[1]]
+    assert table(bm, "c")[:2] == table(bm, "a")[:2]
+
+
+def test_an_admission_waits_for_its_next_page_in_flight_and_then_hits_it() -> None:
+    """A burst behind one shared prompt computes it once: the followers wait while its pages are in
+    flight and then hit them."""
+    bm = make_bm(FULL, 32)
+    d = Driver(bm)
+    shared = toks(0, 8)
+    prompts = {rid: [*shared, *toks(100 * (i + 1), 3)] for i, rid in enumerate("abc")}
+    # a's first chunk puts both shared pages in flight; b and c wait rather than compute them too,
+    # and the budget they leave goes to d, whose prompt shares nothing.
+    g = d.step(
+        E("a", 6, prompts["a"]),
+        E("b", 11, prompts["b"], arrival=1),
+        E("c", 11, prompts["c"], arrival=2),
+        E("d", 11, toks(500, 11), arrival=3),
+        token_budget=20,
+    )
+    assert granted(g) == {"a": (0, 6), "d": (0, 11)}
+    assert bm.stats.prefix_waits == 2
+    # Page 0 settled, page 1 (tokens 4-7) is still being computed by a: they wait another step.
+    g = d.step(E("a", 5), E("b", 11), E("c", 11), E("d", 1, [9]), token_budget=20)
+    assert granted(g) == {"a": (6, 5), "d": (11, 1)}
+    assert bm.stats.prefix_waits == 4
+    g = d.step(E("a", 1, [7]), E("b", 11), E("c", 11), token_budget=20)
+    assert granted(g) == {"a": (11, 1), "b": (8, 3), "c": (8, 3)}
+    assert table(bm, "b")[:2] == table(bm, "c")[:2] == table(bm, "a")[:2]
+    assert bm.stats.prefix_hit_tokens == 16
+
+
+def test_a_follower_stops_waiting_when_the_page_it_waits_for_is_dropped() -> None:
+    bm = make_bm(FULL, 16)
+    d = Driver(bm)
+    prompt = toks(0, 9)
+    g = d.step(E("a", 9, prompt), E("b", 9, prompt, arrival=1), overlapped=True)
+    assert granted(g) == {"a": (0, 9)}
+    # a is aborted while its step still computes (async batching): its pages will never settle, and
+    # b computes them itself instead of waiting for them.
+    g = d.step(E("b", 9), aborts=["a"], overlapped=True)
+    assert granted(g) == {"b": (0, 9)}
 
 
 def test_no_prefix_sharing_when_disabled_or_with_sliding_layers() -> None:
@@ -749,10 +791,11 @@ def test_an_overlapped_plan_leaves_the_running_step_unsettled() -> None:
     d = Driver(bm)
     a = toks(0, 9)
     d.step(E("a", 8, a))
-    g = d.step(E("a", 1), E("b", 9, a, arrival=1), overlapped=True)
+    g = d.step(E("a", 1), E("b", 9, a, arrival=1, salt="t"), overlapped=True)
     assert granted(g) == {"a": (8, 1), "b": (0, 9)}  # a continues after its running chunk; b: no hit
     assert (bm.requests["a"].num_computed, bm.requests["a"].in_flight) == (0, 9)
     assert bm.pool.hash_of == {}
+    # c's pages are a's, in flight since step 1: it waits for them, not for step 2's partial page.
     g = d.step(E("c", 9, a, arrival=2), overlapped=True)
     assert granted(g) == {"c": (8, 1)}  # step 1 settled: a's two pages are cached
     assert (bm.requests["a"].num_computed, bm.requests["a"].in_flight) == (8, 1)

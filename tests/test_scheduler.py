@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from services.cachemgr.block_manager import BlockManager, CacheState
 from services.common.config import CBConfig
 from services.common.kv_geometry import KVGeometry
@@ -25,8 +27,14 @@ def make(config: CBConfig, blocks: int = 64) -> tuple[Scheduler, BlockManager]:
     return Scheduler(config, eos_token_ids=[0]), bm
 
 
+_prompt_starts = itertools.count(10, 1000)
+
+
 def request(rid: str, prompt_len: int, priority: int = 0, max_new: int = 8) -> Request:
-    return Request(rid, list(range(10, 10 + prompt_len)), SamplingParams(max_new_tokens=max_new), 0, priority)
+    """A prompt of its own: prompts that share pages would wait for each other's (BlockManager)."""
+    start = next(_prompt_starts)
+    prompt = list(range(start, start + prompt_len))
+    return Request(rid, prompt, SamplingParams(max_new_tokens=max_new), 0, priority)
 
 
 def step(sched: Scheduler, bm: BlockManager, token: int = 7) -> list[tuple[str, int, int]]:

@@ -10,6 +10,11 @@ A grant *settles* (its tokens count as computed, its full pages enter the prefix
 plan arrives, or with async batching (`StepPlan.overlapped`) the plan after that: the worker plans
 step N+1 while step N computes. Until then it is *in flight*; the next grant starts after it.
 
+An admission whose next uncached page is in flight for another request waits: it hits that page once
+it settles, a step later, instead of computing the same KV again in the meantime. A burst of requests
+behind one shared prompt (a system prompt, a few-shot preamble) so computes the prompt once, as
+SGLang's in-batch prefix check does; the budget it would have spent on the copy goes to others.
+
 Invariants (see `check`):
 - every chunk's refcount equals the number of table entries naming it across all requests;
 - an active request's tables cover every token it has computed or is computing;
@@ -81,6 +86,7 @@ class CacheStats:
     swap_restores: int = 0
     soft_resets: int = 0
     rejected: int = 0
+    prefix_waits: int = 0  # admissions put off a step because another request computed their next page
     steps: int = 0
 
 
@@ -124,6 +130,8 @@ class BlockManager:
         self.requests: dict[str, CacheRequest] = {}
         # Each step's grants until they settle, oldest first: (request, tokens) pairs.
         self._unsettled: deque[list[tuple[CacheRequest, int]]] = deque()
+        # The hashes of the full pages in flight (granted, not settled): see the module docstring.
+        self._computing: set[bytes] = set()
         self.stats = CacheStats()
         # KV events (see messages.KvEvents): the announced pages, in the order announced, so that
         # evicting a salted page (never announced) is not announced either, and so that a subscriber
@@ -146,6 +154,11 @@ class BlockManager:
         self._settle(keep=1 if plan.overlapped else 0)
         for rid in (*plan.frees, *plan.aborts):
             self._forget(rid)
+        self._computing.clear()
+        for grants in self._unsettled:  # the step still computing (async batching)
+            for req, _ in grants:
+                if self.requests.get(req.request_id) is req:  # its pages will settle
+                    self._note_computing(req)
 
         out = _GrantBuilder(plan.step)
         placed: set[str] = set()
@@ -326,6 +339,7 @@ class BlockManager:
             return False
         tables = [a.grow(req.request_id, end) for a in self.allocators]
         out.grant(req, start, num_tokens, tables, replace=False)
+        self._note_computing(req)
         return True
 
     def _admit(self, req: CacheRequest, entry: PlanEntry, out: _GrantBuilder, budget: int | None) -> int:
@@ -335,7 +349,10 @@ class BlockManager:
             return 0
         if self.pool.num_free < self.safety_margin * self.pool.capacity:
             return 0
-        hits = self._lookup_prefix(req) if self.sharing else []
+        hits, missed = self._lookup_prefix(req) if self.sharing else ([], None)
+        if missed in self._computing:
+            self.stats.prefix_waits += 1
+            return 0
         start = len(hits) * self.page_size
         end = min(start + entry.num_tokens, req.num_tokens)
         if budget is not None:
@@ -357,11 +374,13 @@ class BlockManager:
         req.state = CacheState.ACTIVE
         req.num_computed = start
         out.grant(req, start, end - start, [a.tables[req.request_id] for a in self.allocators], replace=True)
+        self._note_computing(req)
         return end - start
 
-    def _lookup_prefix(self, req: CacheRequest) -> list[int]:
+    def _lookup_prefix(self, req: CacheRequest) -> tuple[list[int], bytes | None]:
         """Cached chunks for the longest prefix of full pages of known ids, leaving at least the last
-        prompt token to compute (its logits are needed)."""
+        prompt token to compute (its logits are needed); and the hash of the page that missed (None:
+        no page was left to look up)."""
         hits: list[int] = []
         parent = b""
         p = self.page_size
@@ -369,10 +388,20 @@ class BlockManager:
             digest = block_hash(parent, req.token_ids[i * p : (i + 1) * p], req.salt)
             chunk = self.pool.lookup(digest)
             if chunk is None:
-                break
+                return hits, digest
             hits.append(chunk)
             parent = digest
-        return hits
+        return hits, None
+
+    def _note_computing(self, req: CacheRequest) -> None:
+        """Count `req`'s granted full pages of known ids past its settled ones as in flight."""
+        if not self.sharing:
+            return
+        p = self.page_size
+        digest = req.block_hashes[-1] if req.block_hashes else b""
+        for i in range(len(req.block_hashes), min(req.num_granted, len(req.token_ids)) // p):
+            digest = block_hash(digest, req.token_ids[i * p : (i + 1) * p], req.salt)
+            self._computing.add(digest)
 
     def _restore(self, req: CacheRequest, num_tokens: int, out: _GrantBuilder) -> bool:
         layout = self.swap.held[req.request_id]
@@ -392,6 +421,7 @@ class BlockManager:
         req.state = CacheState.ACTIVE
         self.stats.swap_restores += 1
         out.grant(req, start, num_tokens, [a.tables[req.request_id] for a in self.allocators], replace=True)
+        self._note_computing(req)
         return True
 
     # ------------------------------------------------------------------------------------- offload
