@@ -57,11 +57,18 @@ def test_a_peer_runs_beside_the_engine_in_alternating_rounds_and_a_sweep(
         assert standin["ms_per_token_per_stream"] > 0
         assert standin["ratio_vs_engine"] > 0
         assert standin["peak_rss_bytes"] > 50 * 2**20  # torch and a model: the sampler saw the process
+        # Each round's ratio pairs the two runs of that round; with one peer, the engine's over the
+        # faster peer's is its reciprocal.
+        paired = point["paired_ratios"]
+        assert len(paired["standin"]) == len(paired["engine / faster peer"]) == 2
+        for ratio, inverse in zip(paired["standin"], paired["engine / faster peer"], strict=True):
+            assert ratio > 0 and ratio * inverse == pytest.approx(1)
     # The systems take turns, in reverse every other round, for each in-flight count.
     order = [line.split(" (")[0] for line in printed.splitlines() if line.startswith("running ")]
     assert order == ["running engine", "running standin", "running standin", "running engine"] * 2
     assert "at most 3 requests in flight (closed loop)" in printed
     assert "standin: 5/5 requests' greedy tokens equal the engine's" in printed
+    assert printed.count("round by round (median)") == 2
 
 
 def test_a_peer_that_disagrees_is_counted(

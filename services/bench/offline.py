@@ -189,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
             "\n" + ("all requests at once" if c is None else f"at most {c} requests in flight (closed loop)")
         )
         _print_table(results, useful_flop, matmul_gflops, c)
+        _print_paired(paired_ratios(rounds[c], set(peers)))
         _print_agreement(results)
         if "engine" in results:
             _print_engine_stats(results["engine"])
@@ -223,7 +224,10 @@ def run(args: argparse.Namespace) -> int:
             status = 1
 
     if args.json is not None:
-        report = _report(args, model_path, threads, workload, points, useful_flop, matmul_gflops, check)
+        paired = {c: paired_ratios(by_name, set(peers)) for c, by_name in rounds.items()}
+        report = _report(
+            args, model_path, threads, workload, points, paired, useful_flop, matmul_gflops, check
+        )
         args.json.write_text(json.dumps(report, indent=2) + "\n")
         print(f"\nwrote {args.json}")
     return status
@@ -585,6 +589,38 @@ def agreement(results: dict[str, SystemResult]) -> dict[str, int]:
     }
 
 
+def paired_ratios(by_name: Mapping[str, list[SystemResult]], peers: set[str]) -> dict[str, list[float]]:
+    """Round by round, each system's tok/s over the engine's of the same round, and the engine's over
+    the faster peer's. A slow spell of a shared host hits the runs of one round alike, so these
+    scatter less than the ratio of the medians in the table (on 2026-12-03 the stack's rounds of W1
+    were 0.99, 0.92 and 0.99 of the engine's while the medians gave 0.92). Empty below two rounds."""
+    engine = by_name.get("engine", [])
+    if len(engine) < 2:
+        return {}
+    ratios = {
+        name: [r.output_tok_s / e.output_tok_s for r, e in zip(runs, engine, strict=True)]
+        for name, runs in by_name.items()
+        if name != "engine"
+    }
+    present = [name for name in by_name if name in peers]
+    if present:
+        faster = [max(by_name[p][i].output_tok_s for p in present) for i in range(len(engine))]
+        ratios["engine / faster peer"] = [e.output_tok_s / f for e, f in zip(engine, faster, strict=True)]
+    return ratios
+
+
+def _print_paired(ratios: dict[str, list[float]]) -> None:
+    if not ratios:
+        return
+    print(
+        "round by round (median): tok/s over the engine's of the same round; "
+        "the engine's over the faster peer's"
+    )
+    for name, values in ratios.items():
+        rounds = ", ".join(f"{v:.3f}" for v in values)
+        print(f"  {name}: {rounds} ({statistics.median(values):.3f})")
+
+
 def _print_agreement(results: dict[str, SystemResult]) -> None:
     for name, same in agreement(results).items():
         print(f"{name}: {same}/{len(results[name].outputs)} requests' greedy tokens equal the engine's")
@@ -626,6 +662,7 @@ def _report(
     threads: int,
     workload: Workload,
     points: dict[int | None, dict[str, SystemResult]],
+    paired: dict[int | None, dict[str, list[float]]],
     useful_flop: float,
     matmul_gflops: float,
     check: dict[str, Any] | None,
@@ -667,7 +704,10 @@ def _report(
         "matmul_2048_gflop_s": matmul_gflops,
         "useful_tflop": useful_flop / 1e12,
         "systems": systems(points[first], first),
-        "sweep": [{"in_flight": c, "systems": systems(r, c)} for c, r in points.items()]
+        "paired_ratios": paired[first],
+        "sweep": [
+            {"in_flight": c, "systems": systems(r, c), "paired_ratios": paired[c]} for c, r in points.items()
+        ]
         if args.in_flight
         else None,
         "check": check,
