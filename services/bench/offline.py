@@ -183,13 +183,14 @@ def run(args: argparse.Namespace) -> int:
         }
         for c, by_name in rounds.items()
     }
+    paired = {c: paired_ratios(by_name, set(peers)) for c, by_name in rounds.items()}
 
     for c, results in points.items():
         print(
             "\n" + ("all requests at once" if c is None else f"at most {c} requests in flight (closed loop)")
         )
         _print_table(results, useful_flop, matmul_gflops, c)
-        _print_paired(paired_ratios(rounds[c], set(peers)))
+        _print_paired(paired[c])
         _print_agreement(results)
         if "engine" in results:
             _print_engine_stats(results["engine"])
@@ -224,7 +225,6 @@ def run(args: argparse.Namespace) -> int:
             status = 1
 
     if args.json is not None:
-        paired = {c: paired_ratios(by_name, set(peers)) for c, by_name in rounds.items()}
         report = _report(
             args, model_path, threads, workload, points, paired, useful_flop, matmul_gflops, check
         )
