@@ -12,9 +12,10 @@
 //
 // With AVX-512 and a head size of 16..128, query-key dots are computed 16 keys at a time and their
 // sums folded together by a transpose-and-add (a dot of 64 floats is 4 FMAs; summing its lanes alone
-// took twice that), and the values of up to four queries of a head are accumulated in registers from
-// one load of each V row. Pages are scattered in the pool, which defeats the hardware prefetcher at
-// every page boundary: rows a few keys ahead are prefetched by hand.
+// took twice that); each K row is loaded once for all the queries of its head, and the values of up
+// to four queries of a head are accumulated in registers from one load of each V row. Pages are
+// scattered in the pool, which defeats the hardware prefetcher at every page boundary, so the rows
+// ahead are prefetched by hand: a few lines at a time as the reads advance (`Pump`).
 //
 // Prefill chunks (paged_prefill, AVX-512 only): several query tokens per request, each attending
 // causally (and within a sliding window, if any) to the keys before it. See the second half.
@@ -37,17 +38,10 @@
 #include <vector>
 
 namespace {
-// Rows this many keys ahead are prefetched by hand (a request's pages are scattered in the pool, and
-// the hardware prefetcher stops at each): of 4..64, 8 and 16 measured best on a W1 decode step.
-constexpr int64_t kAheadKeys = 16;
+constexpr int64_t kAheadLines = 144;  // how far ahead of the reads the pump prefetches
 constexpr int64_t kBlock = 16;   // keys per block of dots
 constexpr int64_t kVBlock = 32;  // keys per block of the V pass: their rows, all heads, stay in L1
 constexpr int64_t kMaxRows = 4096;  // query heads of one request
-
-inline void prefetch_row(const float* row, int64_t bytes) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(p + c);
-}
 
 struct Task {
   const float* q;      // [hs, G, D] of this row (contiguous: heads are adjacent in a packed row)
@@ -59,19 +53,50 @@ struct Task {
   float scale, cap;
 };
 
-// The rows (`span` bytes from `base`: K or V, all the task's heads) of its keys [from, to), clamped
-// to its n keys.
-inline void prefetch_keys(const Task& t, const float* base, int64_t from, int64_t to, int64_t span) {
-  for (int64_t j = from; j < std::min(to, t.n); ++j) prefetch_row(base + t.slot[j] * t.stride, span);
-}
+// A task reads one stream of rows, its K rows then its V rows, each `lines` cache lines (all the
+// task's heads); the pump keeps kAheadLines of it prefetched ahead of the reads, a few lines each time
+// the reads advance. Prefetching a whole block's rows at once (16 keys, 192 lines) outran what a core
+// can have in flight, and the reads waited for memory instead of overlapping the arithmetic: with the
+// pump (and each K row loaded once a head), W1's decode attention took 1.10-1.14 s instead of 1.75-2.01
+// (2026-12-03). Of 48-256 lines ahead, 144-256 ran alike.
+class Pump {
+ public:
+  explicit Pump(const Task& t)
+      : t_(t), lines_((t.hs * t.D * 4 + 63) / 64), end_(2 * t.n * lines_) { advance(kAheadLines); }
+
+  // The reads moved `lines` further along the stream.
+  inline void advance(int64_t lines) {
+    target_ += lines;
+    for (const int64_t stop = std::min(target_, end_); next_ < stop; ++next_) {
+      if (line_ == 0) {
+        const float* row = row_ < t_.n ? t_.k + t_.slot[row_] * t_.stride : t_.v + t_.slot[row_ - t_.n] * t_.stride;
+        base_ = reinterpret_cast<const char*>(row);
+      }
+      __builtin_prefetch(base_ + 64 * line_);
+      if (++line_ == lines_) line_ = 0, ++row_;
+    }
+  }
+
+  int64_t row_lines() const { return lines_; }
+
+ private:
+  const Task& t_;
+  const int64_t lines_, end_;
+  int64_t target_ = 0, next_ = 0;  // lines of the stream: to prefetch up to, prefetched so far
+  int64_t row_ = 0, line_ = 0;     // where next_ is: a row of the stream and a line of it
+  const char* base_ = nullptr;
+};
 
 #ifdef __AVX512F__
-// Transpose-and-add: lane i of the result holds the sum of part[i]'s lanes (four levels).
-inline __m512 fold16(const __m512* part) {
-  __m512 a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i)
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(part[2 * i], part[2 * i + 1]),
-                         _mm512_unpackhi_ps(part[2 * i], part[2 * i + 1]));
+// The first level of a transpose-and-add, for one pair of vectors.
+inline __m512 fold_pair(__m512 x, __m512 y) {
+  return _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
+}
+
+// The other three levels, from the first level's 8 vectors: lane i of the result holds the sum of
+// the lanes of the i-th of the 16 vectors folded.
+inline __m512 fold_rest(const __m512* a) {
+  __m512 b[4], c[2];
   for (int i = 0; i < 4; ++i) {
     const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
     b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
@@ -81,6 +106,53 @@ inline __m512 fold16(const __m512* part) {
                          _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
   return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
                        _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Transpose-and-add: lane i of the result holds the sum of part[i]'s lanes (four levels).
+inline __m512 fold16(const __m512* part) {
+  __m512 a[8];
+  for (int i = 0; i < 8; ++i) a[i] = fold_pair(part[2 * i], part[2 * i + 1]);
+  return fold_rest(a);
+}
+
+inline void store_scores(float* dst, __m512 sums, int64_t count, float scale) {
+  const __m512 scaled = _mm512_mul_ps(sums, _mm512_set1_ps(scale));
+  if (count >= 16) _mm512_storeu_ps(dst, scaled);
+  else _mm512_mask_storeu_ps(dst, __mmask16((1u << count) - 1), scaled);
+}
+
+// Whether dots_head's G x NC query vectors, one K row and two keys' sums fit the 32 registers.
+constexpr bool head_fits(int NC, int G) { return (G + 1) * NC + 2 * G <= 30; }
+
+// Scores of one head's G queries against keys [j0, j0 + count) of the slot range, scaled: each K row
+// is loaded once for all G queries (from registers), and each pair of keys folds its first level at
+// once. Sums in the same order as dots16's.
+template <int NC, int G>
+inline void dots_head(const Task& t, int64_t h, int64_t j0, int64_t count, float* scores, Pump& pump) {
+  __m512 qv[G][NC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) qv[g][c] = _mm512_loadu_ps(t.q + (h * G + g) * t.D + 16 * c);
+  __m512 folded[G][8];
+  for (int64_t i = 0; i < kBlock; i += 2) {
+    pump.advance(2 * NC);
+    __m512 s[2][G];
+    for (int u = 0; u < 2; ++u) {
+      if (i + u >= count) {
+        for (int g = 0; g < G; ++g) s[u][g] = _mm512_setzero_ps();
+        continue;
+      }
+      const float* kr = t.k + t.slot[j0 + i + u] * t.stride + h * t.D;
+      __m512 kv[NC];
+      for (int c = 0; c < NC; ++c) kv[c] = _mm512_loadu_ps(kr + 16 * c);
+      for (int g = 0; g < G; ++g) {
+        __m512 x = _mm512_mul_ps(qv[g][0], kv[0]);
+        for (int c = 1; c < NC; ++c) x = _mm512_fmadd_ps(qv[g][c], kv[c], x);
+        s[u][g] = x;
+      }
+    }
+    for (int g = 0; g < G; ++g) folded[g][i / 2] = fold_pair(s[0][g], s[1][g]);
+  }
+  for (int g = 0; g < G; ++g) store_scores(scores + (h * G + g) * t.n + j0, fold_rest(folded[g]), count, t.scale);
 }
 
 // Scores of one (head, query) against keys [j0, j0 + 16) of its slot range, scaled: 16 floats.
@@ -96,9 +168,7 @@ inline void dots16(const Task& t, const float* q, int64_t head_off, int64_t j0, 
     for (int c = 1; c < NC; ++c) s = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), s);
     part[i] = s;
   }
-  const __m512 sums = fold16(part);
-  const __mmask16 keep = count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
-  _mm512_mask_storeu_ps(dst, keep, _mm512_mul_ps(sums, _mm512_set1_ps(t.scale)));
+  store_scores(dst, fold16(part), count, t.scale);
 }
 
 // out[g] (+)= sum_j w[g][j] * V[j] over keys [j0, j1) for GB queries of one head (w rows t.n apart,
@@ -106,12 +176,13 @@ inline void dots16(const Task& t, const float* q, int64_t head_off, int64_t j0, 
 // registers within the block; `first` starts from zero, `last` scales by inv[g] = 1 / the row's sum.
 template <int NC, int GB>
 inline void weighted_block(const Task& t, const float* w, int64_t head_off, int64_t j0, int64_t j1,
-                           const float* inv, float* out, bool first, bool last) {
+                           const float* inv, float* out, bool first, bool last, Pump* pump) {
   __m512 acc[GB][NC];
   for (int g = 0; g < GB; ++g)
     for (int c = 0; c < NC; ++c)
       acc[g][c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + g * t.D + 16 * c);
   for (int64_t j = j0; j < j1; ++j) {
+    if (pump != nullptr) pump->advance(NC);
     const float* vr = t.v + t.slot[j] * t.stride + head_off;
     __m512 v[NC];
     for (int c = 0; c < NC; ++c) v[c] = _mm512_loadu_ps(vr + 16 * c);
@@ -127,19 +198,20 @@ inline void weighted_block(const Task& t, const float* w, int64_t head_off, int6
 }
 
 // The queries of one head over a block of keys, as many per weighted_block call as keep the
-// accumulators within 16 registers.
+// accumulators within 16 registers; the first call moves the pump along.
 template <int NC>
 inline void weighted_blocks(const Task& t, const float* w, int64_t head_off, int64_t j0, int64_t j1,
-                            const float* inv, float* out, bool first, bool last) {
+                            const float* inv, float* out, bool first, bool last, Pump& pump) {
   constexpr int kMax = std::max(1, std::min(4, 16 / NC));
   for (int64_t g = 0; g < t.G; g += kMax) {
     const int64_t gb = std::min<int64_t>(kMax, t.G - g);
     const float* wg = w + g * t.n;
     float* og = out + g * t.D;
-    if (gb == 1) weighted_block<NC, 1>(t, wg, head_off, j0, j1, inv + g, og, first, last);
-    if constexpr (kMax >= 2) if (gb == 2) weighted_block<NC, 2>(t, wg, head_off, j0, j1, inv + g, og, first, last);
-    if constexpr (kMax >= 3) if (gb == 3) weighted_block<NC, 3>(t, wg, head_off, j0, j1, inv + g, og, first, last);
-    if constexpr (kMax >= 4) if (gb == 4) weighted_block<NC, 4>(t, wg, head_off, j0, j1, inv + g, og, first, last);
+    Pump* moves = g == 0 ? &pump : nullptr;
+    if (gb == 1) weighted_block<NC, 1>(t, wg, head_off, j0, j1, inv + g, og, first, last, moves);
+    if constexpr (kMax >= 2) if (gb == 2) weighted_block<NC, 2>(t, wg, head_off, j0, j1, inv + g, og, first, last, moves);
+    if constexpr (kMax >= 3) if (gb == 3) weighted_block<NC, 3>(t, wg, head_off, j0, j1, inv + g, og, first, last, moves);
+    if constexpr (kMax >= 4) if (gb == 4) weighted_block<NC, 4>(t, wg, head_off, j0, j1, inv + g, og, first, last, moves);
   }
 }
 
@@ -202,6 +274,23 @@ inline float softmax_(float* row, int64_t n, float cap) {
   return 1.f / sum;
 }
 
+#ifdef __AVX512F__
+// One head's dots over a block of keys: dots_head where its registers fit, else a query at a time.
+template <int NC>
+inline void head_dots(const Task& t, int64_t h, int64_t j0, int64_t count, float* scores, Pump& pump) {
+  switch (t.G) {
+    case 1: if constexpr (head_fits(NC, 1)) return dots_head<NC, 1>(t, h, j0, count, scores, pump); break;
+    case 2: if constexpr (head_fits(NC, 2)) return dots_head<NC, 2>(t, h, j0, count, scores, pump); break;
+    case 3: if constexpr (head_fits(NC, 3)) return dots_head<NC, 3>(t, h, j0, count, scores, pump); break;
+    case 4: if constexpr (head_fits(NC, 4)) return dots_head<NC, 4>(t, h, j0, count, scores, pump); break;
+    default: break;
+  }
+  pump.advance(count * NC);
+  for (int64_t g = 0; g < t.G; ++g)
+    dots16<NC>(t, t.q + (h * t.G + g) * t.D, h * t.D, j0, count, scores + (h * t.G + g) * t.n + j0);
+}
+#endif
+
 // One task: the dots of every (head, query) row with each key, in key order, 16 keys a block; the
 // softmax of each row; then the V sums in blocks of kVBlock keys. Both passes read each K or V row
 // (all the task's heads, one contiguous read) front to back, once from memory: reading a whole context
@@ -209,35 +298,36 @@ inline float softmax_(float* row, int64_t n, float cap) {
 // of a core's streaming rate.
 template <int NC>  // D / 16 on the AVX-512 path; 0: the portable one
 void run_task(const Task& t, float* scores) {
-  const int64_t rows = t.hs * t.G, span = t.hs * t.D * 4;
-  prefetch_keys(t, t.k, 0, kAheadKeys, span);
+  const int64_t rows = t.hs * t.G;
+  Pump pump(t);
   for (int64_t j0 = 0; j0 < t.n; j0 += kBlock) {
     const int64_t count = std::min(kBlock, t.n - j0);
-    prefetch_keys(t, t.k, j0 + kAheadKeys, j0 + kBlock + kAheadKeys, span);
-    for (int64_t h = 0; h < t.hs; ++h)
-      for (int64_t g = 0; g < t.G; ++g) {
-        const float* q = t.q + (h * t.G + g) * t.D;
-        float* dst = scores + (h * t.G + g) * t.n + j0;
 #ifdef __AVX512F__
-        if constexpr (NC > 0) { dots16<NC>(t, q, h * t.D, j0, count, dst); continue; }
+    if constexpr (NC > 0) {
+      for (int64_t h = 0; h < t.hs; ++h) head_dots<NC>(t, h, j0, count, scores, pump);
+      continue;
+    }
 #endif
-        dots_generic(t, q, h * t.D, j0, count, dst);
-      }
+    pump.advance(count * pump.row_lines());
+    for (int64_t r = 0; r < rows; ++r)
+      dots_generic(t, t.q + r * t.D, (r / t.G) * t.D, j0, count, scores + r * t.n + j0);
   }
   float inv[kMaxRows];
   for (int64_t r = 0; r < rows; ++r) inv[r] = softmax_(scores + r * t.n, t.n, t.cap);
-  prefetch_keys(t, t.v, 0, kAheadKeys, span);
   for (int64_t j0 = 0; j0 < t.n; j0 += kVBlock) {
     const int64_t j1 = std::min(t.n, j0 + kVBlock);
-    prefetch_keys(t, t.v, j0 + kAheadKeys, j1 + kAheadKeys, span);
+#ifdef __AVX512F__
+    if constexpr (NC > 0) {
+      for (int64_t h = 0; h < t.hs; ++h) {
+        const int64_t r = h * t.G;
+        weighted_blocks<NC>(t, scores + r * t.n, h * t.D, j0, j1, inv + r, t.out + r * t.D, j0 == 0, j1 == t.n, pump);
+      }
+      continue;
+    }
+#endif
+    pump.advance((j1 - j0) * pump.row_lines());
     for (int64_t h = 0; h < t.hs; ++h) {
       const int64_t r = h * t.G;
-#ifdef __AVX512F__
-      if constexpr (NC > 0) {
-        weighted_blocks<NC>(t, scores + r * t.n, h * t.D, j0, j1, inv + r, t.out + r * t.D, j0 == 0, j1 == t.n);
-        continue;
-      }
-#endif
       weighted_blocks_generic(t, scores + r * t.n, h * t.D, j0, j1, inv + r, t.out + r * t.D, j0 == 0, j1 == t.n);
     }
   }
