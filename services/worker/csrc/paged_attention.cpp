@@ -121,12 +121,21 @@ inline void store_scores(float* dst, __m512 sums, int64_t count, float scale) {
   else _mm512_mask_storeu_ps(dst, __mmask16((1u << count) - 1), scaled);
 }
 
+// One query's dot with one key, its NC x 16 products summed into 16 lanes (fold16 sums those): the
+// one order both dots16 and dots_head use, so their scores are bit-identical.
+template <int NC>
+inline __m512 lane_dot(const __m512* q, const __m512* k) {
+  __m512 s = _mm512_mul_ps(q[0], k[0]);
+  for (int c = 1; c < NC; ++c) s = _mm512_fmadd_ps(q[c], k[c], s);
+  return s;
+}
+
 // Whether dots_head's G x NC query vectors, one K row and two keys' sums fit the 32 registers.
 constexpr bool head_fits(int NC, int G) { return (G + 1) * NC + 2 * G <= 30; }
 
 // Scores of one head's G queries against keys [j0, j0 + count) of the slot range, scaled: each K row
 // is loaded once for all G queries (from registers), and each pair of keys folds its first level at
-// once. Sums in the same order as dots16's.
+// once.
 template <int NC, int G>
 inline void dots_head(const Task& t, int64_t h, int64_t j0, int64_t count, float* scores, Pump& pump) {
   __m512 qv[G][NC];
@@ -144,11 +153,7 @@ inline void dots_head(const Task& t, int64_t h, int64_t j0, int64_t count, float
       const float* kr = t.k + t.slot[j0 + i + u] * t.stride + h * t.D;
       __m512 kv[NC];
       for (int c = 0; c < NC; ++c) kv[c] = _mm512_loadu_ps(kr + 16 * c);
-      for (int g = 0; g < G; ++g) {
-        __m512 x = _mm512_mul_ps(qv[g][0], kv[0]);
-        for (int c = 1; c < NC; ++c) x = _mm512_fmadd_ps(qv[g][c], kv[c], x);
-        s[u][g] = x;
-      }
+      for (int g = 0; g < G; ++g) s[u][g] = lane_dot<NC>(qv[g], kv);
     }
     for (int g = 0; g < G; ++g) folded[g][i / 2] = fold_pair(s[0][g], s[1][g]);
   }
@@ -164,9 +169,9 @@ inline void dots16(const Task& t, const float* q, int64_t head_off, int64_t j0, 
   for (int64_t i = 0; i < 16; ++i) {
     if (i >= count) { part[i] = _mm512_setzero_ps(); continue; }
     const float* kr = t.k + t.slot[j0 + i] * t.stride + head_off;
-    __m512 s = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
-    for (int c = 1; c < NC; ++c) s = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), s);
-    part[i] = s;
+    __m512 kv[NC];
+    for (int c = 0; c < NC; ++c) kv[c] = _mm512_loadu_ps(kr + 16 * c);
+    part[i] = lane_dot<NC>(qv, kv);
   }
   store_scores(dst, fold16(part), count, t.scale);
 }
