@@ -5,6 +5,7 @@ server's load read from cbserve's or vLLM's Prometheus metrics."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import statistics
@@ -137,8 +138,9 @@ class FakeOpenAI(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self) -> None:
+    def __init__(self, first_delay_s: float = FIRST_DELAY_S, gap_s: float = GAP_S) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
+        self.first_delay_s, self.gap_s = first_delay_s, gap_s
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
         self.lock = threading.Lock()
         self.bodies: list[dict[str, Any]] = []
@@ -203,7 +205,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self._event({"choices": [{"index": 0, "text": " x", "finish_reason": None}]})
                 time.sleep(0.02)
         else:
-            time.sleep(FIRST_DELAY_S)
+            time.sleep(self.server.first_delay_s)
             for i, text in enumerate(TEXTS):
                 if text:
                     self._event({"choices": [{"index": 0, "text": text, "finish_reason": None}]})
@@ -212,7 +214,7 @@ class _Handler(BaseHTTPRequestHandler):
                     self.wfile.flush()
                     self.close_connection = True
                     return
-                time.sleep(GAP_S)
+                time.sleep(self.server.gap_s)
             if prompt == "truncate":
                 self._end()
                 return
@@ -243,14 +245,21 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
-@pytest.fixture
-def fake() -> Iterator[FakeOpenAI]:
-    server = FakeOpenAI()
+@contextlib.contextmanager
+def serving(server: FakeOpenAI) -> Iterator[FakeOpenAI]:
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeOpenAI]:
+    with serving(FakeOpenAI()) as server:
+        yield server
 
 
 def _bench(tmp_path: Path, target: str, tokenizer: Path, *args: str) -> tuple[int, dict[str, Any]]:
@@ -358,6 +367,64 @@ def test_unreachable_and_misnamed_servers_are_refused(
         _bench(tmp_path, "127.0.0.1:8000", bpe_dir)
     with pytest.raises(SystemExit, match="--backend openai needs --tokenizer"):
         main(["bench", "serve", "--backend", "openai", "--target", fake.url])
+
+
+def test_two_servers_side_by_side(bpe_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--baseline: both servers run the phase each round, the first of a round going second in the
+    next; each round writes its prompts in other words, the same for both; the table gives medians,
+    their ratio and the rounds in which the target was ahead."""
+    slow = FakeOpenAI(first_delay_s=3 * FIRST_DELAY_S, gap_s=2 * GAP_S)
+    with serving(FakeOpenAI()) as fast, serving(slow):
+        code, report = _bench(tmp_path, fast.url, bpe_dir, "--baseline", slow.url, "--repeat", "3",
+                              "--labels", "ours,theirs", "--num-requests", "4", "--concurrency", "2",
+                              "--input-len", "5", "--output-len", "6", "--baseline-metrics-url",
+                              f"{slow.url}/metrics", "--load-interval", "0.01")  # fmt: skip
+    assert code == 0
+    [phase] = report["phases"]
+    assert phase["labels"] == ["ours", "theirs"]
+    assert [(run["round"], run["side"]) for run in phase["runs"]] == [
+        (0, "target"), (0, "baseline"), (1, "baseline"), (1, "target"), (2, "target"), (2, "baseline"),
+    ]  # fmt: skip
+    assert all(run["requests"]["completed"] == 4 for run in phase["runs"])
+    # The baseline's load came from its metrics, the target's is unknown (none given).
+    known = [run["load_source"] is not None for run in phase["runs"]]
+    assert known == [False, True, True, False, False, True]
+    # The warm-up once per server, then 4 prompts a round: the same words on both sides, new words
+    # each round.
+    assert [len(b["prompt"].split()) for b in fast.bodies] == [16] + [5] * 12
+    ours = [sorted(b["prompt"] for b in fast.bodies[1 + 4 * r : 5 + 4 * r]) for r in range(3)]
+    theirs = [sorted(b["prompt"] for b in slow.bodies[1 + 4 * r : 5 + 4 * r]) for r in range(3)]
+    assert ours == theirs and len({tuple(prompts) for prompts in ours}) == 3
+    table = {row["metric"]: row for row in phase["comparison"]}
+    runs = {(run["round"], run["side"]): run for run in phase["runs"]}
+    for metric, key in (("output tok/s", "output_tokens_per_s"),):
+        row = table[metric]
+        assert row["target"] == statistics.median(runs[r, "target"]["throughput"][key] for r in range(3))
+        assert row["ratio"] == pytest.approx(row["target"] / row["baseline"])
+        assert row["rounds_ahead"] == 3 and row["rounds"] == 3 and row["ratio"] > 1.2
+    ttft = table["TTFT p50 (ms)"]  # in ms, as its name says
+    ttfts = [runs[r, "baseline"]["latency_s"]["ttft"]["p50"] * 1000 for r in range(3)]
+    assert ttft["baseline"] == pytest.approx(statistics.median(ttfts))
+    assert min(ttfts) >= 3 * FIRST_DELAY_S * 1000
+    assert ttft["rounds_ahead"] == 3 and ttft["ratio"] < 0.8
+    assert table["ITL p50 (ms)"]["rounds_ahead"] == 3
+    printed = capsys.readouterr().out
+    assert "round 3/3 theirs" in printed
+    assert "ours vs theirs, medians of 3 rounds" in printed and "3/3" in printed
+
+
+def test_a_comparison_needs_two_servers_of_one_model(
+    fake: FakeOpenAI, bpe_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit, match="--repeat compares rounds: it needs --baseline"):
+        _bench(tmp_path, fake.url, bpe_dir, "--repeat", "2")
+    with pytest.raises(SystemExit, match=r"needs --baseline http://HOST:PORT, got 127\.0\.0\.1:8000"):
+        _bench(tmp_path, fake.url, bpe_dir, "--baseline", "127.0.0.1:8000")
+    with pytest.raises(SystemExit, match="--plot draws one server"):
+        _bench(tmp_path, fake.url, bpe_dir, "--baseline", fake.url, "--plot", str(tmp_path / "p.png"))
+    nobody = f"http://127.0.0.1:{free_port()}"
+    assert _bench(tmp_path, fake.url, bpe_dir, "--baseline", nobody, "--num-requests", "1")[0] == 1
+    assert f"{nobody}/v1/models: ConnectError" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------ through a real smg

@@ -12,6 +12,8 @@ same for both (serve_backends.py says what a backend does).
     cbserve bench serve --workload jsonl --dataset prompts.jsonl --no-ignore-eos
     cbserve bench serve --backend openai --target http://127.0.0.1:30080 --tokenizer MODEL_DIR \\
         --metrics-url http://127.0.0.1:9090/metrics                                   # over HTTP
+    cbserve bench serve --backend openai --target http://127.0.0.1:30080 --tokenizer MODEL_DIR \\
+        --baseline http://127.0.0.1:8000 --repeat 3          # two servers side by side (serve_compare.py)
 
 Load: open loop with Poisson arrivals at `--request-rate` (`inf`: all at once), or one phase per rate
 of `--request-rates`; `--concurrency C` caps the requests in flight (closed loop with rate `inf`). A
@@ -119,6 +121,13 @@ def _rates(text: str) -> list[float]:
     return rates
 
 
+def _labels(text: str) -> tuple[str, str]:
+    labels = tuple(x.strip() for x in text.split(","))
+    if len(labels) != 2 or not all(labels):
+        raise argparse.ArgumentTypeError(f"two names, TARGET,BASELINE, got {text!r}")
+    return labels[0], labels[1]
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=("cbserve", "openai"), default="cbserve",
                         help="cbserve: the gateway's gRPC API; openai: an OpenAI-compatible "
@@ -167,6 +176,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="one short untimed request first (default on)")  # fmt: skip
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                         help="live progress bar on stderr (default on)")  # fmt: skip
+    compare = parser.add_argument_group("side by side (serve_compare.py)")
+    compare.add_argument("--baseline", default=None, metavar="TARGET",
+                         help="a second server of the same model and backend: both run every phase, "
+                              "alternating, and the report compares them")  # fmt: skip
+    compare.add_argument("--baseline-metrics-url", default=None, metavar="URL",
+                         help="the baseline's Prometheus endpoint (as --metrics-url)")  # fmt: skip
+    compare.add_argument("--repeat", type=int, default=1, metavar="N",
+                         help="with --baseline: rounds; medians and rounds ahead are reported")  # fmt: skip
+    compare.add_argument("--labels", type=_labels, default=("target", "baseline"), metavar="TARGET,BASELINE",
+                         help="the two servers' names in the report")  # fmt: skip
     parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the full report here")
     parser.add_argument("--plot", type=Path, default=None, metavar="FILE", help="latency CDFs (png)")
 
@@ -192,6 +211,11 @@ def validate(args: argparse.Namespace) -> None:
     problems = [
         (openai and not str(args.target).startswith(("http://", "https://")),
          f"--backend openai needs --target http://HOST:PORT, got {args.target}"),
+        (openai and args.baseline is not None and not args.baseline.startswith(("http://", "https://")),
+         f"--backend openai needs --baseline http://HOST:PORT, got {args.baseline}"),
+        (args.repeat < 1, "--repeat must be at least 1"),
+        (args.repeat > 1 and args.baseline is None, "--repeat compares rounds: it needs --baseline"),
+        (args.baseline is not None and args.plot is not None, "--plot draws one server: not with --baseline"),
         (openai and args.tokenizer is None, "--backend openai needs --tokenizer MODEL_DIR"),
         (args.num_requests < 1, "--num-requests must be at least 1"),
         (args.concurrency is not None and args.concurrency < 1, "--concurrency must be at least 1"),
@@ -421,6 +445,15 @@ async def warmup(backend: Backend, args: argparse.Namespace, info: ServerInfo) -
               f"{len(prompt)}; over HTTP, is --tokenizer the served model's?", file=sys.stderr)  # fmt: skip
 
 
+def phase_requests(args: argparse.Namespace, phase: Phase, info: ServerInfo) -> list[BenchRequest]:
+    try:
+        requests = build_requests(args, phase.index, info.vocab_size)
+    except (OSError, ValueError) as exc:  # a bad --dataset file
+        raise SystemExit(f"cbserve bench serve: {exc}") from exc
+    check_fits(requests, info.max_model_len)
+    return requests
+
+
 async def run_all(args: argparse.Namespace) -> tuple[dict[str, Any], list[PhaseData]]:
     async with open_backend(args) as backend:
         info = await backend.info()
@@ -428,14 +461,56 @@ async def run_all(args: argparse.Namespace) -> tuple[dict[str, Any], list[PhaseD
             await warmup(backend, args, info)
         phases = []
         for phase in plan_phases(args):
-            try:
-                requests = build_requests(args, phase.index, info.vocab_size)
-            except (OSError, ValueError) as exc:  # a bad --dataset file
-                raise SystemExit(f"cbserve bench serve: {exc}") from exc
-            check_fits(requests, info.max_model_len)
-            phases.append(await run_phase(backend, args, phase, requests))
+            phases.append(await run_phase(backend, args, phase, phase_requests(args, phase, info)))
             print(format_phase(summarize_phase(phases[-1])), flush=True)
     return info.facts, phases
+
+
+async def run_one_phase(
+    args: argparse.Namespace, index: int, warm: bool
+) -> tuple[dict[str, Any], int, PhaseData]:
+    """One phase on the server `args` names (a side of a comparison), after its warm-up if `warm`."""
+    async with open_backend(args) as backend:
+        info = await backend.info()
+        if warm:
+            await warmup(backend, args, info)
+        phase = plan_phases(args)[index]
+        return (
+            info.facts,
+            info.vocab_size,
+            await run_phase(backend, args, phase, phase_requests(args, phase, info)),
+        )
+
+
+def run_side_by_side(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from services.bench.serve_compare import (
+        by_round,
+        compare_phase,
+        comparison_json,
+        format_comparison,
+        run_comparison,
+    )
+
+    try:
+        model, runs = asyncio.run(run_comparison(args, len(plan_phases(args)), run_one_phase))
+    except BackendError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    for phase_runs in runs:
+        table = compare_phase(by_round(phase_runs))
+        print(format_comparison(phase_runs[0].summary["name"], args.labels, table), flush=True)
+    if args.json is not None:
+        settings = {k: v for k, v in vars(args).items() if not callable(v)}
+        report = {"settings": settings, "model": model, "phases": comparison_json(runs, args.labels)}
+        args.json.write_text(json.dumps(_jsonable(report), indent=1) + "\n")
+        print(f"wrote {args.json}")
+    return 1 if any(_bad(run.summary) for phase_runs in runs for run in phase_runs) else 0
+
+
+def _bad(summary: dict[str, Any]) -> bool:
+    return bool(summary["requests"]["failed"] or summary["requests"]["length_mismatch"])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -444,6 +519,8 @@ def run(args: argparse.Namespace) -> int:
     validate(args)
     if args.cache_salt is None:
         args.cache_salt = secrets.token_hex(8)
+    if args.baseline is not None:
+        return run_side_by_side(args)
     try:
         model, phases = asyncio.run(run_all(args))
     except BackendError as exc:
@@ -458,8 +535,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot is not None:
         plot_report(phases, summaries, args.plot)
         print(f"wrote {args.plot}")
-    bad = any(s["requests"]["failed"] or s["requests"]["length_mismatch"] for s in summaries)
-    return 1 if bad else 0
+    return 1 if any(_bad(s) for s in summaries) else 0
 
 
 def write_json(
