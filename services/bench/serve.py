@@ -454,32 +454,23 @@ def phase_requests(args: argparse.Namespace, phase: Phase, info: ServerInfo) -> 
     return requests
 
 
-async def run_all(args: argparse.Namespace) -> tuple[dict[str, Any], list[PhaseData]]:
-    async with open_backend(args) as backend:
-        info = await backend.info()
-        if args.warmup:
-            await warmup(backend, args, info)
-        phases = []
-        for phase in plan_phases(args):
-            phases.append(await run_phase(backend, args, phase, phase_requests(args, phase, info)))
-            print(format_phase(summarize_phase(phases[-1])), flush=True)
-    return info.facts, phases
-
-
-async def run_one_phase(
-    args: argparse.Namespace, index: int, warm: bool
-) -> tuple[dict[str, Any], int, PhaseData]:
-    """One phase on the server `args` names (a side of a comparison), after its warm-up if `warm`."""
+async def run_phases(
+    args: argparse.Namespace, phases: list[Phase], warm: bool, done: Callable[[PhaseData], None]
+) -> tuple[ServerInfo, list[PhaseData]]:
+    """`phases` on the server `args` names, after its warm-up if `warm`; `done` sees each as it ends."""
     async with open_backend(args) as backend:
         info = await backend.info()
         if warm:
             await warmup(backend, args, info)
-        phase = plan_phases(args)[index]
-        return (
-            info.facts,
-            info.vocab_size,
-            await run_phase(backend, args, phase, phase_requests(args, phase, info)),
-        )
+        results = []
+        for phase in phases:
+            results.append(await run_phase(backend, args, phase, phase_requests(args, phase, info)))
+            done(results[-1])
+    return info, results
+
+
+def print_phase(data: PhaseData) -> None:
+    print(format_phase(summarize_phase(data)), flush=True)
 
 
 def run_side_by_side(args: argparse.Namespace) -> int:
@@ -494,7 +485,7 @@ def run_side_by_side(args: argparse.Namespace) -> int:
     )
 
     try:
-        model, runs = asyncio.run(run_comparison(args, len(plan_phases(args)), run_one_phase))
+        model, runs = asyncio.run(run_comparison(args, plan_phases(args), run_phases))
     except BackendError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -502,9 +493,7 @@ def run_side_by_side(args: argparse.Namespace) -> int:
         table = compare_phase(by_round(phase_runs))
         print(format_comparison(phase_runs[0].summary["name"], args.labels, table), flush=True)
     if args.json is not None:
-        settings = {k: v for k, v in vars(args).items() if not callable(v)}
-        report = {"settings": settings, "model": model, "phases": comparison_json(runs, args.labels)}
-        args.json.write_text(json.dumps(_jsonable(report), indent=1) + "\n")
+        write_json(args, model, comparison_json(runs, args.labels, phase_json))
         print(f"wrote {args.json}")
     return 1 if any(_bad(run.summary) for phase_runs in runs for run in phase_runs) else 0
 
@@ -522,7 +511,7 @@ def run(args: argparse.Namespace) -> int:
     if args.baseline is not None:
         return run_side_by_side(args)
     try:
-        model, phases = asyncio.run(run_all(args))
+        info, phases = asyncio.run(run_phases(args, plan_phases(args), args.warmup, print_phase))
     except BackendError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -530,7 +519,7 @@ def run(args: argparse.Namespace) -> int:
     if len(summaries) > 1:
         print(format_sweep(summaries))
     if args.json is not None:
-        write_json(args, model, phases, summaries)
+        write_json(args, info.facts, [phase_json(p, s) for p, s in zip(phases, summaries, strict=True)])
         print(f"wrote {args.json}")
     if args.plot is not None:
         plot_report(phases, summaries, args.plot)
@@ -538,20 +527,18 @@ def run(args: argparse.Namespace) -> int:
     return 1 if any(_bad(s) for s in summaries) else 0
 
 
-def write_json(
-    args: argparse.Namespace, model: dict[str, Any], phases: list[PhaseData], summaries: list[dict[str, Any]]
-) -> None:
+def write_json(args: argparse.Namespace, model: dict[str, Any], phases: list[dict[str, Any]]) -> None:
     settings = {k: v for k, v in vars(args).items() if not callable(v)}
-    report = {
-        "settings": settings,
-        "model": model,
-        "phases": [
-            s
-            | {"records": [r.to_json() for r in p.records], "load_samples": [vars(x) for x in p.load_samples]}
-            for p, s in zip(phases, summaries, strict=True)
-        ],
-    }
+    report = {"settings": settings, "model": model, "phases": phases}
     args.json.write_text(json.dumps(_jsonable(report), indent=1) + "\n")
+
+
+def phase_json(data: PhaseData, summary: dict[str, Any]) -> dict[str, Any]:
+    """A phase's report with its records and load samples."""
+    return summary | {
+        "records": [r.to_json() for r in data.records],
+        "load_samples": [vars(x) for x in data.load_samples],
+    }
 
 
 def _jsonable(value: Any) -> Any:

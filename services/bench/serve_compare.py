@@ -8,9 +8,9 @@ side's median over the rounds, the ratio of the medians (target / baseline), and
 the target was ahead: higher output tok/s, lower latencies.
 
 Each round salts its requests anew (both sides the same salt), so that no round is served from the
-prefix cache an earlier round filled on the same server; within a round both servers see identical
-requests. Both servers must serve the same model (the same vocabulary). Each one's warm-up request
-runs once, before the first round.
+prefix cache an earlier round filled on the same server (`--cache-salt ""` turns salting off); within a
+round both servers see identical requests. Both servers must serve the same model (the same
+vocabulary). Each one's warm-up request runs once, before the first round.
 """
 
 from __future__ import annotations
@@ -19,10 +19,18 @@ import argparse
 import statistics
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from services.bench.serve_backends import BackendError
+from services.bench.serve_backends import BackendError, ServerInfo
 from services.bench.serve_report import PhaseData, summarize_phase
+
+if TYPE_CHECKING:
+    from services.bench.serve import Phase
+
+    RunPhases = Callable[
+        [argparse.Namespace, list[Phase], bool, Callable[[PhaseData], None]],
+        Awaitable[tuple[ServerInfo, list[PhaseData]]],
+    ]
 
 
 @dataclass(frozen=True)
@@ -137,33 +145,34 @@ class Run:
     summary: dict[str, Any]
 
 
-RunSide = Callable[[argparse.Namespace, int, bool], Awaitable[tuple[dict[str, Any], int, PhaseData]]]
-
-
 async def run_comparison(
-    args: argparse.Namespace, phases: int, run_side: RunSide
+    args: argparse.Namespace, phases: list[Phase], run_phases: RunPhases
 ) -> tuple[dict[str, Any], list[list[Run]]]:
-    """Every round's phases on both sides. `run_side(side's args, phase index, warm up first)` runs one
-    phase on one side and returns (the server's model facts, its vocabulary size, the phase's data).
-    Returns the target's model facts and, per phase, its runs in the order they ran."""
-    runs: list[list[Run]] = [[] for _ in range(phases)]
+    """Every round's phases on both sides, one phase at a time (serve.py's `run_phases(side's args,
+    [phase], warm up first, when done)`). Returns the target's model facts and, per phase, its runs
+    in the order they ran."""
+    runs: list[list[Run]] = [[] for _ in phases]
     model: dict[str, Any] = {}
     vocab: dict[str, int] = {}
     warm = {side: args.warmup for side in SIDES}
     for r in range(args.repeat):
-        for phase_index in range(phases):
-            for side in order(r, phase_index):
-                facts, size, data = await run_side(side_args(args, side, r), phase_index, warm[side])
+        for phase in phases:
+            for side in order(r, phase.index):
+                info, [data] = await run_phases(side_args(args, side, r), [phase], warm[side], _quiet)
                 warm[side] = False
-                vocab.setdefault(side, size)
+                vocab.setdefault(side, info.vocab_size)
                 if len(set(vocab.values())) > 1:
                     raise BackendError(f"the target and the baseline serve different models (vocabulary "
                                        f"sizes {vocab['target']} and {vocab['baseline']})")  # fmt: skip
-                model = facts if side == "target" else model
+                model = info.facts if side == "target" else model
                 summary = summarize_phase(data)
-                runs[phase_index].append(Run(side, r, data, summary))
+                runs[phase.index].append(Run(side, r, data, summary))
                 print(one_line(args.labels[SIDES.index(side)], r, args.repeat, summary), flush=True)
     return model, runs
+
+
+def _quiet(data: PhaseData) -> None:
+    """A side's phase report is the comparison's: nothing printed as it ends (`one_line` instead)."""
 
 
 def by_round(runs: list[Run]) -> list[dict[str, dict[str, Any]]]:
@@ -174,17 +183,19 @@ def by_round(runs: list[Run]) -> list[dict[str, dict[str, Any]]]:
     return [rounds[r] for r in sorted(rounds)]
 
 
-def comparison_json(runs: list[list[Run]], labels: tuple[str, str]) -> list[dict[str, Any]]:
-    """Per phase: the comparison table and every run (summary, records), in running order."""
+def comparison_json(
+    runs: list[list[Run]],
+    labels: tuple[str, str],
+    phase_json: Callable[[PhaseData, dict[str, Any]], dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """Per phase: the comparison table and every run (serve.py's `phase_json` of it), in running order."""
     return [
         {
             "name": phase_runs[0].summary["name"],
             "labels": list(labels),
             "comparison": [m.to_json() for m in compare_phase(by_round(phase_runs))],
             "runs": [
-                {"side": run.side, "round": run.round}
-                | run.summary
-                | {"records": [rec.to_json() for rec in run.data.records]}
+                {"side": run.side, "round": run.round} | phase_json(run.data, run.summary)
                 for run in phase_runs
             ],
         }
