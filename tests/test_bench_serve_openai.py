@@ -413,6 +413,21 @@ def test_two_servers_side_by_side(bpe_dir: Path, tmp_path: Path, capsys: pytest.
     assert "ours vs theirs, medians of 3 rounds" in printed and "3/3" in printed
 
 
+def test_a_comparison_reports_a_server_whose_requests_all_fail(
+    fake: FakeOpenAI, bpe_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No request of either side gets a token: the rounds and the table say so, and the exit status."""
+    code, report = _bench(tmp_path, fake.url, bpe_dir, *_dataset(tmp_path, "http-400", "http-503"),
+                          "--baseline", fake.url, "--repeat", "2", "--no-warmup")  # fmt: skip
+    assert code == 1
+    [phase] = report["phases"]
+    assert [run["requests"]["failed"] for run in phase["runs"]] == [{"HTTP_400": 1, "HTTP_503": 1}] * 4
+    ttft = {row["metric"]: row for row in phase["comparison"]}["TTFT p99 (ms)"]
+    assert ttft["target"] is None and ttft["ratio"] is None and ttft["rounds"] == 0
+    printed = capsys.readouterr().out
+    assert "round 2/2 target" in printed and "TTFT p50/p99 -/- ms" in printed
+
+
 def test_a_comparison_needs_two_servers_of_one_model(
     fake: FakeOpenAI, bpe_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

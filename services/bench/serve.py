@@ -489,11 +489,11 @@ def run_side_by_side(args: argparse.Namespace) -> int:
     except BackendError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    for phase_runs in runs:
-        table = compare_phase(by_round(phase_runs))
+    tables = [compare_phase(by_round(phase_runs)) for phase_runs in runs]
+    for phase_runs, table in zip(runs, tables, strict=True):
         print(format_comparison(phase_runs[0].summary["name"], args.labels, table), flush=True)
     if args.json is not None:
-        write_json(args, model, comparison_json(runs, args.labels, phase_json))
+        write_json(args, model, comparison_json(runs, tables, args.labels, phase_json))
         print(f"wrote {args.json}")
     return 1 if any(_bad(run.summary) for phase_runs in runs for run in phase_runs) else 0
 

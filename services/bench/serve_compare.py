@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from services.bench.serve_backends import BackendError, ServerInfo
-from services.bench.serve_report import PhaseData, summarize_phase
+from services.bench.serve_report import PhaseData, ms, summarize_phase
 
 if TYPE_CHECKING:
     from services.bench.serve import Phase
@@ -124,15 +124,10 @@ def format_comparison(phase_name: str, labels: tuple[str, str], table: list[Metr
 
 def one_line(label: str, round_index: int, rounds: int, summary: dict[str, Any]) -> str:
     """A run's figures at a glance while the comparison goes on."""
-    lat = summary["latency_s"]
-
-    def ms(metric: str, q: str) -> str:
-        v = lat[metric][q]
-        return "-" if v is None else f"{v * 1000:.0f}"
-
+    ttft, itl = summary["latency_s"]["ttft"], summary["latency_s"]["itl"]  # None: no request got one
     return (f"round {round_index + 1}/{rounds} {label:<14} {summary['name']}: "
-            f"{summary['throughput']['output_tokens_per_s']:.1f} tok/s, TTFT p50/p99 {ms('ttft', 'p50')}/"
-            f"{ms('ttft', 'p99')} ms, ITL p50 {ms('itl', 'p50')} ms")  # fmt: skip
+            f"{summary['throughput']['output_tokens_per_s']:.1f} tok/s, TTFT p50/p99 {ms(ttft, 'p50')}/"
+            f"{ms(ttft, 'p99')} ms, ITL p50 {ms(itl, 'p50')} ms")  # fmt: skip
 
 
 @dataclass
@@ -185,19 +180,20 @@ def by_round(runs: list[Run]) -> list[dict[str, dict[str, Any]]]:
 
 def comparison_json(
     runs: list[list[Run]],
+    tables: list[list[MetricComparison]],
     labels: tuple[str, str],
     phase_json: Callable[[PhaseData, dict[str, Any]], dict[str, Any]],
 ) -> list[dict[str, Any]]:
-    """Per phase: the comparison table and every run (serve.py's `phase_json` of it), in running order."""
+    """Per phase: its comparison table and every run (serve.py's `phase_json` of it), in running order."""
     return [
         {
             "name": phase_runs[0].summary["name"],
             "labels": list(labels),
-            "comparison": [m.to_json() for m in compare_phase(by_round(phase_runs))],
+            "comparison": [m.to_json() for m in table],
             "runs": [
                 {"side": run.side, "round": run.round} | phase_json(run.data, run.summary)
                 for run in phase_runs
             ],
         }
-        for phase_runs in runs
+        for phase_runs, table in zip(runs, tables, strict=True)
     ]

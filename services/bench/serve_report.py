@@ -314,7 +314,7 @@ def _line(label: str, value: str) -> str:
     return f"{label + ':':<42}{value}"
 
 
-def _ms(stats: dict[str, float] | None, key: str) -> str:
+def ms(stats: dict[str, float] | None, key: str) -> str:
     return "-" if stats is None else f"{stats[key] * 1000:.1f}"
 
 
@@ -356,7 +356,7 @@ def _latency_lines(latency: dict[str, Any], short_only: bool) -> list[str]:
         ("e2e", "End-to-end"),
     ):
         stats = latency[key]
-        lines.append(f"{label:<30}" + "".join(f"{_ms(stats, k):>8}" for k in ("mean", "p50", "p90", "p99")))
+        lines.append(f"{label:<30}" + "".join(f"{ms(stats, k):>8}" for k in ("mean", "p50", "p90", "p99")))
     return lines
 
 
@@ -396,7 +396,7 @@ def format_long_prompt(lp: dict[str, Any]) -> list[str]:
     for key, label in (("during", "during the long prefill"), ("outside", "otherwise")):
         stats = lp[key]
         count = "0" if stats is None else str(stats["count"])
-        lines.append(f"{label:<30}{count:>8}{_ms(stats, 'p50'):>8}{_ms(stats, 'p99'):>8}")
+        lines.append(f"{label:<30}{count:>8}{ms(stats, 'p50'):>8}{ms(stats, 'p99'):>8}")
     for key, label in (
         ("p99_during_over_median_outside", "p99 ITL in prefill / median otherwise"),
         ("p99_over_median_during", "p99 / median ITL, both in prefill"),
@@ -421,8 +421,8 @@ def format_sweep(summaries: list[dict[str, Any]]) -> str:
         lat, tp = s["latency_s"], s["throughput"]
         lines.append(
             f"{s['name']:<28}{s['requests']['completed']:>6}{tp['requests_per_s']:>8.2f}"
-            f"{tp['output_tokens_per_s']:>9.1f}{_ms(lat['ttft'], 'p50'):>10}{_ms(lat['ttft'], 'p99'):>10}"
-            f"{_ms(lat['itl'], 'p99'):>9}"
+            f"{tp['output_tokens_per_s']:>9.1f}{ms(lat['ttft'], 'p50'):>10}{ms(lat['ttft'], 'p99'):>10}"
+            f"{ms(lat['itl'], 'p99'):>9}"
         )
     return "\n".join(lines)
 
