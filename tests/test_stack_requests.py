@@ -29,6 +29,7 @@ from transformers import AutoTokenizer
 from services.cachemgr.sizing import meminfo_bytes
 from services.common.kv_geometry import RESERVED_CHUNKS, KVGeometry
 from services.gateway.api import pb
+from services.gateway.server import LOGPROBS_PER_CHUNK
 from tests.stack import Stack, greedy_request
 from tests.test_engine import reference_prompt_logprobs
 from tests.tiny_models import tiny_config
@@ -325,6 +326,42 @@ def test_output_text_and_token_ids_switches(smol_stack: Stack) -> None:
     no_ids.output.token_ids = False
     i_ids, i_text, i_final, _ = smol_stack.generate(no_ids, timeout_s=CALL_TIMEOUT_S)
     assert i_ids == [] and i_text == text and i_final.usage.completion_tokens == 6
+
+
+def test_an_output_held_to_the_end_comes_whole_before_the_final_message(smol_stack: Stack) -> None:
+    ids, text, final, chunks = smol_stack.generate(chat_request(CHAT, 24), timeout_s=CALL_TIMEOUT_S)
+    assert chunks > 1
+    held = chat_request(CHAT, 24)
+    held.output.stream = False
+    h_ids, h_text, h_final, h_chunks = smol_stack.generate(held, timeout_s=CALL_TIMEOUT_S)
+    assert (h_ids, h_text, h_chunks) == (ids, text, 1)
+    assert h_final.finish_reason == final.finish_reason == pb.FINISH_REASON_LENGTH
+    assert h_final.usage.completion_tokens == final.usage.completion_tokens == 24
+    # A stop string is looked for in the held text as in a streamed one, and the text cut before it.
+    stop = text[len(text) // 2 : len(text) // 2 + 4]
+    assert stop.strip(), text
+    stopped = chat_request(CHAT, 200, stop=[stop])
+    stopped.output.stream = False
+    s_ids, s_text, s_final, s_chunks = smol_stack.generate(stopped, timeout_s=CALL_TIMEOUT_S)
+    assert s_text == text[: text.find(stop)] and s_chunks == 1
+    assert s_final.finish_reason == pb.FINISH_REASON_STOP_SEQUENCE and s_final.stop_sequence == stop
+    assert s_ids == ids[: len(s_ids)] and s_final.usage.completion_tokens == len(s_ids)
+    smol_stack.wait_idle(timeout_s=5)
+    smol_stack.assert_idle()
+
+
+def test_a_held_output_sends_its_logprobs_in_parts(tiny_stack: Stack) -> None:
+    prompt = tiny_prompt(31)
+    n = LOGPROBS_PER_CHUNK + 8
+    request = greedy_request(prompt, n)
+    request.output.logprobs = 1
+    request.output.stream = False
+    responses = tiny_stack.stub.Generate(request, timeout=CALL_TIMEOUT_S)
+    chunks = [r.chunk for r in responses if r.HasField("chunk")]
+    assert [(len(c.token_ids), len(c.logprobs)) for c in chunks] == [(LOGPROBS_PER_CHUNK,) * 2, (8, 8)]
+    ids = [i for c in chunks for i in c.token_ids]
+    assert ids == tiny_stack.reference(prompt, n)
+    assert [lp.token_id for c in chunks for lp in c.logprobs] == ids
 
 
 def test_logprobs_of_greedy_tokens(tiny_stack: Stack) -> None:

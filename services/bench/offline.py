@@ -16,7 +16,10 @@ Systems:
 - `hf-generate`: `model.generate`, one request at a time.
 - `hf-static`: `model.generate` in static left-padded batches of `--static-batch` requests.
 - `stack`: the three-process service (`cbserve up`, same engine settings) driven over gRPC, all
-  requests at once (`--stack` adds it); its ratio to `engine` is the cost of the process split.
+  requests at once, each output whole at the end as `engine` returns it (`--stack` adds it); its
+  ratio to `engine` is the cost of the process split.
+- `stack-streamed`: the same stack and calls, streamed (a message per generated token); its ratio to
+  `stack` is the cost of streaming each token over gRPC on the cores the forward runs on.
 
 Unless a pool size is given, the engine's and the stack's KV pools hold the workload twice over
 (`workload_pool_blocks`) instead of a CPU host's default 4 GiB: every peer stays loaded between rounds,
@@ -142,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
     runners: dict[str, Callable[[int | None], SystemResult]] = {
         "engine": lambda c: run_engine(_need(engine), engine_settings, workload, c),
         "stack": lambda c: run_stack(_need(stack), workload, c),
+        "stack-streamed": lambda c: run_stack(_need(stack), workload, c, streamed=True),
         "hf-cb": lambda c: run_hf_cb(_need(hf_model), workload, c),
         "hf-generate": lambda c: run_hf_generate(_need(hf_model), workload),
         "hf-static": lambda c: run_hf_static(_need(hf_model), workload, args.static_batch or 16, pad_id),
@@ -159,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
             from services.worker.engine import Engine
 
             engine = Engine.from_pretrained(model_path, **engine_settings)
-        if "stack" in systems:
+        if {"stack", "stack-streamed"} & set(systems):
             from services.bench.stack import StackSystem
 
             print("starting the stack (cbserve up) ...", flush=True)
@@ -201,8 +205,9 @@ def run(args: argparse.Namespace) -> int:
         _print_agreement(results)
         if "engine" in results:
             _print_engine_stats(results["engine"])
-        if "stack" in results:
-            _print_stack_profile(results["stack"])
+        for name in ("stack", "stack-streamed"):
+            if name in results:
+                _print_stack_profile(results[name])
     print(
         f"\nGFLOP/s counts 2 x {body_params / 1e6:.1f} M parameters (outside embedding and LM head) x "
         f"{workload.total_tokens} tokens (prompt + output) + 2 x {head_params / 1e6:.1f} M (LM head) x "
@@ -311,10 +316,12 @@ def run_peer(peer: PeerProcess, workload: Workload, max_in_flight: int | None) -
     return SystemResult(peer.spec.name, wall, outputs, workload.total_prompt_tokens, extra=extra)
 
 
-def run_stack(stack: StackSystem, workload: Workload, max_in_flight: int | None) -> SystemResult:
-    run = stack.run(workload, (_WARMUP_PROMPT, _WARMUP_NEW_TOKENS), max_in_flight)
+def run_stack(
+    stack: StackSystem, workload: Workload, max_in_flight: int | None, streamed: bool = False
+) -> SystemResult:
+    run = stack.run(workload, (_WARMUP_PROMPT, _WARMUP_NEW_TOKENS), max_in_flight, streamed)
     return SystemResult(
-        name="stack",
+        name="stack-streamed" if streamed else "stack",
         wall_s=run.wall_s,
         outputs=run.outputs,
         prompt_tokens=workload.total_prompt_tokens,
@@ -681,7 +688,7 @@ def _print_stack_profile(result: SystemResult) -> None:
     phases = [(r["phase"], r["mean_s"], r["share"]) for r in rows if r["phase"] != "total"]
     steps = max((r["steps"] for r in rows), default=0)
     where = "the worker's, from /metrics"
-    print(f"stack step profile over {steps} timed steps ({where}), per step: {_phases_line(phases)}")
+    print(f"{result.name} step profile over {steps} timed steps ({where}), per step: {_phases_line(phases)}")
 
 
 def _phases_line(phases: list[tuple[str, float, float]]) -> str:

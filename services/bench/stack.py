@@ -1,10 +1,15 @@
-"""The `stack` system of `cbserve bench offline`: the workload through the whole gRPC service.
+"""The `stack` and `stack-streamed` systems of `cbserve bench offline`: the workload through the whole
+gRPC service.
 
 `cbserve up` runs as a child process with the same engine settings as the in-process `engine`
 system; every request is sent at once over one channel (grpc.aio) as token ids, greedy, EOS ignored,
-and the wall time runs from the first send to the last final message. Start-up and a warm-up call
-are not timed. The child's logs go to a file so that they do not interleave with the table. The
-worker's step profile over the timed part comes from the stack's /metrics, scraped before and after.
+and the wall time runs from the first send to the last final message. `stack` asks for each output
+whole at the end (`OutputOptions.stream` false), as the in-process engine hands its outputs back;
+`stack-streamed` gets a message per generated token, which on a small host costs the forward the
+CPU that gRPC takes to send and read each (docs/performance.md has the figures). Start-up and a
+warm-up call are not timed. The child's logs go to a file so that they do not interleave with the
+table. The worker's step profile over the timed part comes from the stack's /metrics, scraped before
+and after.
 """
 
 from __future__ import annotations
@@ -84,17 +89,22 @@ class StackSystem:
             time.sleep(0.5)
 
     def run(
-        self, workload: Workload, warmup: tuple[list[int], int], max_in_flight: int | None = None
+        self,
+        workload: Workload,
+        warmup: tuple[list[int], int],
+        max_in_flight: int | None = None,
+        streamed: bool = False,
     ) -> StackRun:
-        """The workload through the stack, at most `max_in_flight` streams open at once (None: all)."""
+        """The workload through the stack, at most `max_in_flight` calls open at once (None: all);
+        `streamed`: a message per generated token, else each output whole at the end."""
         with PeakRss(self.process.pid) as peak:
             wall, outputs, load, profile = asyncio.run(
-                self._run(workload, warmup, max_in_flight or workload.num_requests)
+                self._run(workload, warmup, max_in_flight or workload.num_requests, streamed)
             )
         return StackRun(wall, outputs, load, peak.bytes, profile)
 
     async def _run(
-        self, workload: Workload, warmup: tuple[list[int], int], max_in_flight: int
+        self, workload: Workload, warmup: tuple[list[int], int], max_in_flight: int, streamed: bool
     ) -> tuple[float, list[list[int]], Any, list[dict[str, Any]]]:
         from services.gateway.api import pb, pb_grpc
 
@@ -117,6 +127,7 @@ class StackSystem:
                 request.stopping.max_tokens = max_tokens
                 request.stopping.ignore_eos = True
                 request.output.text = False
+                request.output.stream = streamed
                 ids: list[int] = []
                 async for response in stub.Generate(request, timeout=3600):
                     ids += response.chunk.token_ids

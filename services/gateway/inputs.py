@@ -40,6 +40,7 @@ class Prepared:
     stops: tuple[str, ...]
     want_text: bool
     want_token_ids: bool
+    stream: bool = True  # False: the output is held until the end (OutputOptions.stream)
 
 
 def _chat_dicts(chat: Any, limits: Limits) -> list[dict[str, str]]:
@@ -191,4 +192,5 @@ def prepare(request: Any, tokenizer: Any, facts: WorkerFacts, limits: Limits) ->
         stops=tuple(stop.stop),
         want_text=want_text,
         want_token_ids=out.token_ids if out.HasField("token_ids") else True,
+        stream=out.stream if out.HasField("stream") else True,
     )

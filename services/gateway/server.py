@@ -58,8 +58,9 @@ FINISH_REASONS = {
 # Ends the worker reported itself: it holds nothing more of the request, so nothing to abort there.
 WORKER_ENDS = frozenset(FINISH_REASONS)
 # A long prompt's logprobs (up to 21 candidates with their text per token) go out in parts of this
-# many tokens, each far below the 4 MiB a gRPC client accepts by default.
-PROMPT_LOGPROBS_PER_CHUNK = 512
+# many tokens, and so do a held (non-streamed) output's: each far below the 4 MiB a gRPC client
+# accepts by default.
+LOGPROBS_PER_CHUNK = 512
 # A call cancelled this close to its deadline (or past it) ended by the deadline.
 DEADLINE_SLACK_S = 0.1
 HEALTH_SERVICES = ("", SERVICE_NAME)
@@ -211,6 +212,9 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         needs_text = prepared.want_text or bool(prepared.stops)
         detok = IncrementalDetokenizer(self.tokenizer, prepared.prompt_ids) if needs_text else None
         matcher = StopStringMatcher(prepared.stops)
+        # Not streamed: the output is held here and sent just before the final message.
+        held: Any = None if prepared.stream else pb.GenerateChunk()
+        held_text: list[str] = []
         while True:
             out = await queue.get()
             if out.code:
@@ -232,6 +236,13 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
                 logprobs=[self._logprobs(lp) for lp in out.logprobs or ()],
                 prompt_logprobs=prompt_logprobs,
             )
+            if held is not None:
+                held.MergeFrom(chunk)  # appends its repeated fields; its text is joined at the send
+                held_text.append(chunk.text)
+                if matched is None and not out.finish and len(held.logprobs) < LOGPROBS_PER_CHUNK:
+                    continue
+                held.text = "".join(held_text)
+                chunk, held, held_text = held, pb.GenerateChunk(), []
             if chunk.token_ids or chunk.text or chunk.logprobs or chunk.prompt_logprobs:
                 yield pb.GenerateResponse(chunk=chunk)
             if matched is not None:
@@ -246,10 +257,10 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
                 return
 
     def _prompt_logprob_parts(self, out: RequestOutput) -> list[list[Any]]:
-        """The output's prompt logprobs in parts of at most `PROMPT_LOGPROBS_PER_CHUNK` (one empty
+        """The output's prompt logprobs in parts of at most `LOGPROBS_PER_CHUNK` (one empty
         part when there are none): the last goes with the output's tokens, the others before them."""
         entries = [self._logprobs(lp) for lp in out.prompt_logprobs or ()]
-        n = PROMPT_LOGPROBS_PER_CHUNK
+        n = LOGPROBS_PER_CHUNK
         return [entries[i : i + n] for i in range(0, len(entries), n)] or [[]]
 
     def _logprobs(self, lp: TokenLogprob) -> Any:
