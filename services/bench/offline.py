@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
             from services.worker.engine import Engine
 
             engine = Engine.from_pretrained(model_path, **engine_settings)
-        if {"stack", "stack-streamed"} & set(systems):
+        if set(STACK_SYSTEMS) & set(systems):
             from services.bench.stack import StackSystem
 
             print("starting the stack (cbserve up) ...", flush=True)
@@ -205,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
         _print_agreement(results)
         if "engine" in results:
             _print_engine_stats(results["engine"])
-        for name in ("stack", "stack-streamed"):
+        for name in STACK_SYSTEMS:
             if name in results:
                 _print_stack_profile(results[name])
     print(
@@ -314,6 +314,9 @@ def run_peer(peer: PeerProcess, workload: Workload, max_in_flight: int | None) -
     wall, outputs, peak_rss = peer.run(workload, max_in_flight)
     extra = {"settings": peer.settings, "peak_rss_bytes": peak_rss}
     return SystemResult(peer.spec.name, wall, outputs, workload.total_prompt_tokens, extra=extra)
+
+
+STACK_SYSTEMS = ("stack", "stack-streamed")  # one `cbserve up` serves both
 
 
 def run_stack(
