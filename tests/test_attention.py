@@ -188,9 +188,10 @@ def test_fallback_path_is_exact(
         )
 
 
-# Rows: none, one tile (1, 5, and 14, the tallest) and uneven splits of several tiles (15 = 8 + 7, 38,
-# 600); outputs: a partial last panel (200 = 6 x 32 + 8, 17 < 32) and whole ones (64).
-@pytest.mark.parametrize("rows", [0, 1, 5, 14, 15, 38, 600])
+# Rows: none, one tile (1, 5, and the tallest: 14 with AVX-512, 6 with AVX2) and uneven splits of
+# several tiles (15 = 8 + 7 or 5 + 5 + 5, 38, 600); outputs: a partial last panel (200 = 6 x 32 + 8 or
+# 12 x 16 + 8, 17) and whole ones (64).
+@pytest.mark.parametrize("rows", [0, 1, 5, 6, 14, 15, 38, 600])
 @pytest.mark.parametrize(("in_features", "out_features"), [(96, 200), (33, 17), (64, 64)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("torch_from_rows", [gemm_crossover.NEVER, 9], ids=["panels", "torch-from-9"])

@@ -30,6 +30,13 @@
 // of weights against 22), 1.4x at 48 rows, 1.07x at 512. Where torch's GEMM is faster at many rows
 // (MKL on an Intel CPU), gemm_crossover.py sends those there.
 //
+// On a CPU with AVX2 and FMA but no AVX-512 the same design runs on 16 vector registers of 8 floats:
+// panels of 16 columns (one line per k) and tiles of up to 6 rows. There GCC kept the portable tile's
+// accumulators in memory, and the intrinsics' accumulators too unless every loop over the rows is
+// unrolled (it stored all 12 to the stack on every k): unrolled, on an AMD EPYC (Zen 3, 2 threads, 30
+// layers of SmolLM2's shapes) the linears of a decode step of 16 rows took 45 ms instead of 74, where
+// oneDNN took 78 (2026-12-03); the panels led oneDNN up to 64 rows and trailed it from 128.
+//
 // Each output is one sequential sum over k, which equals torch's GEMM up to fp32 summation order.
 // Only the headers used: <torch/extension.h> (all of libtorch's C++ API) tripled the compile time.
 #include <ATen/Parallel.h>
@@ -38,27 +45,68 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/utils/pybind.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 #include <algorithm>
+#include <array>
+#include <utility>
 
 namespace {
-constexpr int64_t kPanel = 32;   // output columns per panel
-constexpr int kMaxRows = 14;     // rows per tile: 2 x 14 accumulators
-constexpr int64_t kAhead = 32;   // k lines prefetched ahead (4 KiB): panels are read once, from memory
+// A panel's width and a tile's rows follow the vector registers: AVX-512 has 32 of 16 floats (2 x 14
+// accumulators, the panel's two vectors and a broadcast), AVX2 16 of 8 (2 x 6, two, one: the 6 x 16
+// of BLAS kernels for AVX2). The portable build keeps AVX-512's layout.
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+constexpr int64_t kPanel = 16;  // output columns per panel: one 64-byte line per k
+constexpr int kMaxRows = 6;     // rows per tile: 2 x 6 accumulators
+#else
+constexpr int64_t kPanel = 32;  // output columns per panel: two 64-byte lines per k
+constexpr int kMaxRows = 14;    // rows per tile: 2 x 14 accumulators
+#endif
+constexpr int64_t kLinesPerK = kPanel * 4 / 64;
+constexpr int64_t kAhead = 4096 / (kPanel * 4);  // k prefetched ahead (4 KiB): panels are read once, from memory
 
 struct Tile {
   const float* x;  // the tile's rows, k-major: [K, rows]
-  const float* w;  // the panel, [K, 32]
+  const float* w;  // the panel, [K, kPanel]
   int64_t K;
   float* y;        // first row of the tile at the panel's first column
   int64_t sy;
-  const float* bias;  // the panel's 32 (zero-padded) bias values, or null
-  int64_t cols;       // real columns of this panel: 32 but in the last panel
+  const float* bias;  // the panel's kPanel (zero-padded) bias values, or null
+  int64_t cols;       // real columns of this panel: kPanel but in the last panel
   const float* next;  // this tile's share of the next panel, pulled into L2; null after a thread's last
   int64_t next_lines;
   int64_t every;      // k per prefetched line: the tile count, so the tiles together fetch all K lines
+};
+
+// The prefetches of one tile, issued once per k: its share of the next panel into L2 (see the top),
+// and its own panel kAhead lines ahead into L1.
+class PanelPrefetch {
+ public:
+  PanelPrefetch(const Tile& t, bool sparse)
+      : next_(t.next), end_(t.next + t.next_lines * kPanel), every_(t.every), sparse_(sparse) {}
+
+  inline void at(int64_t k, const float* w) {
+    if (wait_-- == 0 && next_ < end_) {
+      wait_ = every_ - 1;
+      if (!sparse_) {
+        for (int64_t l = 0; l < kLinesPerK; ++l)
+          __builtin_prefetch(next_ + 16 * l, 0, 2);  // to L2
+      } else if ((k & 1) == 0) {
+        __builtin_prefetch(next_, 0, 2);
+      }
+      next_ += kPanel;
+    }
+    for (int64_t l = 0; l < kLinesPerK; ++l)
+      __builtin_prefetch(w + kAhead * kPanel + 16 * l, 0, 3);  // to L1
+  }
+
+ private:
+  const float* next_;
+  const float* const end_;
+  const int64_t every_;
+  const bool sparse_;
+  int64_t wait_ = 0;  // a countdown, not k % every: a division per k costs as much as the FMAs
 };
 
 #ifdef __AVX512F__
@@ -67,23 +115,9 @@ void tile(const Tile& t) {
   __m512 lo[R], hi[R];
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
   const float* w = t.w;
-  const float* next = t.next;
-  const float* const next_end = t.next + t.next_lines * kPanel;
-  int64_t wait = 0;  // a countdown, not k % every: a division per k costs as much as the FMAs
-  const bool sparse = R >= 8 && t.every == 1;  // a lone tile of 8-14 rows: see the top
+  PanelPrefetch pull(t, R >= 8 && t.every == 1);  // sparse: a lone tile of 8-14 rows, see the top
   for (int64_t k = 0; k < t.K; ++k, w += kPanel) {
-    if (wait-- == 0 && next < next_end) {
-      wait = t.every - 1;
-      if (!sparse) {
-        _mm_prefetch(reinterpret_cast<const char*>(next), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(next + 16), _MM_HINT_T1);
-      } else if ((k & 1) == 0) {
-        _mm_prefetch(reinterpret_cast<const char*>(next), _MM_HINT_T1);
-      }
-      next += kPanel;
-    }
-    _mm_prefetch(reinterpret_cast<const char*>(w + kAhead * kPanel), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w + kAhead * kPanel + 16), _MM_HINT_T0);
+    pull.at(k, w);
     const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
     const float* xk = t.x + k * R;
     for (int r = 0; r < R; ++r) {
@@ -99,6 +133,39 @@ void tile(const Tile& t) {
   for (int r = 0; r < R; ++r) {
     _mm512_mask_storeu_ps(t.y + r * t.sy, m0, _mm512_add_ps(lo[r], b0));
     _mm512_mask_storeu_ps(t.y + r * t.sy + 16, m1, _mm512_add_ps(hi[r], b1));
+  }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// Lane i of the mask is set where i < n (n in [0, 8]).
+inline __m256i first_lanes(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+template <int R>
+void tile(const Tile& t) {
+  __m256 lo[R], hi[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  const float* w = t.w;
+  PanelPrefetch pull(t, false);
+  for (int64_t k = 0; k < t.K; ++k, w += kPanel) {
+    pull.at(k, w);
+    const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+    const float* xk = t.x + k * R;
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(xk + r);
+      lo[r] = _mm256_fmadd_ps(xv, w0, lo[r]);
+      hi[r] = _mm256_fmadd_ps(xv, w1, hi[r]);
+    }
+  }
+  __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+  if (t.bias != nullptr) b0 = _mm256_loadu_ps(t.bias), b1 = _mm256_loadu_ps(t.bias + 8);
+  const __m256i m0 = first_lanes(std::min<int64_t>(t.cols, 8)), m1 = first_lanes(std::max<int64_t>(t.cols - 8, 0));
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    _mm256_maskstore_ps(t.y + r * t.sy, m0, _mm256_add_ps(lo[r], b0));
+    _mm256_maskstore_ps(t.y + r * t.sy + 8, m1, _mm256_add_ps(hi[r], b1));
   }
 }
 #else
@@ -119,12 +186,14 @@ void tile(const Tile& t) {
 #endif
 
 using TileFn = void (*)(const Tile&);
-constexpr TileFn kTiles[kMaxRows + 1] = {
-    nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>, tile<7>,
-    tile<8>, tile<9>, tile<10>, tile<11>, tile<12>, tile<13>, tile<14>};
+template <size_t... R>
+constexpr std::array<TileFn, kMaxRows + 1> tiles_up_to(std::index_sequence<R...>) {
+  return {nullptr, tile<int(R) + 1>...};
+}
+constexpr auto kTiles = tiles_up_to(std::make_index_sequence<kMaxRows>{});
 }  // namespace
 
-// W [N, K] -> panels [ceil(N / 32), K, 32], the last one zero-padded.
+// W [N, K] -> panels [ceil(N / kPanel), K, kPanel], the last one zero-padded.
 at::Tensor pack_weight(at::Tensor weight) {
   TORCH_CHECK(weight.dtype() == at::kFloat && weight.dim() == 2, "float32 [N, K] weight only, got ",
               weight.sizes(), " ", weight.dtype());
