@@ -134,3 +134,26 @@ def test_smollm2_chat_streams_match_generate(smol_stack: Stack) -> None:
         eos = bool(want) and want[-1] in smol_stack.info.eos_token_ids
         assert final.finish_reason == (pb.FINISH_REASON_EOS if eos else pb.FINISH_REASON_LENGTH)
     smol_stack.assert_idle()
+
+
+def test_a_burst_sent_to_an_idle_stack_is_prefilled_in_one_step(
+    tiny_models: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """Calls sent together reach the worker one by one, over a few ms; while none has started it
+    gathers those still coming (`arrival_gap_ms`), so one forward prefills and samples them all."""
+    stack = Stack(tiny_models("llama"), tmp_path, page_size=8, num_blocks=64, arrival_gap_ms=250)
+    try:
+
+        def forwards() -> float:
+            histogram = parse_histogram(scrape(f"http://127.0.0.1:{stack.metrics_port}/metrics"))
+            return histogram.get("forward", (0.0, 0.0))[1]
+
+        rng = random.Random(9)
+        prompts = [[rng.randint(3, 255) for _ in range(20)] for _ in range(4)]
+        before = forwards()
+        results = run_concurrently(stack, [greedy_request(p, 1) for p in prompts])
+        assert [r[0] for r in results] == [stack.reference(p, 1) for p in prompts]
+        stack.assert_idle()
+        assert forwards() - before == 1
+    finally:
+        stack.stop()

@@ -34,6 +34,7 @@ CB_SETTINGS: tuple[tuple[str, Any, str], ...] = (
     ("kv_padding_interval_size", int, "KV length padding (CUDA graphs)"),
     ("use_cuda_graph", bool, "replay CUDA graphs for decode steps (CUDA devices only)"),
     ("use_async_batching", bool, "plan and build the next step while the forward runs"),
+    ("arrival_gap_ms", float, "with nothing running, gather requests arriving < this many ms apart (0: off)"),
 )
 CB_SETTING_NAMES = tuple(name for name, _, _ in CB_SETTINGS)
 

@@ -49,6 +49,12 @@ class CBConfig:
     # Decode steps replay CUDA graphs (worker/cuda_graphs.py). None: on for a CUDA device, off
     # elsewhere; True on another device is refused where the device is known (`cuda_graph_enabled`).
     use_cuda_graph: bool | None = None
+    # While no request has started (none running), the worker takes requests that keep arriving less
+    # than this many ms apart into its next step (for at most 5x this in all), so that a burst (a
+    # closed-loop client's next wave, a batch job) prefills in one step instead of one request first
+    # and the rest a whole prefill later. A lone request waits this long once; a running request never
+    # waits for it. 0: off.
+    arrival_gap_ms: float = 8.0
     # The host plans, round-trips and builds step N+1 while step N's forward runs (engine.py). Off by
     # default: on a CPU that host work competes with the forward's threads for the same cores.
     use_async_batching: bool = False
@@ -70,6 +76,8 @@ class CBConfig:
             raise ValueError(f"max_memory_percent must be in (0, 1], got {self.max_memory_percent!r}")
         if self.safety_margin is not None and not 0.0 <= self.safety_margin < 1.0:
             raise ValueError(f"safety_margin must be in [0, 1), got {self.safety_margin!r}")
+        if not 0 <= self.arrival_gap_ms <= 1000:
+            raise ValueError(f"arrival_gap_ms must be in [0, 1000], got {self.arrival_gap_ms!r}")
         if self.cpu_offload_space < 0:
             raise ValueError(f"cpu_offload_space must be >= 0 GiB, got {self.cpu_offload_space!r}")
         for name in ("long_prefill_token_threshold", "q_padding_interval_size", "kv_padding_interval_size"):

@@ -221,6 +221,11 @@ class Engine:
         return self.scheduler.has_work or self.scheduler.has_releases or bool(self._in_flight)
 
     @property
+    def only_pending(self) -> bool:
+        """Requests to compute, none started yet, and no step in flight: nobody waits on a next token."""
+        return self.scheduler.has_work and self.scheduler.all_pending and not self._in_flight
+
+    @property
     def in_flight(self) -> int:
         """Steps launched whose tokens the host has not taken yet."""
         return len(self._in_flight)

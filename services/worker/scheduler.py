@@ -107,6 +107,12 @@ class Scheduler:
         return bool(self.requests)
 
     @property
+    def all_pending(self) -> bool:
+        """Whether no request has started (none prefilling, decoding or offloaded), so that a step put
+        off for more arrivals delays nobody's next token."""
+        return all(r.status is RequestStatus.PENDING for r in self.requests.values())
+
+    @property
     def has_releases(self) -> bool:
         return bool(self._frees or self._aborts)
 

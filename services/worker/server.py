@@ -246,6 +246,7 @@ class WorkerServer:
         busy = self.engine is not None and self.engine.has_work
         if self._socket.poll(0 if busy else IDLE_POLL_MS):
             self._drain()
+            self._gather_arrivals()
         if self.engine is not None and self.engine.has_work:
             try:
                 self._step(self.engine)
@@ -261,6 +262,24 @@ class WorkerServer:
         self._send_status()
         if self.engine is None or not self.engine.has_work:
             self._flush()  # else the next step sends this news once its plan has committed the KV
+
+    def _gather_arrivals(self) -> None:
+        """While every request is still to start, wait for those still arriving (`arrival_gap_ms`).
+
+        A burst reaches the worker over a few ms (each request passes the router and a gateway on its
+        own: a closed-loop client's wave of 4 through smg came 4-5 ms apart). Stepping at the first
+        arrival prefilled it alone, and the rest waited a whole prefill for the next step: a wave of 4
+        prompts of 128 tokens took a step of 128 then one of 384 (TTFT 1.1-1.3 s for three of them,
+        against 1.0-1.1 s for one step of 512 on that CPU)."""
+        if self.engine is None or not self.engine.only_pending:
+            return
+        gap_ms = self.config.arrival_gap_ms
+        deadline = time.monotonic() + 5 * gap_ms / 1e3
+        while gap_ms > 0:
+            left_ms = (deadline - time.monotonic()) * 1e3
+            if left_ms <= 0 or not self._socket.poll(max(1, round(min(gap_ms, left_ms)))):
+                return
+            self._drain()
 
     def _drain(self) -> None:
         while True:
