@@ -271,13 +271,12 @@ class WorkerServer:
         arrival prefilled it alone, and the rest waited a whole prefill for the next step: a wave of 4
         prompts of 128 tokens took a step of 128 then one of 384 (TTFT 1.1-1.3 s for three of them,
         against 1.0-1.1 s for one step of 512 on that CPU)."""
-        if self.engine is None or not self.engine.only_pending:
-            return
         gap_ms = self.config.arrival_gap_ms
+        if gap_ms <= 0 or self.engine is None or not self.engine.only_pending:
+            return
         deadline = time.monotonic() + 5 * gap_ms / 1e3
-        while gap_ms > 0:
-            left_ms = (deadline - time.monotonic()) * 1e3
-            if left_ms <= 0 or not self._socket.poll(max(1, round(min(gap_ms, left_ms)))):
+        while (left_ms := (deadline - time.monotonic()) * 1e3) > 0:
+            if not self._socket.poll(max(1, round(min(gap_ms, left_ms)))):
                 return
             self._drain()
 
