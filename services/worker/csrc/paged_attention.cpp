@@ -337,6 +337,25 @@ inline void weighted_blocks_generic(const Task& t, const float* w, int64_t head_
       for (int64_t d = 0; d < t.D; ++d) out[g * t.D + d] *= inv[g];
 }
 
+// Below AVX-512 (whose path in run_task works a whole head at a time) a task goes row by row: on
+// the AVX2 path where the head size has one (NC > 0), else on the portable one.
+template <int NC>
+inline void row_dots(const Task& t, const float* q, int64_t head_off, int64_t j0, int64_t count, float* dst) {
+#ifdef CBSERVE_AVX2
+  if constexpr (NC > 0) return dots_avx2<NC>(t, q, head_off, j0, count, dst);
+#endif
+  dots_generic(t, q, head_off, j0, count, dst);
+}
+
+template <int NC>
+inline void head_weighted(const Task& t, const float* w, int64_t head_off, int64_t j0, int64_t j1, const float* inv,
+                          float* out, bool first, bool last) {
+#ifdef CBSERVE_AVX2
+  if constexpr (NC > 0) return weighted_blocks_avx2(t, w, head_off, j0, j1, inv, out, first, last);
+#endif
+  weighted_blocks_generic(t, w, head_off, j0, j1, inv, out, first, last);
+}
+
 // Softmax of one score row in place; returns 1 / its sum.
 inline float softmax_(float* row, int64_t n, float cap) {
   // Built with -ffast-math (so exp vectorises): every value here stays finite, starting with this.
@@ -407,17 +426,10 @@ void run_task(const Task& t, float* scores) {
       for (int64_t h = 0; h < t.hs; ++h) head_dots<NC>(t, h, j0, count, scores, pump);
       continue;
     }
-#elif defined(CBSERVE_AVX2)
-    if constexpr (NC > 0) {
-      pump.advance(count * pump.row_lines());
-      for (int64_t r = 0; r < rows; ++r)
-        dots_avx2<NC>(t, t.q + r * t.D, (r / t.G) * t.D, j0, count, scores + r * t.n + j0);
-      continue;
-    }
 #endif
     pump.advance(count * pump.row_lines());
     for (int64_t r = 0; r < rows; ++r)
-      dots_generic(t, t.q + r * t.D, (r / t.G) * t.D, j0, count, scores + r * t.n + j0);
+      row_dots<NC>(t, t.q + r * t.D, (r / t.G) * t.D, j0, count, scores + r * t.n + j0);
   }
   float inv[kMaxRows];
   for (int64_t r = 0; r < rows; ++r) inv[r] = softmax_(scores + r * t.n, t.n, t.cap);
@@ -431,20 +443,11 @@ void run_task(const Task& t, float* scores) {
       }
       continue;
     }
-#elif defined(CBSERVE_AVX2)
-    if constexpr (NC > 0) {
-      pump.advance((j1 - j0) * pump.row_lines());
-      for (int64_t h = 0; h < t.hs; ++h) {
-        const int64_t r = h * t.G;
-        weighted_blocks_avx2(t, scores + r * t.n, h * t.D, j0, j1, inv + r, t.out + r * t.D, j0 == 0, j1 == t.n);
-      }
-      continue;
-    }
 #endif
     pump.advance((j1 - j0) * pump.row_lines());
     for (int64_t h = 0; h < t.hs; ++h) {
       const int64_t r = h * t.G;
-      weighted_blocks_generic(t, scores + r * t.n, h * t.D, j0, j1, inv + r, t.out + r * t.D, j0 == 0, j1 == t.n);
+      head_weighted<NC>(t, scores + r * t.n, h * t.D, j0, j1, inv + r, t.out + r * t.D, j0 == 0, j1 == t.n);
     }
   }
 }
