@@ -129,7 +129,8 @@ def paged_prefill_kernel(head_dim: int) -> PagedPrefill | None:
     """`paged_prefill(q [T, H, D], out, k_cache [S, kv, D], v_cache, first_rows [B], num_queries [B],
     slots [B, L], lengths [B], scale, softcap, window)`: causal attention of each request's query
     tokens (packed rows `first_rows[b]` on) over its first `lengths[b]` slots, written into `out`.
-    None where it does not run (no AVX-512, or another head size): prefill then gathers + SDPA."""
+    None where it does not run (neither AVX-512 nor AVX2, or another head size): prefill then gathers +
+    SDPA."""
     module = _paged_attention()
     if module is None or not module.prefill_supports(head_dim):
         return None

@@ -22,8 +22,9 @@
 // registers, a 32-float slice of the head at a time. The portable loops that serve elsewhere ran a
 // decode step's attention about 2.5x slower than its K/V reads take on an AMD EPYC without AVX-512.
 //
-// Prefill chunks (paged_prefill, AVX-512 only): several query tokens per request, each attending
-// causally (and within a sliding window, if any) to the keys before it. See the second half.
+// Prefill chunks (paged_prefill; AVX-512, or AVX2 for head sizes 32-128 by 32): several query tokens
+// per request, each attending causally (and within a sliding window, if any) to the keys before it.
+// See the second half.
 // Only the headers used: <torch/extension.h> (all of libtorch's C++ API) tripled the compile time.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -32,7 +33,7 @@
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/utils/pybind.h>
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-#define CBSERVE_AVX2 1  // the decode path's 8-float variant; prefill has none (gather + SDPA)
+#define CBSERVE_AVX2 1  // the 8-float variants of the vector paths (16 registers)
 #endif
 #if defined(__AVX512F__) || defined(CBSERVE_AVX2)
 #include <immintrin.h>
@@ -265,22 +266,23 @@ inline void dots_avx2(const Task& t, const float* q, int64_t head_off, int64_t j
   }
 }
 
-// out[g] (+)= sum_j w[g][j] * V[j] over keys [j0, j1), on one 32-float slice of the head (`off` into
-// a V row, `out` at the slice), for GB queries of one head: 4 x GB accumulators in registers, each V
-// vector loaded once per query from L1; `first` starts from zero, `last` scales by inv[g].
+// out[g] (+)= sum over keys j in [j0, j1) of w[g][j * ws] * V[j], on one 32-float slice of a head (`v`
+// at the slice in key row 0: key j's slice is v + slot[j] * stride), for GB rows (query heads of a
+// decode row, or query rows of a prefill block): 4 x GB accumulators in registers, each V vector
+// loaded once per row from L1; `first` starts from zero, `last` scales by inv[g].
 template <int GB>
-inline void weighted_slice(const Task& t, const float* w, int64_t off, int64_t j0, int64_t j1, const float* inv,
-                           float* out, bool first, bool last) {
+inline void weighted_slice(const float* v, int64_t stride, const int64_t* slot, const float* const* w, int64_t ws,
+                           int64_t j0, int64_t j1, const float* inv, float* const* out, bool first, bool last) {
   __m256 acc[GB][4];
 #pragma GCC unroll 4
   for (int g = 0; g < GB; ++g)
 #pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) acc[g][c] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + g * t.D + 8 * c);
+    for (int c = 0; c < 4; ++c) acc[g][c] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out[g] + 8 * c);
   for (int64_t j = j0; j < j1; ++j) {
-    const float* vr = t.v + t.slot[j] * t.stride + off;
+    const float* vr = v + slot[j] * stride;
 #pragma GCC unroll 4
     for (int g = 0; g < GB; ++g) {
-      const __m256 wg = _mm256_set1_ps(w[g * t.n + j]);
+      const __m256 wg = _mm256_set1_ps(w[g][j * ws]);
 #pragma GCC unroll 4
       for (int c = 0; c < 4; ++c) acc[g][c] = _mm256_fmadd_ps(wg, _mm256_loadu_ps(vr + 8 * c), acc[g][c]);
     }
@@ -289,23 +291,37 @@ inline void weighted_slice(const Task& t, const float* w, int64_t off, int64_t j
   for (int g = 0; g < GB; ++g) {
     const __m256 s = _mm256_set1_ps(last ? inv[g] : 1.f);
 #pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(out + g * t.D + 8 * c, _mm256_mul_ps(acc[g][c], s));
+    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(out[g] + 8 * c, _mm256_mul_ps(acc[g][c], s));
   }
 }
 
-// The queries of one head over keys [j0, j1): every 32-float slice, up to three queries a pass.
-inline void weighted_blocks_avx2(const Task& t, const float* w, int64_t head_off, int64_t j0, int64_t j1,
-                                 const float* inv, float* out, bool first, bool last) {
-  for (int64_t g = 0; g < t.G; g += 3) {
-    const int64_t gb = std::min<int64_t>(3, t.G - g);
-    for (int64_t c0 = 0; c0 < t.D; c0 += 32) {
-      const float* wg = w + g * t.n;
-      float* og = out + g * t.D + c0;
-      if (gb == 3) weighted_slice<3>(t, wg, head_off + c0, j0, j1, inv + g, og, first, last);
-      if (gb == 2) weighted_slice<2>(t, wg, head_off + c0, j0, j1, inv + g, og, first, last);
-      if (gb == 1) weighted_slice<1>(t, wg, head_off + c0, j0, j1, inv + g, og, first, last);
+// weighted_slice over every 32-float slice of `D`, up to three rows a pass: row g's weights at
+// w + g * wg (key j at j * ws), its output at out(g).
+template <typename Out>
+inline void weighted_rows(const float* v, int64_t stride, const int64_t* slot, int64_t D, int64_t rows,
+                          const float* w, int64_t wg, int64_t ws, int64_t j0, int64_t j1, const float* inv,
+                          Out out, bool first, bool last) {
+  for (int64_t g = 0; g < rows; g += 3) {
+    const int64_t gb = std::min<int64_t>(3, rows - g);
+    for (int64_t c0 = 0; c0 < D; c0 += 32) {
+      const float* wr[3];
+      float* orow[3];
+      for (int64_t i = 0; i < gb; ++i) {
+        wr[i] = w + (g + i) * wg;
+        orow[i] = out(g + i) + c0;
+      }
+      if (gb == 3) weighted_slice<3>(v + c0, stride, slot, wr, ws, j0, j1, inv + g, orow, first, last);
+      if (gb == 2) weighted_slice<2>(v + c0, stride, slot, wr, ws, j0, j1, inv + g, orow, first, last);
+      if (gb == 1) weighted_slice<1>(v + c0, stride, slot, wr, ws, j0, j1, inv + g, orow, first, last);
     }
   }
+}
+
+// The queries of one head over keys [j0, j1).
+inline void weighted_blocks_avx2(const Task& t, const float* w, int64_t head_off, int64_t j0, int64_t j1,
+                                 const float* inv, float* out, bool first, bool last) {
+  weighted_rows(t.v + head_off, t.stride, t.slot, t.D, t.G, w, t.n, 1, j0, j1, inv,
+                [&](int64_t g) { return out + g * t.D; }, first, last);
 }
 #endif
 
@@ -569,6 +585,26 @@ struct PrefillTask {
   float scale, cap;
 };
 
+// The task's rows r = i * G + g (query token i, query head g of the kv head), padded to Rp rows (whole
+// vectors): the queries as qt [D, Rp], scaled, and each row's range [lo, hi] within the block's keys.
+// Padding rows (zero queries, finite scores) take all keys and are never stored.
+inline void prefill_rows(const PrefillTask& t, int64_t Rp, float* qt, int32_t* lo, int32_t* hi) {
+  const int64_t R = t.nq * t.G;
+  for (int64_t r = 0; r < Rp; ++r) {
+    const float* src = t.q + (r / t.G) * t.sq + (r % t.G) * t.D;
+    for (int64_t d = 0; d < t.D; ++d) qt[d * Rp + r] = r < R ? src[d] * t.scale : 0.f;
+    lo[r] = r < R ? static_cast<int32_t>(t.jlo[r / t.G] - t.j0) : 0;
+    hi[r] = r < R ? static_cast<int32_t>(t.jhi[r / t.G] - t.j0) : static_cast<int32_t>(t.nk - 1);
+  }
+}
+
+// Logit soft-capping (Gemma2) of a block's scores, in place.
+inline void cap_scores(float* st, int64_t n, float cap) {
+  if (cap <= 0.f) return;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) st[i] = std::tanh(st[i] / cap) * cap;
+}
+
 #ifdef __AVX512F__
 // Scores of GR x 16 rows (lanes) against kKeys keys: st[u * Rp + g * 16 + lane].
 template <int NC, int GR>
@@ -651,11 +687,9 @@ constexpr auto kValues = values_table<NC>(std::make_index_sequence<values_rows(N
 // qt is [D, Rp], st [nk, Rp]: both in L1/L2 for the task's life.
 template <int NC>
 void run_prefill(const PrefillTask& t, float* qt, float* st) {
-  const int64_t R = t.nq * t.G, Rp = (R + kLanes - 1) / kLanes * kLanes, D = NC * 16;
-  for (int64_t r = 0; r < Rp; ++r) {
-    const float* src = t.q + (r / t.G) * t.sq + (r % t.G) * D;
-    for (int64_t d = 0; d < D; ++d) qt[d * Rp + r] = r < R ? src[d] * t.scale : 0.f;
-  }
+  const int64_t R = t.nq * t.G, Rp = (R + kLanes - 1) / kLanes * kLanes;
+  std::vector<int32_t> lo(Rp), hi(Rp);
+  prefill_rows(t, Rp, qt, lo.data(), hi.data());
   const int64_t vectors = Rp / kLanes;
   for (int64_t j = 0; j < t.nk; j += kKeys) {
     const int64_t keys = std::min(kKeys, t.nk - j);
@@ -671,13 +705,7 @@ void run_prefill(const PrefillTask& t, float* qt, float* st) {
       }
     }
   }
-  // Each row's range within the block's keys. Padding rows (zero queries, finite scores) take all
-  // keys and are never stored.
-  std::vector<int32_t> lo(Rp), hi(Rp);
-  for (int64_t r = 0; r < Rp; ++r) {
-    lo[r] = r < R ? static_cast<int32_t>(t.jlo[r / t.G] - t.j0) : 0;
-    hi[r] = r < R ? static_cast<int32_t>(t.jhi[r / t.G] - t.j0) : static_cast<int32_t>(t.nk - 1);
-  }
+  cap_scores(st, t.nk * Rp, t.cap);
   std::vector<float> inv(Rp);
   for (int64_t gv = 0; gv < vectors; ++gv) {
     const __m512i lv = _mm512_loadu_si512(lo.data() + gv * kLanes), hv = _mm512_loadu_si512(hi.data() + gv * kLanes);
@@ -690,12 +718,6 @@ void run_prefill(const PrefillTask& t, float* qt, float* st) {
       return _mm512_cmple_epi32_mask(lv, jv) & _mm512_cmple_epi32_mask(jv, hv);
     };
     float* col = st + gv * kLanes;
-    if (t.cap > 0.f)
-      for (int64_t j = 0; j < t.nk; ++j) {
-        float* s = col + j * Rp;
-#pragma omp simd
-        for (int64_t i = 0; i < kLanes; ++i) s[i] = std::tanh(s[i] / t.cap) * t.cap;
-      }
     __m512 mv = _mm512_set1_ps(-FLT_MAX);
     for (int64_t j = 0; j < t.nk; ++j) mv = _mm512_mask_max_ps(mv, seen(j), mv, _mm512_loadu_ps(col + j * Rp));
     __m512 sum = _mm512_setzero_ps();
@@ -717,11 +739,130 @@ void run_prefill(const PrefillTask& t, float* qt, float* st) {
 }
 #endif
 
+#ifdef CBSERVE_AVX2
+// The AVX2 variant of the above with 16 registers: rows across the 8 lanes of a vector, scores of
+// 2 vectors of rows against 6 keys at a time (12 accumulators), and the values through the decode
+// path's weighted_slice, three rows a pass.
+constexpr int64_t kLanes8 = 8;
+constexpr int64_t kKeys8 = 6;
+
+// Scores of GR x 8 rows against kKeys8 keys: st[u * Rp + g * 8 + lane].
+template <int NC, int GR>  // NC = D / 8
+inline void prefill_scores_avx2(const float* qt, int64_t Rp, const float* const* kr, float* st, int64_t keys) {
+  __m256 acc[kKeys8][GR];
+#pragma GCC unroll 8
+  for (int u = 0; u < kKeys8; ++u)
+#pragma GCC unroll 2
+    for (int g = 0; g < GR; ++g) acc[u][g] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < NC * 8; ++d) {
+    __m256 qv[GR];
+#pragma GCC unroll 2
+    for (int g = 0; g < GR; ++g) qv[g] = _mm256_loadu_ps(qt + d * Rp + g * kLanes8);
+#pragma GCC unroll 8
+    for (int u = 0; u < kKeys8; ++u) {
+      const __m256 kv = _mm256_broadcast_ss(kr[u] + d);
+#pragma GCC unroll 2
+      for (int g = 0; g < GR; ++g) acc[u][g] = _mm256_fmadd_ps(qv[g], kv, acc[u][g]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int u = 0; u < kKeys8; ++u)
+    if (u < keys)
+#pragma GCC unroll 2
+      for (int g = 0; g < GR; ++g) _mm256_storeu_ps(st + u * Rp + g * kLanes8, acc[u][g]);
+}
+
+// e^x for x <= 0 to about 1 ulp (exp_ps's polynomial), down to the smallest normal (x is clamped to
+// [-87.34, 0], so that 2^n is built in the exponent bits: AVX2 has no scalef).
+inline __m256 exp_avx2(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3365478515625f)), _mm256_setzero_ps());
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+template <int NC>  // D / 8
+void run_prefill_avx2(const PrefillTask& t, float* qt, float* st) {
+  const int64_t R = t.nq * t.G, Rp = (R + kLanes8 - 1) / kLanes8 * kLanes8;
+  std::vector<int32_t> lo(Rp), hi(Rp);
+  prefill_rows(t, Rp, qt, lo.data(), hi.data());
+  const int64_t vectors = Rp / kLanes8;
+  for (int64_t j = 0; j < t.nk; j += kKeys8) {
+    const int64_t keys = std::min(kKeys8, t.nk - j);
+    const float* kr[kKeys8];
+    for (int64_t u = 0; u < kKeys8; ++u) kr[u] = t.k + t.slot[t.j0 + j + std::min(u, keys - 1)] * t.stride;
+    for (int64_t g0 = 0; g0 < vectors; g0 += 2) {
+      const float* qg = qt + g0 * kLanes8;
+      float* sg = st + j * Rp + g0 * kLanes8;
+      if (vectors - g0 >= 2) {
+        prefill_scores_avx2<NC, 2>(qg, Rp, kr, sg, keys);
+      } else {
+        prefill_scores_avx2<NC, 1>(qg, Rp, kr, sg, keys);
+      }
+    }
+  }
+  cap_scores(st, t.nk * Rp, t.cap);
+  std::vector<float> inv(Rp);
+  const __m256i ones = _mm256_set1_epi32(-1);
+  for (int64_t gv = 0; gv < vectors; ++gv) {
+    const __m256i lv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo.data() + gv * kLanes8));
+    const __m256i hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi.data() + gv * kLanes8));
+    const int64_t all_lo = *std::max_element(lo.begin() + gv * kLanes8, lo.begin() + (gv + 1) * kLanes8);
+    const int64_t all_hi = *std::min_element(hi.begin() + gv * kLanes8, hi.begin() + (gv + 1) * kLanes8);
+    auto seen = [&](int64_t j) -> __m256 {  // all ones in the lanes whose row sees key j
+      if (j >= all_lo && j <= all_hi) return _mm256_castsi256_ps(ones);
+      const __m256i jv = _mm256_set1_epi32(static_cast<int32_t>(j));
+      const __m256i unseen = _mm256_or_si256(_mm256_cmpgt_epi32(lv, jv), _mm256_cmpgt_epi32(jv, hv));
+      return _mm256_castsi256_ps(_mm256_xor_si256(unseen, ones));
+    };
+    float* col = st + gv * kLanes8;
+    const __m256 lowest = _mm256_set1_ps(-FLT_MAX);
+    __m256 mv = lowest;
+    for (int64_t j = 0; j < t.nk; ++j)
+      mv = _mm256_max_ps(mv, _mm256_blendv_ps(lowest, _mm256_loadu_ps(col + j * Rp), seen(j)));
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t j = 0; j < t.nk; ++j) {
+      float* s = col + j * Rp;
+      const __m256 ev = _mm256_and_ps(seen(j), exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(s), mv)));
+      _mm256_storeu_ps(s, ev);
+      sum = _mm256_add_ps(sum, ev);
+    }
+    _mm256_storeu_ps(inv.data() + gv * kLanes8, _mm256_div_ps(_mm256_set1_ps(1.f), sum));
+  }
+  // Rows that do not see key j weigh exactly 0 there, so three rows share the span of their keys.
+  for (int64_t r0 = 0; r0 < R; r0 += 3) {
+    const int64_t rows = std::min<int64_t>(3, R - r0);
+    const int64_t a = *std::min_element(lo.begin() + r0, lo.begin() + r0 + rows);
+    const int64_t b = *std::max_element(hi.begin() + r0, hi.begin() + r0 + rows);
+    weighted_rows(t.v, t.stride, t.slot + t.j0, NC * 8, rows, st + r0, 1, Rp, a, b + 1, inv.data() + r0,
+                  [&](int64_t g) { return t.out + ((r0 + g) / t.G) * t.so + ((r0 + g) % t.G) * t.D; }, true, true);
+  }
+}
+#endif
+
 using PrefillFn = void (*)(const PrefillTask&, float*, float*);
 
 PrefillFn pick_prefill(int64_t D) {
 #ifdef __AVX512F__
   return by_head_size<PrefillFn>(D, nullptr, []<int NC>() -> PrefillFn { return run_prefill<NC>; });
+#elif defined(CBSERVE_AVX2)
+  switch (D) {
+    case 32: return run_prefill_avx2<4>;
+    case 64: return run_prefill_avx2<8>;
+    case 96: return run_prefill_avx2<12>;
+    case 128: return run_prefill_avx2<16>;
+    default: return nullptr;
+  }
 #else
   (void)D;
   return nullptr;
@@ -801,6 +942,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Without the GIL: the host plans the next step while a forward runs (async batching).
   using nogil = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU, float32)", nogil{});
-  m.def("paged_prefill", &paged_prefill, "paged causal attention of prefill chunks (CPU, float32, AVX-512)", nogil{});
+  m.def("paged_prefill", &paged_prefill, "paged causal attention of prefill chunks (CPU, float32, AVX-512 or AVX2)", nogil{});
   m.def("prefill_supports", &prefill_supports, "whether paged_prefill runs this head size here");
 }
