@@ -140,20 +140,36 @@ def test_a_burst_sent_to_an_idle_stack_is_prefilled_in_one_step(
     tiny_models: Callable[[str], Path], tmp_path: Path
 ) -> None:
     """Calls sent together reach the worker one by one, over a few ms; while none has started it
-    gathers those still coming (`arrival_gap_ms`), so one forward prefills and samples them all."""
-    stack = Stack(tiny_models("llama"), tmp_path, page_size=8, num_blocks=64, arrival_gap_ms=250)
+    gathers those still coming (`arrival_gap_ms`), so one forward prefills and samples them all. A
+    wave as large as the one that just finished (closed-loop clients coming back) starts once it is
+    all in, without waiting out the gap."""
+    gap_s = 0.5
+    stack = Stack(tiny_models("llama"), tmp_path, page_size=8, num_blocks=64, arrival_gap_ms=gap_s * 1e3)
     try:
 
-        def forwards() -> float:
-            histogram = parse_histogram(scrape(f"http://127.0.0.1:{stack.metrics_port}/metrics"))
-            return histogram.get("forward", (0.0, 0.0))[1]
+        def totals() -> tuple[float, float]:
+            """(forwards, seconds requests spent queued) so far."""
+            text = scrape(f"http://127.0.0.1:{stack.metrics_port}/metrics")
+            forwards = parse_histogram(text).get("forward", (0.0, 0.0))[1]
+            queued = parse_histogram(text, "cbserve:request_queue_time_seconds").get("", (0.0, 0.0))[0]
+            return forwards, queued
 
-        rng = random.Random(9)
-        prompts = [[rng.randint(3, 255) for _ in range(20)] for _ in range(4)]
-        before = forwards()
-        results = run_concurrently(stack, [greedy_request(p, 1) for p in prompts])
-        assert [r[0] for r in results] == [stack.reference(p, 1) for p in prompts]
-        stack.assert_idle()
-        assert forwards() - before == 1
+        def wave(seed: int) -> tuple[float, float]:
+            """(forwards, queue seconds) the wave took."""
+            rng = random.Random(seed)
+            prompts = [[rng.randint(3, 255) for _ in range(20)] for _ in range(4)]
+            before = totals()
+            results = run_concurrently(stack, [greedy_request(p, 1) for p in prompts])
+            assert [r[0] for r in results] == [stack.reference(p, 1) for p in prompts]
+            stack.assert_idle()
+            after = totals()
+            return after[0] - before[0], after[1] - before[1]
+
+        forwards, queued = wave(9)
+        assert forwards == 1
+        assert queued >= gap_s, queued  # the first arrival waited the gap out at least
+        forwards, queued = wave(10)
+        assert forwards == 1
+        assert queued < gap_s / 2, queued  # four waits, all ended by the fourth arrival
     finally:
         stack.stop()

@@ -142,6 +142,11 @@ class WorkerServer:
         self._pending_queries: dict[bytes, int] = {}
         self._pending_flushes: dict[bytes, int] = {}
         self._profile: StepTimes | None = None  # the latest step's, sent with this turn's messages
+        # A closed-loop client sends its next request when one finishes: the finished requests not
+        # followed by an arrival yet, read when a request finds no other, are the wave coming with
+        # it. Zeroed when a gather times out: the rest are not coming soon.
+        self._awaited = 0
+        self._wave_size = 0
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -270,15 +275,21 @@ class WorkerServer:
         own: a closed-loop client's wave of 4 through smg came 4-5 ms apart). Stepping at the first
         arrival prefilled it alone, and the rest waited a whole prefill for the next step: a wave of 4
         prompts of 128 tokens took a step of 128 then one of 384 (TTFT 1.1-1.3 s for three of them,
-        against 1.0-1.1 s for one step of 512 on that CPU)."""
+        against 1.0-1.1 s for one step of 512 on that CPU).
+
+        It stops early once the wave is in: as many requests as had finished before it began (a lone
+        client's next request then waits no gap at all)."""
         gap_ms = self.config.arrival_gap_ms
         if gap_ms <= 0 or self.engine is None or not self.engine.only_pending:
             return
         deadline = time.monotonic() + 5 * gap_ms / 1e3
         while (left_ms := (deadline - time.monotonic()) * 1e3) > 0:
-            if not self._socket.poll(max(1, round(min(gap_ms, left_ms)))):
+            if 0 < self._wave_size <= len(self.tracked):
                 return
+            if not self._socket.poll(max(1, round(min(gap_ms, left_ms)))):
+                break
             self._drain()
+        self._awaited = 0
 
     def _drain(self) -> None:
         while True:
@@ -331,6 +342,7 @@ class WorkerServer:
             if total > facts.max_request_tokens:
                 raise ValueError(f"prompt + max_new_tokens = {total} tokens; a request holds at most "
                                  f"{facts.max_request_tokens}")  # fmt: skip
+            first = not self.tracked
             engine.add_request(
                 new.prompt_ids, new.params, request_id=key, priority=new.priority, cache_salt=new.cache_salt
             )
@@ -339,6 +351,9 @@ class WorkerServer:
                 RequestOutput(new.request_id, [], finish="error", error=str(exc), code="INVALID_ARGUMENT")
             )
             return
+        if first:
+            self._wave_size = self._awaited
+        self._awaited = max(0, self._awaited - 1)
         self.tracked[key] = Tracked(gateway, new.request_id, new.trace_id)
         gateway.requests.add(key)
         log.info("request added", request_id=new.trace_id, prompt_tokens=len(new.prompt_ids),
@@ -356,6 +371,7 @@ class WorkerServer:
         log.info("request aborted by gateway", request_id=tracked.trace_id, internal_id=tracked.request_id)
 
     def _step(self, engine: Engine) -> None:
+        self._wave_size = 0  # the wave is in this step, or was never gathered
         flush_s = 0.0
 
         def flush() -> None:  # the previous step's news, sent from inside engine.step
@@ -397,6 +413,7 @@ class WorkerServer:
                 error, code = req.error, "INVALID_ARGUMENT"
             del self.tracked[req.request_id]
             tracked.gateway.requests.discard(req.request_id)
+            self._awaited += 1
             log.info("request finished", request_id=tracked.trace_id, reason=finish, error=error or None,
                      completion_tokens=len(req.output_ids), cached_tokens=req.num_cached_tokens)  # fmt: skip
         tracked.gateway.outputs.append(
