@@ -52,8 +52,9 @@ class CBConfig:
     # While no request has started (none running), the worker takes requests that keep arriving less
     # than this many ms apart into its next step (for at most 5x this in all), so that a burst (a
     # closed-loop client's next wave, a batch job) prefills in one step instead of one request first
-    # and the rest a whole prefill later. A lone request waits this long once; a running request never
-    # waits for it. 0: off.
+    # and the rest a whole prefill later. A lone request waits this long once; a wave as large as the
+    # one that last finished (closed-loop clients back) waits only for its last member; a running
+    # request never waits for it. 0: off.
     arrival_gap_ms: float = 8.0
     # The host plans, round-trips and builds step N+1 while step N's forward runs (engine.py). Off by
     # default: on a CPU that host work competes with the forward's threads for the same cores.
