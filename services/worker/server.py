@@ -142,11 +142,10 @@ class WorkerServer:
         self._pending_queries: dict[bytes, int] = {}
         self._pending_flushes: dict[bytes, int] = {}
         self._profile: StepTimes | None = None  # the latest step's, sent with this turn's messages
-        # A closed-loop client sends its next request when one finishes: the finished requests not
-        # followed by an arrival yet, read when a request finds no other, are the wave coming with
-        # it. Zeroed when a gather times out: the rest are not coming soon.
+        # Finishes minus arrivals since the last gather that timed out (the rest were not coming
+        # soon). A closed-loop client sends its next request when one finishes, so with the engine
+        # idle this is the wave coming; it reaches 0 just as that wave is in (_gather_arrivals).
         self._awaited = 0
-        self._wave_size = 0
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -278,13 +277,14 @@ class WorkerServer:
         against 1.0-1.1 s for one step of 512 on that CPU).
 
         It stops early once the wave is in: as many requests as had finished before it began (a lone
-        client's next request then waits no gap at all)."""
+        client's next request then waits no gap at all). A wave nobody finished for (the first, a new
+        client's) takes the count below 0 and waits out the gap."""
         gap_ms = self.config.arrival_gap_ms
         if gap_ms <= 0 or self.engine is None or not self.engine.only_pending:
             return
         deadline = time.monotonic() + 5 * gap_ms / 1e3
         while (left_ms := (deadline - time.monotonic()) * 1e3) > 0:
-            if 0 < self._wave_size <= len(self.tracked):
+            if self._awaited == 0:
                 return
             if not self._socket.poll(max(1, round(min(gap_ms, left_ms)))):
                 break
@@ -342,7 +342,6 @@ class WorkerServer:
             if total > facts.max_request_tokens:
                 raise ValueError(f"prompt + max_new_tokens = {total} tokens; a request holds at most "
                                  f"{facts.max_request_tokens}")  # fmt: skip
-            first = not self.tracked
             engine.add_request(
                 new.prompt_ids, new.params, request_id=key, priority=new.priority, cache_salt=new.cache_salt
             )
@@ -351,9 +350,7 @@ class WorkerServer:
                 RequestOutput(new.request_id, [], finish="error", error=str(exc), code="INVALID_ARGUMENT")
             )
             return
-        if first:
-            self._wave_size = self._awaited
-        self._awaited = max(0, self._awaited - 1)
+        self._awaited -= 1
         self.tracked[key] = Tracked(gateway, new.request_id, new.trace_id)
         gateway.requests.add(key)
         log.info("request added", request_id=new.trace_id, prompt_tokens=len(new.prompt_ids),
@@ -371,7 +368,6 @@ class WorkerServer:
         log.info("request aborted by gateway", request_id=tracked.trace_id, internal_id=tracked.request_id)
 
     def _step(self, engine: Engine) -> None:
-        self._wave_size = 0  # the wave is in this step, or was never gathered
         flush_s = 0.0
 
         def flush() -> None:  # the previous step's news, sent from inside engine.step
