@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -40,6 +44,7 @@ def test_crossover_is_measured_once_then_read(tmp_path: Path, monkeypatch: pytes
     # A cache of unknown size (32 MiB assumed): the measurement cycles through two layers, not the
     # hundreds of MB a large shared cache calls for, and keeps this test quick.
     monkeypatch.setattr(gemm_crossover, "_SYSFS_CACHES", tmp_path / "no-sysfs")
+    monkeypatch.setattr(gemm_crossover, "QUIET", 0.0)  # CI's host may be busy: kept all the same
     first = gemm_crossover.torch_from_rows(tmp_path, "v1", ops.pack_weight, ops.packed_linear)
     threads = torch.get_num_threads()
     [kept] = tmp_path.glob(f"gemm-crossover-v1-torch{torch.__version__}-{threads}threads.json")
@@ -56,3 +61,32 @@ def test_crossover_is_measured_once_then_read(tmp_path: Path, monkeypatch: pytes
         *gemm_crossover.ROWS,
         NEVER,
     }
+
+
+def test_a_busy_measurement_serves_this_start_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ops = built(kernels.packed_linear_ops(), "panel linears")
+    monkeypatch.setattr(gemm_crossover, "_SYSFS_CACHES", tmp_path / "no-sysfs")
+    monkeypatch.setattr(gemm_crossover, "QUIET", 2.0)  # no measurement is quiet enough
+    monkeypatch.setattr(gemm_crossover, "_ATTEMPTS", 2)
+    chosen = gemm_crossover.torch_from_rows(tmp_path, "v1", ops.pack_weight, ops.packed_linear)
+    assert chosen in {*gemm_crossover.ROWS, NEVER}
+    assert list(tmp_path.glob("gemm-crossover-*")) == []  # the next start measures again
+
+
+def test_other_work_on_the_cores_shows_in_the_cpu_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One busy loop per core beside the measurement leaves its threads about half the time."""
+    ops = built(kernels.packed_linear_ops(), "panel linears")
+    monkeypatch.setattr(gemm_crossover, "_SYSFS_CACHES", Path("/no-sysfs"))
+    monkeypatch.setattr(gemm_crossover, "_ROUNDS", 5)
+    loops = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(max(len(os.sched_getaffinity(0)), torch.get_num_threads()))
+    ]
+    try:
+        time.sleep(0.5)  # the loops are running before the timing starts
+        busy = gemm_crossover.measure(ops.pack_weight, ops.packed_linear)
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+    assert not busy.quiet, busy.cpu_share

@@ -15,6 +15,15 @@ The measurement must hold on a host whose load comes and goes (other tenants): e
 15 paired rounds and judged by the median round's ratio. One whose weights sat in cache, best-of-5
 per kernel, chose the panels at every size on one start and torch from 256 or 512 rows on others;
 where it chose the panels, W1 ran 0.91x (5 rounds, alternating with a crossover of 512 rows).
+
+Nor may a choice be kept that was measured while other work held the cores. On the Zen 3 machine
+the one kept since 2026-12-03 (torch from 128 rows; panels 76-91 GFLOP/s, torch 90-120) was measured
+as a stack started beside a busy peer; on a quiet host the next day the panels ran 1.1-1.4x torch at
+every size (166-175 GFLOP/s against 128-156), and with the panels the stack's 128-token prefill step
+took 182-208 ms instead of 228-245. A busy host shows in the CPU time the measurement's threads got:
+0.95-0.98 of their wall time on the quiet host, 0.60 beside one busy loop (whose measurements chose
+512 rows once and the panels once). So a measurement below QUIET is repeated, and if none is quiet
+the last one serves this start only: the next start measures again.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import json
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +51,8 @@ NEVER = 1 << 62  # torch_from_rows when the panels win everywhere
 _LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 _LAYER_PARAMS = sum(n * k for n, k in _LAYER)
 _ROUNDS = 15
+QUIET = 0.85  # the least share of its threads' wall time a kept measurement had on the CPU
+_ATTEMPTS = 3  # measurements tried for a quiet one
 _SYSFS_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
 
 
@@ -74,9 +86,22 @@ def last_level_cache_bytes() -> int:
     return max(sizes, default=32 << 20)
 
 
+@dataclass
+class Measurement:
+    """`timings[m] = (panel_s, torch_s)` at each of ROWS; `cpu_share`: the CPU time the process got
+    while timing, over the wall time of the threads timed (about 1 on a quiet host)."""
+
+    timings: dict[int, tuple[float, float]]
+    cpu_share: float
+
+    @property
+    def quiet(self) -> bool:
+        return self.cpu_share >= QUIET
+
+
 def measure(
     pack_weight: Callable[[torch.Tensor], torch.Tensor], panel_linear: Callable[..., Any]
-) -> dict[int, tuple[float, float]]:
+) -> Measurement:
     """Seconds of both GEMMs over one layer's linears at each of ROWS, from the round whose
     panel/torch ratio is the median of _ROUNDS. Within a round the two run back to back, in turns
     first, so that the host's load (noisy here: other tenants) weighs on both alike.
@@ -101,6 +126,7 @@ def measure(
 
     turn = itertools.count()
     timings = {}
+    cpu_start, wall_start = time.process_time(), time.perf_counter()
     with torch.inference_mode():
         for m in ROWS:
             inputs = {k: torch.randn(m, k, generator=gen) for _, k in _LAYER}
@@ -114,7 +140,8 @@ def measure(
                 rounds.append((seconds[panel], seconds[torch_side]))
             rounds.sort(key=lambda pt: pt[0] / pt[1])
             timings[m] = rounds[len(rounds) // 2]
-    return timings
+    cpu_s, wall_s = time.process_time() - cpu_start, time.perf_counter() - wall_start
+    return Measurement(timings, cpu_s / (wall_s * torch.get_num_threads()))
 
 
 def torch_from_rows(
@@ -124,28 +151,39 @@ def torch_from_rows(
     panel_linear: Callable[..., Any],
 ) -> int:
     """This machine's crossover for this version of the panel kernel: read from `cache_dir`, or
-    measured once and written there."""
+    measured and written there once a measurement is quiet."""
     threads = torch.get_num_threads()
     path = cache_dir / f"gemm-crossover-{kernel_version}-torch{torch.__version__}-{threads}threads.json"
     try:
         return int(json.loads(path.read_text())["torch_from_rows"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    timings = measure(pack_weight, panel_linear)
-    chosen = choose(timings)
+    for attempt in range(1, _ATTEMPTS + 1):
+        measured = measure(pack_weight, panel_linear)
+        if measured.quiet:
+            break
+        log.warning("the host was busy while measuring the GEMM crossover",
+                    cpu_share=round(measured.cpu_share, 2), quiet=QUIET, attempt=attempt)  # fmt: skip
+    chosen = choose(measured.timings)
     flop = 2 * _LAYER_PARAMS
     gflops = {
         m: {"panel": round(flop * m / p / 1e9, 1), "torch": round(flop * m / t / 1e9, 1)}
-        for m, (p, t) in timings.items()
+        for m, (p, t) in measured.timings.items()
     }
     log.info(
-        "measured the GEMM crossover once for this CPU",
+        "measured the GEMM crossover for this CPU"
+        if measured.quiet
+        else "a GEMM crossover for this start only",
         torch_from_rows=None if chosen == NEVER else chosen,
         gflops=gflops,
+        cpu_share=round(measured.cpu_share, 2),
         threads=threads,
     )
+    if not measured.quiet:
+        return chosen
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"torch_from_rows": chosen, "gflops": gflops}))
+    record = {"torch_from_rows": chosen, "gflops": gflops, "cpu_share": round(measured.cpu_share, 2)}
+    tmp.write_text(json.dumps(record))
     tmp.replace(path)  # atomic: a concurrent start reads the old state or the whole new one
     return chosen
