@@ -16,14 +16,17 @@ The measurement must hold on a host whose load comes and goes (other tenants): e
 per kernel, chose the panels at every size on one start and torch from 256 or 512 rows on others;
 where it chose the panels, W1 ran 0.91x (5 rounds, alternating with a crossover of 512 rows).
 
-Nor may a choice be kept that was measured while other work held the cores. On the Zen 3 machine
-the one kept since 2026-12-03 (torch from 128 rows; panels 76-91 GFLOP/s, torch 90-120) was measured
-as a stack started beside a busy peer; on a quiet host the next day the panels ran 1.1-1.4x torch at
-every size (166-175 GFLOP/s against 128-156), and with the panels the stack's 128-token prefill step
-took 182-208 ms instead of 228-245. A busy host shows in the CPU time the measurement's threads got:
-0.95-0.98 of their wall time on the quiet host, 0.60 beside one busy loop (whose measurements chose
-512 rows once and the panels once). So a measurement below QUIET is repeated, and if none is quiet
-the last one serves this start only: the next start measures again.
+Nor may a choice be kept that was measured while other work held the cores. Beside one busy loop
+the measurement's threads got 0.60 of their wall time on the cores (0.95-0.98 on a quiet host) and
+its choices were 512 rows once and the panels once; the panels ran 1.1-1.4x torch at every size on
+the quiet host. So a measurement below QUIET is repeated, and if none is quiet the last one serves
+this start only: the next start measures again. What this does not see: on the Zen 3 machine the
+choice kept since 2026-12-03 (torch from 128 rows; panels 76-91 GFLOP/s, torch 90-120), under
+conditions not recorded, was wrong on 2026-12-04 (the stack's 128-token prefill step 182-208 ms
+with the panels, 228-245 with torch), and that day the winner at 512-640 rows flipped twice within
+eighty minutes (the panels 177, 99 and 150 GFLOP/s; torch 155, 120 and 138) while the cores' FMA
+peak stayed at 181-197: other tenants' use of the shared cache and memory, we think, which CPU time
+does not show.
 """
 
 from __future__ import annotations

@@ -35,9 +35,9 @@
 // accumulators in memory, and the intrinsics' accumulators too unless every loop over the rows is
 // unrolled (it stored all 12 to the stack on every k): unrolled, on an AMD EPYC (Zen 3, 2 threads, 30
 // layers of SmolLM2's shapes) the linears of a decode step of 16 rows took 45 ms instead of 74, where
-// oneDNN took 78 (2026-12-03). That day the panels seemed to trail oneDNN from 128 rows, in a
-// measurement taken beside a busy peer; on a quiet host they led it at 64-512 rows, 166-175 GFLOP/s
-// against 128-156 (2026-12-04, gemm_crossover.py).
+// oneDNN took 78 (2026-12-03). That day the panels measured behind oneDNN from 128 rows; the next day
+// they led it at 64-512 rows, 166-175 GFLOP/s against 128-156, but not in every hour (gemm_crossover.py).
+// Blocking rows and k so that a block of x stays in L2 (Goto's order) ran 0.76-0.96x at 128-512 rows.
 //
 // Each output is one sequential sum over k, which equals torch's GEMM up to fp32 summation order.
 // Only the headers used: <torch/extension.h> (all of libtorch's C++ API) tripled the compile time.
