@@ -23,10 +23,10 @@ the quiet host. So a measurement below QUIET is repeated, and if none is quiet t
 this start only: the next start measures again. What this does not see: on the Zen 3 machine the
 choice kept since 2026-12-03 (torch from 128 rows; panels 76-91 GFLOP/s, torch 90-120), under
 conditions not recorded, was wrong on 2026-12-04 (the stack's 128-token prefill step 182-208 ms
-with the panels, 228-245 with torch), and that day the winner at 512-640 rows flipped twice within
-eighty minutes (the panels 177, 99 and 150 GFLOP/s; torch 155, 120 and 138) while the cores' FMA
-peak stayed at 181-197: other tenants' use of the shared cache and memory, we think, which CPU time
-does not show.
+with the panels, 228-245 with torch), and that day the winner at 512-640 rows flipped twice in
+about seventy minutes, the second time within three (the panels 177, 99 and 150 GFLOP/s; torch 155,
+120 and 138) while the cores' FMA peak stayed at 181-197: other tenants' use of the shared cache and
+memory, we think, which CPU time does not show.
 """
 
 from __future__ import annotations
