@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -62,8 +63,10 @@ from services.worker.cuda_graphs import eager_capture  # noqa: E402
 from services.worker.engine import Engine  # noqa: E402
 
 SECTIONS = ("env", "parity", "throughput", "stack", "tests")
+# Run only when asked for (--sections): a diagnosis, not one of the issue's figures.
+EXTRA_SECTIONS = ("profile",)
 # Seconds a section is expected to need on an H200; one is skipped with less than this left.
-NEEDS_S = {"env": 1, "parity": 30, "throughput": 120, "stack": 90, "tests": 60}
+NEEDS_S = {"env": 1, "parity": 30, "throughput": 120, "profile": 60, "stack": 90, "tests": 60}
 SEED = 1234
 KEEP_AFTER_THROUGHPUT_S = 180  # for the stack and the tests
 Entry = dict[str, Any]
@@ -247,6 +250,12 @@ def speed_model(check: Check) -> Any:
     return model.to(check.device).eval()
 
 
+def speed_settings(check: Check) -> Entry:
+    if check.quick:
+        return {"page_size": 32, "num_blocks": 128, "max_batch_tokens": 64, "max_requests_per_batch": 4}
+    return {"page_size": 32, "num_blocks": 2048, "max_batch_tokens": 512, "max_requests_per_batch": 64}
+
+
 @dataclasses.dataclass
 class Workload:
     prompts: list[list[int]]
@@ -418,11 +427,7 @@ def throughput_section(check: Check) -> Entry:
     model = speed_model(check)
     vocab = model.config.vocab_size
     load = Workload.decode_heavy(check, vocab)
-    settings: Entry = (
-        {"page_size": 32, "num_blocks": 128, "max_batch_tokens": 64, "max_requests_per_batch": 4}
-        if check.quick
-        else {"page_size": 32, "num_blocks": 2048, "max_batch_tokens": 512, "max_requests_per_batch": 64}
-    )
+    settings = speed_settings(check)
     entry: Entry = {
         "model": {"parameters": sum(p.numel() for p in model.parameters()), "dtype": str(model.dtype)},
         "workload": {"requests": len(load.prompts), "prompt_tokens": sum(map(len, load.prompts)),
@@ -479,6 +484,133 @@ def throughput_ratios(systems: Entry) -> Entry:
         "same_tokens_async_sync": same("graphs_async", "graphs"),
         "same_tokens_engine_transformers_cb": same("graphs", "transformers_cb"),
     }  # fmt: skip
+
+
+# -------------------------------------------------------------------------------------------- profile
+
+PROFILE_REQUESTS = 64
+PROFILE_DECODES = 5  # steps profiled after every prompt is in
+
+
+def profile_section(check: Check) -> Entry:
+    """Where the time of the steps that replay no graph goes (prefills, mixed steps): the first steps
+    of the throughput workload, timed step by step on one engine and again, same shapes, on a second
+    (what the second saves is a per-shape cost), then under torch's profiler on a third (its top
+    operators by host and by device time); and SDPA's first and second call per shape and backend."""
+    model = speed_model(check)
+    load = Workload.decode_heavy(check, model.config.vocab_size)
+    prompts = load.prompts[: 4 if check.quick else PROFILE_REQUESTS]
+    settings = speed_settings(check)
+    entry: Entry = {"sdpa": sdpa_probe(check)}
+    for name in ("first", "again"):
+        attempt(entry, name, timed_steps, check, model, settings, prompts)
+    attempt(entry, "profiler", profiled_steps, check, model, settings, prompts)
+    return entry
+
+
+def prefill_steps(engine: Engine, prompts: list[list[int]], each: Callable[[], None]) -> None:
+    """Steps until every prompt has its first token, then PROFILE_DECODES more; `each` after a step."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=64, ignore_eos=True)
+    requests = [engine.add_request(p, params) for p in prompts]
+    while any(not r.output_ids for r in requests):
+        engine.step()
+        each()
+    for _ in range(PROFILE_DECODES):
+        engine.step()
+        each()
+
+
+def timed_steps(check: Check, model: Any, settings: Entry, prompts: list[list[int]]) -> Entry:
+    times: list[float] = []
+    with check.engine(model, settings, graphs=True) as engine:
+        clock = StepClock(engine)
+        last = [time.perf_counter()]
+
+        def each() -> None:
+            if check.device == "cuda":
+                torch.cuda.synchronize()
+            now = time.perf_counter()
+            times.append(round((now - last[0]) * 1e3, 1))
+            last[0] = now
+
+        prefill_steps(engine, prompts, each)
+        phases = engine.phase_totals
+        return {
+            "step_ms": times,
+            "kinds": clock.facts(),
+            "phases_ms": {k: round(getattr(phases, k) * 1e3, 1) for k in phases.PHASES},
+        }
+
+
+def profiled_steps(check: Check, model: Any, settings: Entry, prompts: list[list[int]]) -> Entry:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if check.device == "cuda" else [])
+    with check.engine(model, settings, graphs=True) as engine, profile(activities=activities) as prof:
+        prefill_steps(engine, prompts, lambda: None)
+    events = prof.key_averages()
+
+    def top(key: str) -> list[str]:
+        rows = sorted(events, key=lambda e: getattr(e, key, 0.0), reverse=True)[:25]
+        return [
+            f"{e.key[:60]} n={e.count} cpu={e.self_cpu_time_total / 1e3:.1f}ms "
+            f"dev={getattr(e, 'self_device_time_total', 0.0) / 1e3:.1f}ms"
+            for e in rows
+        ]
+
+    return {"top_host": top("self_cpu_time_total"), "top_device": top("self_device_time_total")}
+
+
+def sdpa_once(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, backends: Any) -> Any:
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    if backends is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    with sdpa_kernel(backends):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+
+def sdpa_probe(check: Check) -> Entry:
+    """A prefill row group's SDPA (bf16, additive mask): ms of the first and the second call of each
+    new shape, with torch's choice of backend and with each backend alone."""
+    from torch.nn.attention import SDPBackend
+
+    dtype = torch.bfloat16 if check.device == "cuda" else torch.float32
+    shapes = [(4, 128, 256), (3, 112, 256), (5, 96, 256), (2, 128, 512)]
+    backends: dict[str, list[Any] | None] = {"default": None}
+    for name in ("EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"):
+        if hasattr(SDPBackend, name):
+            backends[name.lower()] = [getattr(SDPBackend, name)]
+    entry: Entry = {"priority": str(getattr(torch._C, "_get_sdp_priority_order", lambda: None)())}
+
+    def ms(fn: Callable[[], Any]) -> float:
+        if check.device == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        fn()
+        if check.device == "cuda":
+            torch.cuda.synchronize()
+        return round((time.perf_counter() - started) * 1e3, 2)
+
+    for i, (name, chosen) in enumerate(backends.items()):
+        rows = []
+        for b, q, kv in shapes:
+            b += 7 * i  # each backend sees shapes none before it saw
+            query = torch.randn(b, 8, 4 * q, 64, device=check.device, dtype=dtype)
+            key = torch.randn(b, 8, kv, 64, device=check.device, dtype=dtype)
+            value = torch.randn_like(key)
+            bias = torch.zeros(b, 1, 4 * q, kv, device=check.device, dtype=dtype)
+            bias[..., kv - 8 :] = float("-inf")
+
+            call = functools.partial(sdpa_once, query, key, value, bias, chosen)
+
+            try:
+                rows.append([b, q, kv, ms(call), ms(call)])
+            except Exception as exc:
+                rows.append([b, q, kv, f"{type(exc).__name__}: {exc}"[:160]])
+        entry[name] = rows
+    return entry
 
 
 # ---------------------------------------------------------------------------------------------- stack
@@ -601,6 +733,7 @@ RUNNERS: dict[str, Callable[[Check], Entry]] = {
     "env": env_section,
     "parity": parity_section,
     "throughput": throughput_section,
+    "profile": profile_section,
     "stack": stack_section,
     "tests": tests_section,
 }
@@ -639,9 +772,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, help="models and logs (default: a temporary folder)")
     args = parser.parse_args(argv)
     sections = [s for s in args.sections.split(",") if s]
-    unknown = sorted(set(sections) - set(SECTIONS))
+    unknown = sorted(set(sections) - set(SECTIONS) - set(EXTRA_SECTIONS))
     if unknown:
-        parser.error(f"unknown sections {unknown}; known: {','.join(SECTIONS)}")
+        parser.error(f"unknown sections {unknown}; known: {','.join(SECTIONS + EXTRA_SECTIONS)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device: pass --device cpu")
 
