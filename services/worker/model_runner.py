@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import structlog
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import PreTrainedModel
 
 from services.common.config import CBConfig
@@ -20,6 +21,13 @@ from services.worker.packed_linear import pack_linears
 from services.worker.swap_copies import SwapCopies
 
 log = structlog.get_logger(__name__)
+
+# SDPA without cuDNN: on an H200 torch 2.11 picks cuDNN's attention for the row groups' masked calls,
+# and cuDNN builds a plan for every new shape (45-60 ms each, scripts/gpu_check.py --sections profile).
+# A prefill step brings new (requests, queries, keys) shapes in most layers' groups: eager steps took
+# 0.37-2.8 s where the same shapes, planned, took 43-60 ms. The memory-efficient kernel takes the same
+# masks with no plan (0.1 ms a first call there).
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class ModelRunner:
@@ -133,6 +141,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        with sdpa_kernel(SDPA_BACKENDS):
+            return self._forward_model(batch)
+
+    def _forward_model(self, batch: ForwardBatch) -> torch.Tensor:
         if self.fused is not None:
             ids, positions = batch.input_ids[0], batch.position_ids[0]
             return self.fused(ids, positions, batch.logits_indices, batch.attention)
