@@ -52,7 +52,7 @@ def _assert_same(a: ForwardBatch, b: ForwardBatch) -> None:
     assert x.groups.keys() == y.groups.keys()
     for g in x.groups:
         (p,), (q,) = x.groups[g], y.groups[g]
-        assert (p.num_queries, p.num_keys, p.valid, p.bias) == (q.num_queries, q.num_keys, None, None)
+        assert (p.num_queries, p.num_keys, p.kept, p.bias) == (q.num_queries, q.num_keys, None, None)
         assert torch.equal(p.rows, q.rows) and torch.equal(p.lengths, q.lengths)
         assert p.slots.keys() == q.slots.keys()
         for view in p.slots:

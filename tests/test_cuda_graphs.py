@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 from services.common.config import CBConfig
 from services.common.kv_geometry import PADDING_SLOT
 from services.worker import cuda_graphs
-from services.worker.batch import BatchItem
+from services.worker.batch import PADDING_WASTE, BatchItem
 from services.worker.buckets import Shape
 from services.worker.cuda_graphs import CudaGraphs, Step, eager_capture
 from services.worker.engine import Engine
@@ -79,6 +79,7 @@ def cuda_like(engine: Engine) -> Engine:
     runner = engine.runner
     runner.fused = None
     runner.builder.decode_kernel = runner.builder.prefill_kernel = None
+    runner.builder.padding_waste = PADDING_WASTE["cuda"]
     return engine
 
 
@@ -180,7 +181,7 @@ def test_a_decode_step_is_padded_to_its_bucket_with_phantom_rows(tiny_models: Ca
         assert (slots[2:] == PADDING_SLOT).all()  # phantom rows write the padding slot alone
     for groups in batch.attention.groups.values():
         (decode,) = groups
-        assert decode.bias.shape[0] == 8 and decode.bias.shape[-1] == 32 and decode.valid is None
+        assert decode.bias.shape[0] == 8 and decode.bias.shape[-1] == 32 and decode.kept is None
         for slots in decode.slots.values():
             assert (slots.view(8, 32)[2:] == PADDING_SLOT).all()  # and read it alone
         assert (decode.bias[2:, :, :, 1:] == float("-inf")).all() and (decode.bias[2:, :, :, 0] == 0).all()

@@ -35,7 +35,9 @@ ATTENTION_NAME = "cbserve_paged"
 class RowGroup:
     """Requests attended together: query rows (packed-token indices) and the KV slots they read.
 
-    `rows` is `[B * Q]` (padded query positions point at row 0 and are dropped via `valid`); `bias`
+    `rows` is `[B * Q]` (padded query positions point at row 0); where some are padded, `kept` holds
+    the `[B * Q]` positions that are real and `kept_rows` their packed rows, both built on the host, so
+    that no layer selects them with a boolean mask (each would wait for the device); `bias`
     is the additive mask `[B, 1, group * Q, L]`: 0 where a query may attend, -inf elsewhere (already
     folded for GQA; built once per step, since SDPA would convert a boolean mask in every layer), or
     None for decode rows that the native decode kernel attends (it reads `lengths`, not a mask).
@@ -43,7 +45,8 @@ class RowGroup:
     """
 
     rows: torch.Tensor
-    valid: torch.Tensor | None  # None: every row is real
+    kept: torch.Tensor | None  # None: every row is real
+    kept_rows: torch.Tensor | None
     num_queries: int  # Q
     num_keys: int  # L
     bias: torch.Tensor | None
@@ -156,10 +159,10 @@ def attend_stored(
             .permute(0, 3, 1, 2, 4)
             .reshape(b * nq, num_heads, head_dim)
         )
-        if rg.valid is None:
+        if rg.kept is None:
             out.index_copy_(0, rg.rows, res)
         else:
-            out.index_copy_(0, rg.rows[rg.valid], res[rg.valid])
+            out.index_copy_(0, rg.kept_rows, res.index_select(0, rg.kept))
     ragged = batch.prefill.get(view[0])
     if ragged is not None and batch.prefill_kernel is not None:
         batch.prefill_kernel(

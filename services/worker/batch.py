@@ -79,12 +79,18 @@ class GroupIndex:
 
 
 # A prefill row group pads every request to its longest query and key lengths; a request joins a
-# group only while the padded work stays within this factor of the real work.
-MAX_PADDING_WASTE = 1.25
+# group only while the padded work stays within a factor of the real work, by device type. On a CPU
+# the attention's work is the cost. On a GPU a group costs about fifteen kernel launches a layer and
+# the padded work next to nothing: an H200's prefill steps ran ~930 launches each, 43-60 ms, with
+# its matrix products busy ~2 ms of a step (scripts/gpu_check.py --sections profile).
+PADDING_WASTE = {"cpu": 1.25, "cuda": 8.0}
 
 
-def prefill_groups(prefill: list[int], num_queries: list[int], num_keys: list[int]) -> list[list[int]]:
-    """Partition prefill requests (indices into the step's items) into row groups of similar shape.
+def prefill_groups(
+    prefill: list[int], num_queries: list[int], num_keys: list[int], waste: float = PADDING_WASTE["cpu"]
+) -> list[list[int]]:
+    """Partition prefill requests (indices into the step's items) into row groups of similar shape,
+    each padded to at most `waste` times its real work.
 
     One group of a 300-token prompt and a 60-token chunk would attend 2 x 300 x 300 where 300 x 300 +
     60 x 60 is needed; each extra group costs one more attention call per layer instead."""
@@ -95,7 +101,7 @@ def prefill_groups(prefill: list[int], num_queries: list[int], num_keys: list[in
         q, k = num_queries[i], num_keys[i]
         if groups:
             padded = (len(groups[-1]) + 1) * max(q_max, q) * max(k_max, k)
-            if padded <= MAX_PADDING_WASTE * (work + q * k):
+            if padded <= waste * (work + q * k):
                 groups[-1].append(i)
                 q_max, k_max, work = max(q_max, q), max(k_max, k), work + q * k
                 continue
@@ -129,6 +135,7 @@ class BatchBuilder:
         self.q_padding = q_padding
         self.kv_padding = kv_padding
         self.device = torch.device(device)
+        self.padding_waste = PADDING_WASTE.get(self.device.type, PADDING_WASTE["cpu"])
         self.views_of_layer = [(p.group, p.sub) for p in geometry.placements]
         self.views = sorted(set(self.views_of_layer))
         self.windows = [geometry.sliding_window if kind == "sliding" else None for kind in geometry.groups]
@@ -218,7 +225,7 @@ class BatchBuilder:
         ragged = self.prefill_kernel is not None and bool(prefill)
         selections = [decode] if decode else []
         if not ragged:
-            selections += prefill_groups(prefill, lens_list, ends.tolist())
+            selections += prefill_groups(prefill, lens_list, ends.tolist(), self.padding_waste)
         groups: dict[int, list[RowGroup]] = {}
         prefill_of_group: dict[int, RaggedPrefill] = {}
         # Row groups expand the tables into [B, L] slots and masks where the batch goes: on a GPU a few
@@ -293,7 +300,7 @@ class BatchBuilder:
             for view in views:
                 chunk = self._table(pages[view]).gather(1, page_idx)
                 slots[view] = torch.where(key_ok, chunk * page + in_page, PADDING_SLOT).view(-1)
-            groups[g] = [RowGroup(torch.arange(n), None, 1, kv_len, None, torch.tensor(lengths), slots)]
+            groups[g] = [RowGroup(torch.arange(n), None, None, 1, kv_len, None, torch.tensor(lengths), slots)]
         attention = AttentionBatch(
             num_tokens=padded,
             write_slots=write_slots,
@@ -354,12 +361,18 @@ class BatchBuilder:
         kv_len = shape.keys if shape is not None else round_up(longest, self.kv_padding)
         self.padded_keys += kv_len - longest
         dev = self.device
+        kept = kept_rows = None
+        if bool(((end - start) < num_q).any()):  # on the host: the index tensors are still there
+            q_idx = torch.arange(num_q)
+            kept = ((q_idx[None, :] < (end - start)[:, None]).view(-1)).nonzero().view(-1)
+            kept_rows = (offset[:, None] + q_idx[None, :]).view(-1)[kept].to(dev)
+            kept = kept.to(dev)
         sel, start, end, offset, lo = (t.to(dev) for t in (sel, start, end, offset, lo))
         key_pos = lo[:, None] + torch.arange(kv_len, device=dev)[None, :]  # [B, L]
         key_ok = key_pos < end[:, None]
         slots = {view: s.view(-1) for view, s in self._slots(sel, key_pos, key_ok, index).items()}
         if num_q == 1 and self.decode_kernel is not None:  # it reads `lengths`, no mask
-            return RowGroup(offset, None, 1, kv_len, None, end - lo, slots)
+            return RowGroup(offset, None, None, 1, kv_len, None, end - lo, slots)
         q_idx = torch.arange(num_q, device=dev)
         valid_q = q_idx[None, :] < (end - start)[:, None]  # [B, Q]
         rows = torch.where(valid_q, offset[:, None] + q_idx[None, :], 0).reshape(-1)
@@ -375,7 +388,8 @@ class BatchBuilder:
         bias = torch.zeros(mask.shape, dtype=self.dtype, device=dev).masked_fill_(~mask, float("-inf"))
         return RowGroup(
             rows=rows,
-            valid=None if bool(((end - start) == num_q).all()) else valid_q.reshape(-1),
+            kept=kept,
+            kept_rows=kept_rows,
             num_queries=num_q,
             num_keys=kv_len,
             bias=bias,
