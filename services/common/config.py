@@ -56,9 +56,11 @@ class CBConfig:
     # one that last finished (closed-loop clients back) waits only for its last member; a running
     # request never waits for it. 0: off.
     arrival_gap_ms: float = 8.0
-    # The host plans, round-trips and builds step N+1 while step N's forward runs (engine.py). Off by
-    # default: on a CPU that host work competes with the forward's threads for the same cores.
-    use_async_batching: bool = False
+    # The host plans, round-trips and builds step N+1 while step N's forward runs (engine.py). None: on
+    # for a CUDA device, whose forward leaves the host idle (graphs and async on an H200: 1.83x the
+    # output tokens/s of graphs alone, the same tokens; scripts/gpu_check.py), off elsewhere: on a CPU
+    # that host work competes with the forward's threads for the same cores.
+    use_async_batching: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_batch_tokens", "max_requests_per_batch"):
@@ -85,6 +87,12 @@ class CBConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+
+    def async_batching_enabled(self, device_type: str) -> bool:
+        """Whether steps overlap (`use_async_batching`) on a device of this type."""
+        if self.use_async_batching is None:
+            return device_type == "cuda"
+        return self.use_async_batching
 
     def cuda_graph_enabled(self, device_type: str) -> bool:
         """Whether the forward replays CUDA graphs on a device of this type ("cuda", "cpu", ...)."""

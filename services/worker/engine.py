@@ -16,7 +16,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import structlog
@@ -130,8 +130,11 @@ class Engine:
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
-        self.config = config
         self.device = model.device
+        # Resolved here, where the device is known: every reader below sees True or False.
+        async_batching = config.async_batching_enabled(self.device.type)
+        config = replace(config, use_async_batching=async_batching)
+        self.config = config
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         dtype = next(model.parameters()).dtype
         self._owns_cache = cache is None

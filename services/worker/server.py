@@ -224,7 +224,7 @@ class WorkerServer:
         log.info(
             "worker ready",
             worker_id=self.worker_id,
-            async_batching=self.config.use_async_batching,
+            async_batching=self.engine.config.use_async_batching,
             **msgspec.to_builtins(self.facts),
         )
         ready_file.mark(self.ready_path, True)
