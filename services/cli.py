@@ -127,6 +127,17 @@ def _cachemgr(args: argparse.Namespace) -> int:
     return run_cachemgr(model_dir(args.model), args.cachemgr_address, config, args.device, _dtype(args.dtype))
 
 
+def _gemm_crossover_setting() -> None:
+    """A bad CBSERVE_GEMM_CROSSOVER is a usage error at start, not a worker failing on first use."""
+    from services.common.cli_args import usage_error
+    from services.worker import gemm_crossover
+
+    try:
+        gemm_crossover.pinned()
+    except ValueError as exc:
+        raise usage_error(str(exc)) from None
+
+
 def _worker(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -134,6 +145,7 @@ def _worker(args: argparse.Namespace) -> int:
     from services.worker.server import run_worker
 
     config = cb_config(args)
+    _gemm_crossover_setting()
     return run_worker(
         model_dir(args.model),
         args.worker_address,
@@ -217,6 +229,7 @@ def _up(args: argparse.Namespace) -> int:
     from services.supervisor import run_up, unavailable_port
 
     cb_config(args)  # refuse bad settings here, not in three children
+    _gemm_crossover_setting()
     tls, access = _public_port(args)
     ports = {"--port": args.port, "--metrics-port": args.metrics_port, "--health-port": args.health_port}
     if args.http_port:  # and smg's metrics port

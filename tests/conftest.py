@@ -8,6 +8,10 @@ import os
 # Tests start stacks with Popen(preexec_fn=...), a plain fork, while gRPC channels are open; gRPC's
 # fork handlers then race with its pollers. The child execs at once and needs none of them.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
+# The suite pins the GEMM crossover: measured on its own busy cores it would be noise, and kept, it
+# would be the record a user's stack reads. The panels at every size, as this project's machines
+# measured; tests/test_attention.py and tests/test_gemm_crossover.py run torch's side and the measuring.
+os.environ.setdefault("CBSERVE_GEMM_CROSSOVER", "never")
 
 from collections.abc import Callable, Iterator
 from pathlib import Path

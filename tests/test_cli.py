@@ -297,6 +297,16 @@ def test_the_metrics_port_serves_metrics_and_health_only() -> None:
         metrics.close()
 
 
+@pytest.mark.parametrize("command", ["up", "worker"])
+def test_a_bad_pinned_gemm_crossover_is_a_usage_error(
+    command: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CBSERVE_GEMM_CROSSOVER", "lots")
+    code, _, err = run_main([command], capsys)
+    assert code == 2
+    assert "CBSERVE_GEMM_CROSSOVER must be 'never' or a number of rows of at least 1, got 'lots'" in err
+
+
 def test_prepare_kernels_reports_each_kernel(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run_main(["prepare-kernels"], capsys)
     assert code == 0

@@ -90,3 +90,21 @@ def test_other_work_on_the_cores_shows_in_the_cpu_share(monkeypatch: pytest.Monk
             loop.kill()
             loop.wait()
     assert not busy.quiet, busy.cpu_share
+
+
+PINS = [("never", NEVER), (" Never", NEVER), ("512", 512), ("", None)]
+
+
+@pytest.mark.parametrize(("text", "crossover"), PINS)
+def test_a_pinned_crossover_is_taken_as_given(
+    text: str, crossover: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(gemm_crossover.SETTING, text)
+    assert gemm_crossover.pinned() == crossover
+
+
+@pytest.mark.parametrize("text", ["0", "-64", "lots", "1e3"])
+def test_a_bad_pinned_crossover_is_refused_naming_it(text: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(gemm_crossover.SETTING, text)
+    with pytest.raises(ValueError, match=f"CBSERVE_GEMM_CROSSOVER.*{text!r}"):
+        gemm_crossover.pinned()

@@ -34,6 +34,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,6 +58,22 @@ _ROUNDS = 15
 QUIET = 0.85  # the least share of its threads' wall time a kept measurement had on the CPU
 _ATTEMPTS = 3  # measurements tried for a quiet one
 _SYSFS_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+# Pins the crossover instead: `never` (the panels at every size) or N (torch's GEMM from N rows). For a
+# host too noisy to measure on, and for the test suite, which must neither measure on its own busy
+# cores nor write the record a user's stack reads.
+SETTING = "CBSERVE_GEMM_CROSSOVER"
+
+
+def pinned() -> int | None:
+    """The crossover `CBSERVE_GEMM_CROSSOVER` pins, or None (unset or empty: measured)."""
+    text = os.environ.get(SETTING, "").strip().lower()
+    if not text:
+        return None
+    if text == "never":
+        return NEVER
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{SETTING} must be 'never' or a number of rows of at least 1, got {text!r}")
+    return int(text)
 
 
 def choose(timings: dict[int, tuple[float, float]]) -> int:
