@@ -88,10 +88,13 @@ def test_the_device_switches_may_be_named_off_and_async_batching_on() -> None:
     )
     assert config.use_cuda_graph is False and config.use_async_batching is False
     assert cb_config(build_parser().parse_args(["worker", "--use-async-batching"])).use_async_batching
-    # Unset: on where the forward leaves the host idle (a GPU), off where they share the cores.
+    # Unset: on where graphs leave the host idle (a GPU), off where host and forward share the cores
+    # or, eager, the GIL.
     assert CBConfig().use_async_batching is None
     assert CBConfig().async_batching_enabled("cuda") and not CBConfig().async_batching_enabled("cpu")
+    assert not CBConfig(use_cuda_graph=False).async_batching_enabled("cuda")
     assert not CBConfig(use_async_batching=False).async_batching_enabled("cuda")
+    assert CBConfig(use_async_batching=True).async_batching_enabled("cpu")
 
 
 def test_cuda_graphs_follow_the_device() -> None:

@@ -109,7 +109,7 @@ _UNSET_MEANS = {
     "max_memory_percent": "0.9 on a GPU",
     "safety_margin": ", ".join(f"{k} {v}" for k, v in DEFAULT_SAFETY_MARGIN.items()),
     "use_cuda_graph": "on for a CUDA device, off elsewhere",
-    "use_async_batching": "on for a CUDA device, off elsewhere",
+    "use_async_batching": "on where CUDA graphs are, off elsewhere",
 }
 
 
