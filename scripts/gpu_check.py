@@ -20,6 +20,9 @@ recorded as skipped. Within a section each system or phase is tried on its own t
   and transformers' own continuous batching with its CUDA graphs; decode steps/s at 64 running
   requests; the share of step time left in eager (uncaptured) steps, which bounds what piecewise
   capture could add; capture time, graph count and memory.
+- serve: the throughput load (prompts of one length) through `cbserve up --device cuda` on the same
+  model, its defaults (graphs and async), by `cbserve bench serve` over gRPC: output tok/s, TTFT and
+  inter-token latency, and what the three processes keep of the in-process rate.
 - stack: `cbserve up --device cuda` on the tiny Llama: the worker maps the KV pool by CUDA IPC handle
   and registers the swap pool as pinned memory, a swap-out/in round trip, and a worker SIGKILL
   mid-stream whose streams finish identical to `generate`, after the restarted worker attached again.
@@ -62,13 +65,13 @@ from services.common.sampling_params import SamplingParams  # noqa: E402
 from services.worker.cuda_graphs import eager_capture  # noqa: E402
 from services.worker.engine import Engine  # noqa: E402
 
-SECTIONS = ("env", "parity", "throughput", "stack", "tests")
+SECTIONS = ("env", "parity", "throughput", "serve", "stack", "tests")
 # Run only when asked for (--sections): a diagnosis, not one of the issue's figures.
 EXTRA_SECTIONS = ("profile",)
 # Seconds a section is expected to need on an H200; one is skipped with less than this left.
-NEEDS_S = {"env": 1, "parity": 30, "throughput": 120, "profile": 60, "stack": 90, "tests": 60}
+NEEDS_S = {"env": 1, "parity": 30, "throughput": 120, "serve": 60, "profile": 60, "stack": 90, "tests": 60}
 SEED = 1234
-KEEP_AFTER_THROUGHPUT_S = 180  # for the stack and the tests
+KEEP_AFTER_THROUGHPUT_S = 180  # for serving, the stack and the tests
 Entry = dict[str, Any]
 
 
@@ -489,6 +492,62 @@ def throughput_ratios(systems: Entry) -> Entry:
     }  # fmt: skip
 
 
+# ---------------------------------------------------------------------------------------------- serve
+
+
+def serve_section(check: Check) -> Entry:
+    """The throughput section's load through the three processes, on the device's defaults (graphs
+    and async batching on a GPU), driven over gRPC by `cbserve bench serve`: 256 requests of 80 prompt
+    tokens and 256 new tokens each, 64 in flight (`--quick`: 12 of 16 and 8, 4 in flight). Output
+    tok/s, time to first token and inter-token latency, what the stack keeps of the in-process rate."""
+    from services.supervisor import cbserve_argv
+    from tests.stack import Stack
+
+    model_dir = check.workdir / "speed-model"
+    if not (model_dir / "config.json").is_file():
+        model = speed_model(check)
+        model.save_pretrained(model_dir)
+        del model
+        release_memory()
+    count, prompt, new_tokens, running = (12, 16, 8, 4) if check.quick else (256, 80, 256, 64)
+    dtype = "bfloat16" if check.device == "cuda" else "float32"
+    logs = check.workdir / "serve"
+    logs.mkdir(exist_ok=True)
+    started = time.monotonic()
+    stack = Stack(
+        model_dir,
+        logs,
+        up_args=["--device", check.device, "--dtype", dtype],
+        start_timeout_s=min(240.0, max(60.0, check.seconds_left(keep=60))),
+        **speed_settings(check),
+    )
+    entry: Entry = {"start_s": round(time.monotonic() - started, 1), "log": str(stack.log_path)}
+    report = logs / "serve.json"
+    try:
+        argv = cbserve_argv(
+            "bench", "serve", "--target", stack.target, "--workload", "random", "--ignore-eos",
+            "--num-requests", str(count), "--concurrency", str(running), "--input-len", str(prompt),
+            "--output-len", str(new_tokens), "--json", str(report), "--no-progress",
+        )  # fmt: skip
+        timeout = max(30.0, check.seconds_left(keep=90))
+        done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+        if done.returncode != 0:
+            raise RuntimeError(f"cbserve bench serve exited {done.returncode}: {done.stderr[-600:]}")
+        phase = json.loads(report.read_text())["phases"][0]
+        latency = phase["latency_s"]
+        entry |= {
+            "requests": phase["requests"]["completed"],
+            "failed": phase["requests"]["failed"],
+            "output_tok_s": round(phase["throughput"]["output_tokens_per_s"], 1),
+            "ttft_ms": {k: round(latency["ttft"][k] * 1e3, 1) for k in ("p50", "p99")},
+            "itl_ms": {k: round(latency["itl"][k] * 1e3, 2) for k in ("p50", "p99")},
+            "worker": attach_facts(stack),
+        }
+    finally:
+        entry["exit_code"] = stack.stop()
+    return entry
+
+
 # -------------------------------------------------------------------------------------------- profile
 
 PROFILE_REQUESTS = 64
@@ -736,6 +795,7 @@ RUNNERS: dict[str, Callable[[Check], Entry]] = {
     "env": env_section,
     "parity": parity_section,
     "throughput": throughput_section,
+    "serve": serve_section,
     "profile": profile_section,
     "stack": stack_section,
     "tests": tests_section,
@@ -810,6 +870,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def served_share(sections: Entry) -> float | None:
+    """What the three processes keep of the engine's in-process rate (the default configuration's)."""
+    served = sections.get("serve", {}).get("output_tok_s")
+    in_process = sections.get("throughput", {}).get("systems", {}).get("graphs_async", {}).get("output_tok_s")
+    return round(served / in_process, 2) if served and in_process else None
+
+
 def summarize(args: argparse.Namespace, results: Entry, wall_s: float) -> str:
     summary = {
         "check": "cbserve gpu_check (issue 12)",
@@ -817,6 +884,7 @@ def summarize(args: argparse.Namespace, results: Entry, wall_s: float) -> str:
         "quick": args.quick,
         "wall_s": round(wall_s, 1),
         "targets": targets(results),
+        "served_over_in_process": served_share(results),
         "sections": results,
     }
     return json.dumps(summary, indent=1, default=str)
@@ -826,7 +894,7 @@ def save(out_dir: Path, text: str, results: Entry) -> None:
     """The summary, and the logs sections name (what the device brings back: a few flat files)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "gpu_check.json").write_text(text + "\n")
-    for name in ("stack", "tests"):
+    for name in ("serve", "stack", "tests"):
         log = results.get(name, {}).get("log")
         if log and Path(log).is_file():
             (out_dir / f"{name}.log").write_bytes(Path(log).read_bytes()[-8_000_000:])

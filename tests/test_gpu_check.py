@@ -17,7 +17,7 @@ def test_the_quick_cpu_check_runs_every_section_and_reports_json(tmp_path: Path)
     out = tmp_path / "out"
     # A generous budget: a busy machine must not turn figures into "out of time".
     argv = [sys.executable, "scripts/gpu_check.py", "--device", "cpu", "--quick", "--budget-s", "3600",
-            "--sections", "env,parity,throughput,stack", "--workdir", str(tmp_path),
+            "--sections", "env,parity,throughput,serve,stack", "--workdir", str(tmp_path),
             "--out-dir", str(out)]  # fmt: skip
     done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -46,6 +46,11 @@ def test_the_quick_cpu_check_runs_every_section_and_reports_json(tmp_path: Path)
     ratios = throughput["ratios"]
     assert ratios["same_tokens_graphs_eager"] == 1.0  # fp32: padding changes no token
     assert ratios["engine_over_transformers_cb"] is not None
+
+    serve = sections["serve"]
+    assert serve["requests"] == 12 and not serve["failed"] and serve["exit_code"] == 0, serve
+    assert serve["output_tok_s"] > 0 and serve["ttft_ms"]["p99"] >= serve["ttft_ms"]["p50"] > 0, serve
+    assert summary["served_over_in_process"] > 0
 
     stack = sections["stack"]
     assert stack["attach"]["kv_handle"] == "shm" and stack["exit_code"] == 0
