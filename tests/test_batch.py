@@ -1,4 +1,5 @@
-"""BatchBuilder: the decode steps' own build gives the batch the general build gives."""
+"""BatchBuilder: the decode steps' own build gives the batch the general build gives, for the native
+decode kernel (no mask) and for SDPA (a mask; a GPU's, with the buckets of its graphs)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from services.common.kv_geometry import KVGeometry
 from services.worker.batch import BatchBuilder, BatchItem, ForwardBatch
+from services.worker.buckets import Shape, round_up
 
 PAGE = 4
 GEOMETRIES = {
@@ -18,11 +20,10 @@ GEOMETRIES = {
 }
 
 
-def _builder(geometry: KVGeometry, q_padding: int, kv_padding: int) -> BatchBuilder:
-    # The decode path needs a decode kernel to be present; the build never calls it.
-    return BatchBuilder(
-        geometry, [], 64, query_group=2, q_padding=q_padding, kv_padding=kv_padding, decode_kernel=print
-    )
+def _builder(geometry: KVGeometry, q_padding: int, kv_padding: int, kernel: bool = True) -> BatchBuilder:
+    # With a decode kernel (the build never calls it) decode rows need no mask; without, SDPA's.
+    return BatchBuilder(geometry, [], 64, query_group=2, q_padding=q_padding, kv_padding=kv_padding,
+                        decode_kernel=print if kernel else None)  # fmt: skip
 
 
 def _items(rng: random.Random, geometry: KVGeometry) -> list[BatchItem]:
@@ -50,21 +51,29 @@ def _assert_same(a: ForwardBatch, b: ForwardBatch) -> None:
     for view in x.write_slots:
         assert torch.equal(x.write_slots[view], y.write_slots[view]), view
     assert x.groups.keys() == y.groups.keys()
+    assert a.shape == b.shape
     for g in x.groups:
         (p,), (q,) = x.groups[g], y.groups[g]
-        assert (p.num_queries, p.num_keys, p.kept, p.bias) == (q.num_queries, q.num_keys, None, None)
+        assert (p.num_queries, p.num_keys, p.kept, q.kept) == (q.num_queries, q.num_keys, None, None)
+        assert (p.bias is None) == (q.bias is None)
+        if p.bias is not None:
+            assert p.bias.dtype == q.bias.dtype and torch.equal(p.bias, q.bias)
         assert torch.equal(p.rows, q.rows) and torch.equal(p.lengths, q.lengths)
         assert p.slots.keys() == q.slots.keys()
         for view in p.slots:
             assert torch.equal(p.slots[view], q.slots[view]), (g, view)
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["native", "sdpa"])
 @pytest.mark.parametrize("name", sorted(GEOMETRIES))
 @pytest.mark.parametrize(("q_padding", "kv_padding"), [(0, 0), (4, 8)])
-def test_decode_build_equals_the_general_build(name: str, q_padding: int, kv_padding: int) -> None:
+def test_decode_build_equals_the_general_build(
+    name: str, q_padding: int, kv_padding: int, kernel: bool
+) -> None:
     geometry = GEOMETRIES[name]
     rng = random.Random(f"{name}-{q_padding}")
-    fast, general = _builder(geometry, q_padding, kv_padding), _builder(geometry, q_padding, kv_padding)
+    fast = _builder(geometry, q_padding, kv_padding, kernel)
+    general = _builder(geometry, q_padding, kv_padding, kernel)
     for _ in range(50):
         items = _items(rng, geometry)
         _assert_same(fast.build(items), general._build_any(items, None))
@@ -80,3 +89,19 @@ def test_batches_with_longer_items_take_the_general_build() -> None:
     decode, prefill = batch.attention.groups[0]
     assert (decode.num_queries, prefill.num_queries) == (1, 3)
     assert decode.bias is None and prefill.bias is not None  # the kernel reads no mask; SDPA does
+
+
+@pytest.mark.parametrize("name", sorted(GEOMETRIES))
+def test_a_bucket_build_equals_the_general_build(name: str) -> None:
+    """A decode step built for a CUDA graph's bucket: phantom rows up to its tokens, its keys."""
+    geometry = GEOMETRIES[name]
+    rng = random.Random(f"bucket-{name}")
+    fast, general = _builder(geometry, 4, 8, kernel=False), _builder(geometry, 4, 8, kernel=False)
+    for _ in range(50):
+        items = _items(rng, geometry)
+        shape = Shape(round_up(len(items) + rng.randint(0, 4), 4), 48 + 8 * rng.randint(0, 2))
+        _assert_same(fast.build(items, shape), general._build_any(items, shape))
+    assert fast.padded_queries == general.padded_queries > 0
+    assert fast.padded_keys == general.padded_keys > 0
+    with pytest.raises(ValueError, match="bucket takes at most 4"):
+        fast.build(_items(rng, geometry) * 5, Shape(4, 48))

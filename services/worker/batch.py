@@ -168,12 +168,8 @@ class BatchBuilder:
         self._buffers.rotate(-1)
         self.input_buf, self.position_buf = self._buffers[0]
         self.prompt_chunks += sum(1 for it in items if not it.sample)
-        if (
-            shape is None
-            and self.decode_kernel is not None
-            and all(len(it.token_ids) == 1 and not it.logit_rows for it in items)
-        ):
-            return self._build_decode(items)
+        if all(len(it.token_ids) == 1 and not it.logit_rows for it in items):
+            return self._build_decode(items, shape)
         return self._build_any(items, shape)
 
     def _build_any(self, items: Sequence[BatchItem], shape: Shape | None) -> ForwardBatch:
@@ -257,12 +253,24 @@ class BatchBuilder:
             shape=shape,
         )
 
-    def _build_decode(self, items: Sequence[BatchItem]) -> ForwardBatch:
-        """`_build_any` for one-token items that the native decode kernel attends (so on the CPU): the
-        same batch, its per-request values computed on Python lists and turned into tensors at the
-        end, in about fifteen torch ops instead of forty. A decode step builds between two forwards,
-        with the caches cold, where each op costs 10-15 us: in-process, at 1 and 16 requests in
-        flight, this build took 0.30-0.35 ms a step where the general one took 0.47-0.81."""
+    def _build_decode(self, items: Sequence[BatchItem], shape: Shape | None) -> ForwardBatch:
+        """`_build_any` for one-token items: the same batch, its per-request values computed on Python
+        lists, turned into a few tensors for the device, and expanded there into the `[B, L]` slots
+        (and, without the native decode kernel, the mask). A decode step builds between two forwards,
+        with the caches cold, where each op costs 10-15 us on a CPU: in-process, at 1 and 16 requests
+        in flight, this build took 0.30-0.35 ms a step where the general one took 0.47-0.81. On a GPU
+        the host's work between replays bounds a decode step (the H200's took ~6 ms, mostly host work):
+        for a graph's bucket of 64 requests, with the mask SDPA needs, this build took 0.73-0.94 ms a
+        step against 1.13-1.27 for the general one (a CPU standing in for the device, in-process; 0.42
+        against 0.81 ms built back to back), with about half the device operations and copies."""
+        if shape is not None:
+            if len(items) > shape.tokens:
+                raise ValueError(f"a {shape} bucket takes at most {shape.tokens} one-token requests")
+            phantoms = shape.tokens - len(items)
+            items = [*items, *[self.phantom] * phantoms]
+        else:
+            phantoms = 0
+        dev = self.device
         n = len(items)
         padded = round_up(n, self.q_padding)
         if padded > self.input_buf.numel():
@@ -272,25 +280,27 @@ class BatchBuilder:
         tail = padded - n
         self.input_buf[:padded] = torch.tensor([it.token_ids[0] for it in items] + [0] * tail)
         self.position_buf[:padded] = torch.tensor(starts + [0] * tail)
-        self.padded_queries += tail
+        self.padded_queries += tail + phantoms
         pages = {view: self._pages(items, view) for view in self.views}
         write_slots = {
             view: torch.tensor(
                 [max(row[s // page], 0) * page + s % page for row, s in zip(rows, starts, strict=True)]
                 + [PADDING_SLOT] * tail
-            )
+            ).to(dev)
             for view, rows in pages.items()
         }
-        ends = torch.tensor(starts) + 1
+        rows_of_batch = torch.arange(n, device=dev)
         groups: dict[int, list[RowGroup]] = {}
         for g, window in enumerate(self.windows):
-            first = [max(s - window + 1, 0) for s in starts] if window is not None else [0] * n
-            lengths = [s + 1 - lo for s, lo in zip(starts, first, strict=True)]
-            longest = max(lengths)
-            kv_len = round_up(longest, self.kv_padding)
+            first_list = [max(s - window + 1, 0) for s in starts] if window is not None else [0] * n
+            length_list = [s + 1 - lo for s, lo in zip(starts, first_list, strict=True)]
+            longest = max(length_list)
+            kv_len = shape.keys if shape is not None else round_up(longest, self.kv_padding)
             self.padded_keys += kv_len - longest
-            key_pos = torch.tensor(first)[:, None] + torch.arange(kv_len)[None, :]  # [B, L]
-            key_ok = key_pos < ends[:, None]
+            first, lengths = torch.tensor([first_list, length_list]).to(dev)
+            key_idx = torch.arange(kv_len, device=dev)[None, :]
+            key_pos = first[:, None] + key_idx  # [B, L]
+            key_ok = key_idx < lengths[:, None]
             views = [v for v in self.views if v[0] == g]
             # Clamped to the first view's width, as `_slots` does: the slots past it are masked anyway.
             width = max(len(row) for row in pages[views[0]])
@@ -298,9 +308,14 @@ class BatchBuilder:
             in_page = key_pos % page
             slots = {}
             for view in views:
-                chunk = self._table(pages[view]).gather(1, page_idx)
+                chunk = self._table(pages[view]).to(dev).gather(1, page_idx)
                 slots[view] = torch.where(key_ok, chunk * page + in_page, PADDING_SLOT).view(-1)
-            groups[g] = [RowGroup(torch.arange(n), None, None, 1, kv_len, None, torch.tensor(lengths), slots)]
+            bias = None
+            if self.decode_kernel is None:  # SDPA's additive mask, folded for GQA: [B, 1, group, L]
+                visible = key_ok[:, None, None, :].expand(n, 1, self.query_group, kv_len)
+                bias = torch.zeros(visible.shape, dtype=self.dtype, device=dev)
+                bias.masked_fill_(~visible, float("-inf"))
+            groups[g] = [RowGroup(rows_of_batch, None, None, 1, kv_len, bias, lengths, slots)]
         attention = AttentionBatch(
             num_tokens=padded,
             write_slots=write_slots,
@@ -310,11 +325,13 @@ class BatchBuilder:
             decode_kernel=self.decode_kernel,
             prefill_kernel=self.prefill_kernel,
         )
+        sampled = [i for i, it in enumerate(items) if it.sample]
         return ForwardBatch(
             input_ids=self.input_buf[:padded].unsqueeze(0),
             position_ids=self.position_buf[:padded].unsqueeze(0),
-            logits_indices=torch.tensor([i for i, it in enumerate(items) if it.sample], dtype=torch.long),
+            logits_indices=torch.tensor(sampled, dtype=torch.long).to(dev),
             attention=attention,
+            shape=shape,
         )
 
     def _pages(self, items: Sequence[BatchItem], view: tuple[int, int]) -> list[list[int]]:
