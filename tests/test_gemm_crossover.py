@@ -103,7 +103,7 @@ def test_a_pinned_crossover_is_taken_as_given(
     assert gemm_crossover.pinned() == crossover
 
 
-@pytest.mark.parametrize("text", ["0", "-64", "lots", "1e3"])
+@pytest.mark.parametrize("text", ["0", "-64", "Lots ", "1e3"])
 def test_a_bad_pinned_crossover_is_refused_naming_it(text: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(gemm_crossover.SETTING, text)
     with pytest.raises(ValueError, match=f"CBSERVE_GEMM_CROSSOVER.*{text!r}"):

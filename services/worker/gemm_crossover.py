@@ -66,13 +66,14 @@ SETTING = "CBSERVE_GEMM_CROSSOVER"
 
 def pinned() -> int | None:
     """The crossover `CBSERVE_GEMM_CROSSOVER` pins, or None (unset or empty: measured)."""
-    text = os.environ.get(SETTING, "").strip().lower()
+    given = os.environ.get(SETTING, "")
+    text = given.strip().lower()
     if not text:
         return None
     if text == "never":
         return NEVER
     if not text.isdigit() or int(text) < 1:
-        raise ValueError(f"{SETTING} must be 'never' or a number of rows of at least 1, got {text!r}")
+        raise ValueError(f"{SETTING} must be 'never' or a number of rows of at least 1, got {given!r}")
     return int(text)
 
 
