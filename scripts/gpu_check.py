@@ -107,6 +107,10 @@ class Check:
         """Seconds of the budget left, less `keep` for what comes after."""
         return self.deadline - time.monotonic() - keep
 
+    def stack_start_s(self) -> float:
+        """How long a stack may take to start: a minute at least, four at most, a minute left after."""
+        return min(240.0, max(60.0, self.seconds_left(keep=60)))
+
     def graphs_settings(self, on: bool) -> dict[str, Any]:
         """The engine settings for graphs on or off; on a CPU they are emulated after construction."""
         return {"use_cuda_graph": on} if self.device == "cuda" else {}
@@ -518,7 +522,7 @@ def serve_section(check: Check) -> Entry:
         model_dir,
         logs,
         up_args=["--device", check.device, "--dtype", dtype],
-        start_timeout_s=min(240.0, max(60.0, check.seconds_left(keep=60))),
+        start_timeout_s=check.stack_start_s(),
         **speed_settings(check),
     )
     entry: Entry = {"start_s": round(time.monotonic() - started, 1), "log": str(stack.log_path)}
@@ -711,11 +715,9 @@ def stack_section(check: Check) -> Entry:
     logs = check.workdir / "stack"
     logs.mkdir(exist_ok=True)
     started = time.monotonic()
-    start_timeout = min(240.0, max(60.0, check.seconds_left(keep=60)))
     try:
-        stack = Stack(
-            model_dir, logs, up_args=["--device", check.device], start_timeout_s=start_timeout, **settings
-        )
+        up_args = ["--device", check.device]
+        stack = Stack(model_dir, logs, up_args=up_args, start_timeout_s=check.stack_start_s(), **settings)
     except Exception as exc:  # its log says why: keep it
         return failure(exc) | {"log": str(max(logs.glob("stack-*.log"), default=""))}
     entry: Entry = {"start_s": round(time.monotonic() - started, 1)}
