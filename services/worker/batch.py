@@ -170,16 +170,12 @@ class BatchBuilder:
         self.prompt_chunks += sum(1 for it in items if not it.sample)
         if all(len(it.token_ids) == 1 and not it.logit_rows for it in items):
             return self._build_decode(items, shape)
-        return self._build_any(items, shape)
-
-    def _build_any(self, items: Sequence[BatchItem], shape: Shape | None) -> ForwardBatch:
-        dev = self.device
-        phantoms = 0
         if shape is not None:
-            phantoms = shape.tokens - len(items)
-            if phantoms < 0 or any(len(it.token_ids) != 1 for it in items):
-                raise ValueError(f"a {shape} bucket takes at most {shape.tokens} one-token requests")
-            items = [*items, *[self.phantom] * phantoms]
+            raise ValueError(f"a {shape} bucket takes one-token requests only")
+        return self._build_any(items)
+
+    def _build_any(self, items: Sequence[BatchItem]) -> ForwardBatch:
+        dev = self.device
         lens_list = [len(it.token_ids) for it in items]
         num_tokens = sum(lens_list)
         padded = round_up(num_tokens, self.q_padding)
@@ -187,7 +183,7 @@ class BatchBuilder:
             raise ValueError(
                 f"batch of {num_tokens} tokens exceeds the static buffer {self.input_buf.numel()}"
             )
-        self.padded_queries += padded - num_tokens + phantoms
+        self.padded_queries += padded - num_tokens
         flat_ids = [t for it in items for t in it.token_ids]
         starts = torch.tensor([it.start for it in items], dtype=torch.long)
         lens = torch.tensor(lens_list, dtype=torch.long)
@@ -230,9 +226,7 @@ class BatchBuilder:
         for g, window in enumerate(self.windows):
             views = [v for v in self.views if v[0] == g]
             index = GroupIndex(starts, ends, offsets, window, views, device_tables)
-            groups[g] = [
-                self._row_group(torch.tensor(sel, dtype=torch.long), index, shape) for sel in selections
-            ]
+            groups[g] = [self._row_group(torch.tensor(sel, dtype=torch.long), index) for sel in selections]
             if ragged:
                 prefill_of_group[g] = self._ragged(torch.tensor(prefill, dtype=torch.long), index)
         attention = AttentionBatch(
@@ -250,7 +244,6 @@ class BatchBuilder:
             position_ids=self.position_buf[:padded].unsqueeze(0),
             logits_indices=logits_indices.to(dev),
             attention=attention,
-            shape=shape,
         )
 
     def _build_decode(self, items: Sequence[BatchItem], shape: Shape | None) -> ForwardBatch:
@@ -370,12 +363,12 @@ class BatchBuilder:
             window=index.window or 0,
         )
 
-    def _row_group(self, sel: torch.Tensor, index: GroupIndex, shape: Shape | None) -> RowGroup:
+    def _row_group(self, sel: torch.Tensor, index: GroupIndex) -> RowGroup:
         start, end, offset, lo = index.select(sel)
         window = index.window
         num_q = int((end - start).max())
         longest = int((end - lo).max())
-        kv_len = shape.keys if shape is not None else round_up(longest, self.kv_padding)
+        kv_len = round_up(longest, self.kv_padding)
         self.padded_keys += kv_len - longest
         dev = self.device
         kept = kept_rows = None
