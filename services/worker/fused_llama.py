@@ -6,8 +6,9 @@ adds), three separate projections where one would do, and module and mask bookke
 is four packed GEMMs (q|k|v, o, gate|up, down), the paged attention, and four fused passes
 (csrc/fused_ops.cpp): norm, rotary in place on the q|k|v rows with the K/V writes to the pool,
 SiLU-times-up, add-and-norm. Weights are the model's own, concatenated (the model's parameters become
-views of the concatenations) and packed once into panels; the final norm and the LM head run only on
-the rows whose logits are asked for (those that sample, and prompt logprobs' rows).
+views of the concatenations) and packed once into panels; the last layer past its K/V writes, the final
+norm and the LM head run only on the rows whose logits are asked for (those that sample, and prompt
+logprobs' rows).
 
 Results equal transformers' up to fp32 summation order; `FusedLlama.build` returns None (the model
 then runs transformers' forward) for anything else: another architecture, a rotary embedding that
@@ -108,18 +109,26 @@ class FusedLlama:
         residual = F.embedding(input_ids, self.embed)
         hidden = ops.rms_norm(residual, self.layers[0].input_norm, eps)
         for i, layer in enumerate(self.layers):
+            final = i + 1 == len(self.layers)
             qkv = layer.qkv(hidden)
             k_cache, v_cache, slots = batch.kv_target(i)
             ops.rotary_store_kv_(
                 qkv, self.num_heads, self.kv_heads, hd, self.cos, self.sin, positions, k_cache, v_cache, slots
             )
+            if final and rows.numel() == 0:  # a prompt's inner chunk: its last K/V are all it leaves
+                return qkv.new_empty((0, self.lm_head.weight.shape[0]))
             attn = attend_stored(batch, i, qkv[:, :q_width].view(t, self.num_heads, hd), self.scale)
-            out = layer.o(attn.view(t, q_width))
+            attn = attn.view(t, q_width)
+            if final:
+                # Past the last layer's K/V writes only the rows whose logits are asked for matter
+                # (llama.cpp's `inp_out_ids`): a prompt's other rows skip that layer's o and MLP, ~3%
+                # of a prefill's products.
+                attn, residual = attn.index_select(0, rows), residual.index_select(0, rows)
+            out = layer.o(attn)
             hidden = ops.add_rms_norm(out, residual, layer.post_norm, eps)
             mlp = layer.down(ops.silu_mul(layer.gate_up(hidden)))
-            if i + 1 < len(self.layers):
-                hidden = ops.add_rms_norm(mlp, residual, self.layers[i + 1].input_norm, eps)
-            else:
+            if final:
                 residual += mlp
-        last = ops.rms_norm(residual.index_select(0, rows), self.final_norm, eps)
-        return self.lm_head(last)
+            else:
+                hidden = ops.add_rms_norm(mlp, residual, self.layers[i + 1].input_norm, eps)
+        return self.lm_head(ops.rms_norm(residual, self.final_norm, eps))
