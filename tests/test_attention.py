@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from services.common.model_source import cbserve_home
 from services.worker import gemm_crossover, kernels
 from services.worker.engine import Engine
-from services.worker.packed_linear import PackedLinear, pack_linears
+from services.worker.packed_linear import PackedLinear, PackedWeight, pack_linears
 from tests.stack import REPO
 from tests.test_engine_parity import CONFIGS, make_prompts, reference, reference_attn
 
@@ -215,6 +215,47 @@ def test_packed_linear_matches_torch(
     assert packed.weight is linear.weight
 
 
+# Outputs: a partial last gated panel (100 = 6 x 16 + 4 or 12 x 8 + 4, 17) and whole ones (64).
+@pytest.mark.parametrize("rows", [0, 1, 5, 14, 15, 600])
+@pytest.mark.parametrize(("in_features", "width"), [(96, 100), (33, 17), (64, 64)])
+@pytest.mark.parametrize("torch_from_rows", [gemm_crossover.NEVER, 9], ids=["panels", "torch-from-9"])
+def test_gated_product_is_silu_of_gate_times_up(
+    rows: int, in_features: int, width: int, torch_from_rows: int
+) -> None:
+    """An MLP's gate|up written as silu(gate) * up by the panels (or after torch's GEMM) equals
+    transformers' `act_fn(gate_proj(x)) * up_proj(x)`."""
+    ops = copy.copy(built(kernels.packed_linear_ops(), "panel linears"))
+    ops.torch_from_rows = torch_from_rows
+    gen = torch.Generator().manual_seed(rows + width)
+    gate, up = (torch.nn.Linear(in_features, width, bias=False) for _ in range(2))
+    for lin in (gate, up):
+        torch.nn.init.normal_(lin.weight, generator=gen)
+    x = torch.randn(rows, in_features + 5, generator=gen)[:, 2 : 2 + in_features]  # strided rows
+    want = F.silu(gate(x)) * up(x)
+    packed = PackedWeight.of(ops, gate, up, gated=True)
+    torch.testing.assert_close(packed(x), want, rtol=1e-5, atol=1e-4)
+
+
+def test_gated_product_of_far_negative_gates_is_zero_not_nan() -> None:
+    """-ffast-math assumes no infinity: exp(200) must not reach a division (it gave NaN with AVX2)."""
+    ops = built(kernels.packed_linear_ops(), "panel linears")
+    gate, up = (torch.nn.Linear(8, 8, bias=False) for _ in range(2))
+    with torch.no_grad():
+        gate.weight.copy_(torch.eye(8))
+        up.weight.fill_(1.0)
+    x = torch.tensor([[-200.0, -100.0, -88.0, -80.0, -30.0, 0.0, 30.0, 100.0]])
+    got = PackedWeight.of(ops, gate, up, gated=True)(x)
+    torch.testing.assert_close(got, F.silu(x) * x.sum(), rtol=1e-5, atol=1e-28)
+
+
+def test_gated_product_refuses_biases_and_unequal_widths() -> None:
+    ops = built(kernels.packed_linear_ops(), "panel linears")
+    with pytest.raises(ValueError, match="one width, no bias"):
+        PackedWeight.of(ops, torch.nn.Linear(8, 4), torch.nn.Linear(8, 4), gated=True)
+    with pytest.raises(ValueError, match="one width, no bias"):
+        PackedWeight.of(ops, torch.nn.Linear(8, 4, bias=False), torch.nn.Linear(8, 5, bias=False), gated=True)
+
+
 def test_pack_linears_keeps_tied_weights(tiny_models: Callable[[str], Path]) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -269,7 +310,7 @@ def test_fused_norms_match_torch() -> None:
     torch.testing.assert_close(residual, summed)  # the skip connection, in place
 
 
-def test_fused_rotary_and_silu_match_transformers() -> None:
+def test_fused_rotary_matches_transformers() -> None:
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     ops = _fused_ops()
@@ -299,11 +340,6 @@ def test_fused_rotary_and_silu_match_transformers() -> None:
     past_the_end = torch.full((t,), 40)
     with pytest.raises(RuntimeError, match="slot 40 outside 40"):
         ops.rotary_store_kv_(qkv, heads, kv_heads, d, cos, sin, positions, k_cache, v_cache, past_the_end)
-
-    gate_up = torch.randn(t, 2 * 96, generator=gen)
-    torch.testing.assert_close(
-        ops.silu_mul(gate_up), F.silu(gate_up[:, :96]) * gate_up[:, 96:], rtol=1e-5, atol=1e-6
-    )
 
 
 @pytest.mark.parametrize("n", [1, 15, 16, 49_152, 49_157])

@@ -3,9 +3,9 @@
 transformers' forward spends a third of a W1 step outside the matrix products: per layer it runs
 about forty small kernels (RMSNorm as six, rotary as sixteen, SiLU and the product, three residual
 adds), three separate projections where one would do, and module and mask bookkeeping. Here a layer
-is four packed GEMMs (q|k|v, o, gate|up, down), the paged attention, and four fused passes
-(csrc/fused_ops.cpp): norm, rotary in place on the q|k|v rows with the K/V writes to the pool,
-SiLU-times-up, add-and-norm. Weights are the model's own, concatenated (the model's parameters become
+is four packed GEMMs (q|k|v, o, gate|up writing SiLU(gate) times up, down), the paged attention, and
+three fused passes (csrc/fused_ops.cpp): norm, rotary in place on the q|k|v rows with the K/V writes
+to the pool, add-and-norm. Weights are the model's own, concatenated (the model's parameters become
 views of the concatenations) and packed once into panels; the last layer past its K/V writes, the final
 norm and the LM head run only on the rows whose logits are asked for (those that sample, and prompt
 logprobs' rows).
@@ -80,7 +80,7 @@ class FusedLlama:
                 post_norm=layer.post_attention_layernorm.weight.detach(),
                 qkv=PackedWeight.of(linear_ops, attn.q_proj, attn.k_proj, attn.v_proj),
                 o=PackedWeight.of(linear_ops, attn.o_proj),
-                gate_up=PackedWeight.of(linear_ops, mlp.gate_proj, mlp.up_proj),
+                gate_up=PackedWeight.of(linear_ops, mlp.gate_proj, mlp.up_proj, gated=True),
                 down=PackedWeight.of(linear_ops, mlp.down_proj),
             ))  # fmt: skip
         # transformers' own cos/sin for every position, computed once (the same products per position).
@@ -126,7 +126,7 @@ class FusedLlama:
                 attn, residual = attn.index_select(0, rows), residual.index_select(0, rows)
             out = layer.o(attn)
             hidden = ops.add_rms_norm(out, residual, layer.post_norm, eps)
-            mlp = layer.down(ops.silu_mul(layer.gate_up(hidden)))
+            mlp = layer.down(layer.gate_up(hidden))  # gated: silu(gate) * up
             if final:
                 residual += mlp
             else:

@@ -139,7 +139,9 @@ def paged_prefill_kernel(head_dim: int) -> PagedPrefill | None:
 
 class PanelLinear:
     """Linears on weights packed once into column panels (csrc/panel_linear.cpp): `pack_weight(W [N, K])`,
-    then `packed_linear(x [..., K], packed, bias, N) -> [..., N]`. Products of `torch_from_rows` rows
+    then `packed_linear(x [..., K], packed, bias, N) -> [..., N]`; for an MLP's gate and up,
+    `pack_weight_gated([Wg; Wu] [2I, K])`, then `packed_linear_gated(x, packed, I) -> silu(x Wg^T) *
+    (x Wu^T) [..., I]`. Products of `torch_from_rows` rows
     or more run faster on torch's GEMM on this CPU (`gemm_crossover`, `torch_gemm`): their callers
     send them there.
     """
@@ -155,6 +157,12 @@ class PanelLinear:
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
     ) -> torch.Tensor:
         return self._module.panel_linear(x, packed, bias, out_features)
+
+    def pack_weight_gated(self, weight: torch.Tensor) -> torch.Tensor:
+        return self._module.pack_weight_gated(weight)
+
+    def packed_linear_gated(self, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+        return self._module.panel_linear_gated(x, packed, out_features)
 
 
 @functools.cache
@@ -180,6 +188,6 @@ def packed_linear_ops() -> PanelLinear | None:
 
 @functools.cache
 def fused_ops() -> Any:
-    """`rms_norm`, `add_rms_norm`, `rotary_` and `silu_mul` (csrc/fused_ops.cpp), or None: then the
-    model runs transformers' own forward."""
+    """`rms_norm`, `add_rms_norm`, `rotary_store_kv_` and `argmax_rows` (csrc/fused_ops.cpp), or None:
+    then the model runs transformers' own forward."""
     return _built()["fused_ops"]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from services.worker import torch_gemm
@@ -28,21 +29,26 @@ class PackedWeight:
     """One or several linears' weights, concatenated along the outputs (`weight [N, K]`) and packed
     once, and their bias: `x [..., K] -> [..., N]`. `many_rows`: the copy that products of
     `ops.torch_from_rows` rows or more multiply by (`torch_gemm.prepare`), None where the panels
-    serve every size."""
+    serve every size. `gated`: an MLP's gate and up, `x -> silu(gate) * up [..., N / 2]`; the panels
+    apply it as they write, so the product's full width never reaches memory."""
 
     ops: Any
     weight: torch.Tensor
     packed: torch.Tensor
     bias: torch.Tensor | None
     many_rows: torch.Tensor | None
+    gated: bool = False
 
     @classmethod
-    def of(cls, ops: Any, *linears: nn.Module, many_rows: bool = True) -> PackedWeight:
+    def of(cls, ops: Any, *linears: nn.Module, many_rows: bool = True, gated: bool = False) -> PackedWeight:
         """Several linears' weights are concatenated once, and each linear's parameter becomes a view
         of its rows: one plain copy of the weights stays, besides the packed one and, where this
         CPU's crossover sends many rows to torch's GEMM, its prepared one. `many_rows=False` spares
         that copy for a product that seldom has many rows (the LM head: the panels serve it at every
-        size)."""
+        size). `gated`: the linears are an MLP's gate and up (one width, no biases)."""
+        if gated and (len(linears) != 2 or any(lin.bias is not None for lin in linears)
+                      or linears[0].out_features != linears[1].out_features):  # fmt: skip
+            raise ValueError(f"a gated product takes a gate and an up linear, one width, no bias: {linears}")
         with torch.no_grad():
             if len(linears) == 1:
                 weight = linears[0].weight.detach()
@@ -58,11 +64,18 @@ class PackedWeight:
                 for b, lin in zip(biases, linears, strict=True)
             ])  # fmt: skip
             prepared = torch_gemm.prepare(weight) if many_rows and ops.torch_from_rows < NEVER else None
-            return cls(ops, weight, ops.pack_weight(weight), bias, prepared)
+            packed = ops.pack_weight_gated(weight) if gated else ops.pack_weight(weight)
+            return cls(ops, weight, packed, bias, prepared, gated)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.many_rows is not None and x.numel() >= self.ops.torch_from_rows * x.shape[-1]:
-            return torch_gemm.linear(x, self.many_rows, self.bias)
+            y = torch_gemm.linear(x, self.many_rows, self.bias)
+            if self.gated:
+                gate, up = y.chunk(2, dim=-1)
+                return F.silu(gate) * up
+            return y
+        if self.gated:
+            return self.ops.packed_linear_gated(x, self.packed, self.weight.shape[0] // 2)
         return self.ops.packed_linear(x, self.packed, self.bias, self.weight.shape[0])
 
 

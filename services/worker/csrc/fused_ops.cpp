@@ -1,10 +1,10 @@
 // The element-wise parts of a Llama decoder layer, one pass each over rows of the packed batch.
 //
 // In eager torch, RMSNorm is six kernels (cast, square, mean, add, rsqrt, two products), rotary
-// embedding eight per tensor (two slices, neg, cat, three products, add) and SiLU-times-up two, each
-// reading and writing the whole activation; for SmolLM2 on W1 the norms and rotary alone measured
-// 1.9 s of 27 s. Here each is one loop over the data, parallel over rows. Results equal torch's up to
-// fp32 summation order.
+// embedding eight per tensor (two slices, neg, cat, three products, add), each reading and writing
+// the whole activation; for SmolLM2 on W1 the norms and rotary alone measured 1.9 s of 27 s. Here each
+// is one loop over the data, parallel over rows (SiLU-times-up is written by the gate|up product
+// itself: panel_linear.cpp). Results equal torch's up to fp32 summation order.
 // Only the headers used: <torch/extension.h> (all of libtorch's C++ API) tripled the compile time.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -145,26 +145,6 @@ void rotary_store_kv_(at::Tensor qkv, int64_t q_heads, int64_t kv_heads, int64_t
   });
 }
 
-// [rows, 2I] (gate | up) -> [rows, I]: silu(gate) * up.
-at::Tensor silu_mul(at::Tensor gate_up) {
-  check_rows(gate_up, "gate_up");
-  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up width must be even, got ", gate_up.size(1));
-  const int64_t n = gate_up.size(1) / 2, sx = gate_up.stride(0);
-  auto y = at::empty({gate_up.size(0), n}, gate_up.options());
-  const float* gp = gate_up.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, gate_up.size(0), 8, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* g = gp + t * sx;
-      const float* u = g + n;
-      float* o = yp + t * n;
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
-    }
-  });
-  return y;
-}
-
 namespace {
 // Index of the first maximum of x[0 .. n), or of the first NaN if there is one (torch.argmax's rule).
 // NaN is tested on the bits, which -ffast-math cannot assume away.
@@ -224,5 +204,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "x / rms(x) * weight, per row", nogil{});
   m.def("add_rms_norm", &add_rms_norm, "residual += x; rms_norm(residual)", nogil{});
   m.def("rotary_store_kv_", &rotary_store_kv_, "rotary on q|k, then k and v written to their KV slots", nogil{});
-  m.def("silu_mul", &silu_mul, "silu(gate) * up", nogil{});
 }

@@ -39,6 +39,10 @@
 // they led it at 64-512 rows, 166-175 GFLOP/s against 128-156, but not in every hour (gemm_crossover.py).
 // Blocking rows and k so that a block of x stays in L2 (Goto's order) ran 0.76-0.96x at 128-512 rows.
 //
+// A gated product (the MLP's gate|up) interleaves the two weights by halves of a panel, gate columns
+// then the same up columns, so that a tile ends with both halves of its outputs in registers and
+// writes silu(gate) * up: the product's full width is never written to memory and read back.
+//
 // Each output is one sequential sum over k, which equals torch's GEMM up to fp32 summation order.
 // Only the headers used: <torch/extension.h> (all of libtorch's C++ API) tripled the compile time.
 #include <ATen/Parallel.h>
@@ -52,6 +56,7 @@
 #endif
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <utility>
 
 namespace {
@@ -65,6 +70,7 @@ constexpr int kMaxRows = 6;     // rows per tile: 2 x 6 accumulators
 constexpr int64_t kPanel = 32;  // output columns per panel: two 64-byte lines per k
 constexpr int kMaxRows = 14;    // rows per tile: 2 x 14 accumulators
 #endif
+constexpr int64_t kHalf = kPanel / 2;  // a gated panel's outputs
 constexpr int64_t kLinesPerK = kPanel * 4 / 64;
 constexpr int64_t kAhead = 4096 / (kPanel * 4);  // k prefetched ahead (4 KiB): panels are read once, from memory
 
@@ -75,7 +81,8 @@ struct Tile {
   float* y;        // first row of the tile at the panel's first column
   int64_t sy;
   const float* bias;  // the panel's kPanel (zero-padded) bias values, or null
-  int64_t cols;       // real columns of this panel: kPanel but in the last panel
+  int64_t cols;       // real outputs of this panel: kPanel (gated: kHalf) but in the last panel
+  bool gated;         // columns [0, kHalf) are gate, [kHalf, kPanel) up: write silu(gate) * up
   const float* next;  // this tile's share of the next panel, pulled into L2; null after a thread's last
   int64_t next_lines;
   int64_t every;      // k per prefetched line: the tile count, so the tiles together fetch all K lines
@@ -111,6 +118,15 @@ class PanelPrefetch {
   int64_t wait_ = 0;  // a countdown, not k % every: a division per k costs as much as the FMAs
 };
 
+// One row's gated outputs from its gate and up sums: transformers' silu(gate) * up, with -ffast-math's
+// vector exp (libmvec). Below a gate of -80 the exponent is held at 80: -ffast-math assumes no
+// infinity, and with AVX2 a division by one (a reciprocal refined by Newton's step) gave NaN; silu
+// there is below 1e-33 either way.
+inline void store_gated(float* y, const float* gate, const float* up, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] = gate[i] / (1.0f + std::exp(-std::max(gate[i], -80.0f))) * up[i];
+}
+
 #ifdef __AVX512F__
 template <int R>
 void tile(const Tile& t) {
@@ -127,6 +143,15 @@ void tile(const Tile& t) {
       lo[r] = _mm512_fmadd_ps(xv, w0, lo[r]);
       hi[r] = _mm512_fmadd_ps(xv, w1, hi[r]);
     }
+  }
+  if (t.gated) {
+    alignas(64) float gate[16], up[16];
+    for (int r = 0; r < R; ++r) {
+      _mm512_store_ps(gate, lo[r]);
+      _mm512_store_ps(up, hi[r]);
+      store_gated(t.y + r * t.sy, gate, up, t.cols);
+    }
+    return;
   }
   __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
   if (t.bias != nullptr) b0 = _mm512_loadu_ps(t.bias), b1 = _mm512_loadu_ps(t.bias + 16);
@@ -161,6 +186,16 @@ void tile(const Tile& t) {
       hi[r] = _mm256_fmadd_ps(xv, w1, hi[r]);
     }
   }
+  if (t.gated) {
+    alignas(32) float gate[8], up[8];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      _mm256_store_ps(gate, lo[r]);
+      _mm256_store_ps(up, hi[r]);
+      store_gated(t.y + r * t.sy, gate, up, t.cols);
+    }
+    return;
+  }
   __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
   if (t.bias != nullptr) b0 = _mm256_loadu_ps(t.bias), b1 = _mm256_loadu_ps(t.bias + 8);
   const __m256i m0 = first_lanes(std::min<int64_t>(t.cols, 8)), m1 = first_lanes(std::max<int64_t>(t.cols - 8, 0));
@@ -182,8 +217,13 @@ void tile(const Tile& t) {
 #pragma omp simd
       for (int64_t c = 0; c < kPanel; ++c) acc[r][c] += xv * w[c];
     }
-  for (int r = 0; r < R; ++r)
+  for (int r = 0; r < R; ++r) {
+    if (t.gated) {
+      store_gated(t.y + r * t.sy, acc[r], acc[r] + kHalf, t.cols);
+      continue;
+    }
     for (int64_t c = 0; c < t.cols; ++c) t.y[r * t.sy + c] = acc[r][c] + (t.bias != nullptr ? t.bias[c] : 0.f);
+  }
 }
 #endif
 
@@ -205,13 +245,26 @@ at::Tensor pack_weight(at::Tensor weight) {
   return padded.view({P, kPanel, K}).transpose(1, 2).contiguous();
 }
 
-// x [..., K] (rows contiguous), panels of pack_weight, bias [N] or None -> [..., N]
-at::Tensor panel_linear(at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias, int64_t N) {
+// W [2I, K] (gate rows, then up rows) -> panels [ceil(I / kHalf), K, kPanel]: panel j holds gate
+// columns j * kHalf .. + kHalf, then the same up columns; the last one zero-padded.
+at::Tensor pack_weight_gated(at::Tensor weight) {
+  TORCH_CHECK(weight.dtype() == at::kFloat && weight.dim() == 2 && weight.size(0) % 2 == 0,
+              "float32 [2I, K] weight only, got ", weight.sizes(), " ", weight.dtype());
+  const int64_t I = weight.size(0) / 2, K = weight.size(1), P = (I + kHalf - 1) / kHalf;
+  auto halves = at::zeros({2, P * kHalf, K}, weight.options());
+  halves.narrow(1, 0, I).copy_(weight.view({2, I, K}));
+  return halves.view({2, P, kHalf, K}).permute({1, 3, 0, 2}).reshape({P, K, kPanel}).contiguous();
+}
+
+namespace {
+// x [..., K] times the panels -> [..., N]; gated: N = I outputs of silu(gate) * up.
+at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
+                      int64_t N, bool gated) {
   TORCH_CHECK(x.dtype() == at::kFloat && panels.dtype() == at::kFloat, "float32 only, got ", x.dtype());
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous(), "panels must come from pack_weight");
-  const int64_t K = panels.size(1), P = panels.size(0);
+  const int64_t K = panels.size(1), P = panels.size(0), width = gated ? kHalf : kPanel;
   TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
-  TORCH_CHECK(N > (P - 1) * kPanel && N <= P * kPanel, "N = ", N, " does not fit ", P, " panels");
+  TORCH_CHECK(N > (P - 1) * width && N <= P * width, "N = ", N, " does not fit ", P, " panels");
   auto x2 = x.reshape({-1, K});
   if (x2.stride(1) != 1) x2 = x2.contiguous();
   const int64_t M = x2.size(0);
@@ -250,8 +303,8 @@ at::Tensor panel_linear(at::Tensor x, at::Tensor panels, c10::optional<at::Tenso
         const int64_t rows = tile_rows(i), r0 = tile_first_row(i);
         const int64_t line0 = K * i / tiles, line1 = K * (i + 1) / tiles;
         const float* next = j + 1 < end ? wp + ((j + 1) * K + line0) * kPanel : nullptr;
-        const Tile t{xq + r0 * K, wp + j * K * kPanel, K, yp + r0 * N + j * kPanel, N,
-                     bp == nullptr ? nullptr : bp + j * kPanel, std::min(kPanel, N - j * kPanel),
+        const Tile t{xq + r0 * K, wp + j * K * kPanel, K, yp + r0 * N + j * width, N,
+                     bp == nullptr ? nullptr : bp + j * kPanel, std::min(width, N - j * width), gated,
                      next, next == nullptr ? 0 : line1 - line0, tiles};
         kTiles[rows](t);
       }
@@ -259,10 +312,23 @@ at::Tensor panel_linear(at::Tensor x, at::Tensor panels, c10::optional<at::Tenso
   });
   return y;
 }
+}  // namespace
+
+// x [..., K] (rows contiguous), panels of pack_weight, bias [N] or None -> [..., N]
+at::Tensor panel_linear(at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias, int64_t N) {
+  return run_panels(x, panels, bias, N, false);
+}
+
+// x [..., K], panels of pack_weight_gated for I outputs -> silu(x Wg^T) * (x Wu^T) [..., I]
+at::Tensor panel_linear_gated(at::Tensor x, at::Tensor panels, int64_t I) {
+  return run_panels(x, panels, c10::nullopt, I, true);
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Without the GIL: the host plans the next step while a forward runs (async batching).
   using nogil = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("pack_weight", &pack_weight, "W [N, K] -> column panels (CPU, float32)", nogil{});
   m.def("panel_linear", &panel_linear, "x W^T + bias with W packed by pack_weight", nogil{});
+  m.def("pack_weight_gated", &pack_weight_gated, "[gate; up] [2I, K] -> gated column panels", nogil{});
+  m.def("panel_linear_gated", &panel_linear_gated, "silu(x Wg^T) * (x Wu^T) with pack_weight_gated's panels", nogil{});
 }
