@@ -237,7 +237,7 @@ def test_gated_product_is_silu_of_gate_times_up(
 
 
 def test_gated_product_of_far_negative_gates_is_zero_not_nan() -> None:
-    """-ffast-math assumes no infinity: exp(200) must not reach a division (it gave NaN with AVX2)."""
+    """-ffast-math assumes no infinity: e^200 must never be formed (a division by it gave NaN with AVX2)."""
     ops = built(kernels.packed_linear_ops(), "panel linears")
     gate, up = (torch.nn.Linear(8, 8, bias=False) for _ in range(2))
     with torch.no_grad():

@@ -46,6 +46,8 @@
 #include <utility>
 #include <vector>
 
+#include "vec_exp.h"
+
 namespace {
 constexpr int64_t kAheadLines = 144;  // how far ahead of the reads the pump prefetches
 constexpr int64_t kBlock = 16;   // keys per block of dots
@@ -616,24 +618,6 @@ inline void prefill_scores(const float* qt, int64_t Rp, const float* const* kr, 
     for (int g = 0; g < GR; ++g) _mm512_storeu_ps(st + u * Rp + g * kLanes, acc[u][g]);
 }
 
-// e^x to about 1 ulp, inline: x = n ln2 + r with |r| <= ln2 / 2, e^r from Cephes's degree-6
-// polynomial, times 2^n by scalef (0 far below, where x is clamped so that r stays small).
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
-
 // Rows per value block: ROWS x NC accumulators, at most 24 (29 of the 32 registers with the NC V
 // vectors and a broadcast), so 6 rows of a 64-wide head. Each block reads the V rows of its keys once:
 // 6 rows a block instead of 4 ran the prefill kernel 1.06-1.07x at 640-1024 keys, identical output.
@@ -762,25 +746,6 @@ inline void prefill_scores_avx2(const float* qt, int64_t Rp, const float* const*
     if (u < keys)
 #pragma GCC unroll 2
       for (int g = 0; g < GR; ++g) _mm256_storeu_ps(st + u * Rp + g * kLanes8, acc[u][g]);
-}
-
-// e^x for x <= 0 to about 1 ulp (exp_ps's polynomial), down to the smallest normal (x is clamped to
-// [-87.34, 0], so that 2^n is built in the exponent bits: AVX2 has no scalef).
-inline __m256 exp_avx2(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3365478515625f)), _mm256_setzero_ps());
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
 }
 
 // The values of a block's rows, with rows across the lanes as in its scores: ot[d][r] = sum over keys

@@ -59,6 +59,8 @@
 #include <cmath>
 #include <utility>
 
+#include "vec_exp.h"
+
 namespace {
 // A panel's width and a tile's rows follow the vector registers: AVX-512 has 32 of 16 floats (2 x 14
 // accumulators, the panel's two vectors and a broadcast), AVX2 16 of 8 (2 x 6, two, one: the 6 x 16
@@ -118,16 +120,21 @@ class PanelPrefetch {
   int64_t wait_ = 0;  // a countdown, not k % every: a division per k costs as much as the FMAs
 };
 
-// One row's gated outputs from its gate and up sums: transformers' silu(gate) * up, with -ffast-math's
-// vector exp (libmvec). Below a gate of -80 the exponent is held at 80: -ffast-math assumes no
-// infinity, and with AVX2 a division by one (a reciprocal refined by Newton's step) gave NaN; silu
-// there is below 1e-33 either way.
-inline void store_gated(float* y, const float* gate, const float* up, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] = gate[i] / (1.0f + std::exp(-std::max(gate[i], -80.0f))) * up[i];
+// silu(gate) * up = gate * sigmoid(gate) * up, the sigmoid from e = e^-|gate|, which never overflows
+// (-ffast-math assumes no infinity): 1 / (1 + e) for gate >= 0, e / (1 + e) below.
+inline float silu_times(float gate, float up) {
+  const float e = std::exp(-std::fabs(gate));
+  return gate * (gate < 0.f ? e : 1.f) / (1.f + e) * up;
 }
 
 #ifdef __AVX512F__
+inline __m512 silu_times(__m512 gate, __m512 up) {
+  const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.f);
+  const __m512 e = exp_ps(_mm512_min_ps(gate, _mm512_sub_ps(zero, gate)));
+  const __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(gate, zero, _CMP_LT_OQ), one, e);
+  return _mm512_mul_ps(_mm512_div_ps(_mm512_mul_ps(gate, num), _mm512_add_ps(one, e)), up);
+}
+
 template <int R>
 void tile(const Tile& t) {
   __m512 lo[R], hi[R];
@@ -144,18 +151,13 @@ void tile(const Tile& t) {
       hi[r] = _mm512_fmadd_ps(xv, w1, hi[r]);
     }
   }
+  const __mmask16 m0 = t.cols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << t.cols) - 1);
   if (t.gated) {
-    alignas(64) float gate[16], up[16];
-    for (int r = 0; r < R; ++r) {
-      _mm512_store_ps(gate, lo[r]);
-      _mm512_store_ps(up, hi[r]);
-      store_gated(t.y + r * t.sy, gate, up, t.cols);
-    }
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(t.y + r * t.sy, m0, silu_times(lo[r], hi[r]));
     return;
   }
   __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
   if (t.bias != nullptr) b0 = _mm512_loadu_ps(t.bias), b1 = _mm512_loadu_ps(t.bias + 16);
-  const __mmask16 m0 = t.cols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << t.cols) - 1);
   const __mmask16 m1 = t.cols >= 32 ? __mmask16(0xFFFF) : t.cols <= 16 ? __mmask16(0) : __mmask16((1u << (t.cols - 16)) - 1);
   for (int r = 0; r < R; ++r) {
     _mm512_mask_storeu_ps(t.y + r * t.sy, m0, _mm512_add_ps(lo[r], b0));
@@ -166,6 +168,13 @@ void tile(const Tile& t) {
 // Lane i of the mask is set where i < n (n in [0, 8]).
 inline __m256i first_lanes(int64_t n) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+inline __m256 silu_times(__m256 gate, __m256 up) {
+  const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.f);
+  const __m256 e = exp_avx2(_mm256_min_ps(gate, _mm256_sub_ps(zero, gate)));
+  const __m256 num = _mm256_blendv_ps(one, e, _mm256_cmp_ps(gate, zero, _CMP_LT_OQ));
+  return _mm256_mul_ps(_mm256_div_ps(_mm256_mul_ps(gate, num), _mm256_add_ps(one, e)), up);
 }
 
 template <int R>
@@ -187,13 +196,9 @@ void tile(const Tile& t) {
     }
   }
   if (t.gated) {
-    alignas(32) float gate[8], up[8];
+    const __m256i m = first_lanes(t.cols);
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      _mm256_store_ps(gate, lo[r]);
-      _mm256_store_ps(up, hi[r]);
-      store_gated(t.y + r * t.sy, gate, up, t.cols);
-    }
+    for (int r = 0; r < R; ++r) _mm256_maskstore_ps(t.y + r * t.sy, m, silu_times(lo[r], hi[r]));
     return;
   }
   __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
@@ -219,7 +224,7 @@ void tile(const Tile& t) {
     }
   for (int r = 0; r < R; ++r) {
     if (t.gated) {
-      store_gated(t.y + r * t.sy, acc[r], acc[r] + kHalf, t.cols);
+      for (int64_t c = 0; c < t.cols; ++c) t.y[r * t.sy + c] = silu_times(acc[r][c], acc[r][kHalf + c]);
       continue;
     }
     for (int64_t c = 0; c < t.cols; ++c) t.y[r * t.sy + c] = acc[r][c] + (t.bias != nullptr ? t.bias[c] : 0.f);
