@@ -54,7 +54,7 @@ from services.bench.peer_runners.protocol import closed_loop
 from services.bench.workload import Workload, jsonl_workload, reference_workload
 from services.common.cli_args import cb_config, cb_settings, model_dir
 from services.common.config import CBConfig
-from services.common.heap import keep_freed_memory
+from services.common.heap import ask_huge_pages, keep_freed_memory
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -116,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
     threads = args.threads or _usable_cores()
     torch.set_num_threads(threads)
     keep_freed_memory()  # as the worker process does: the engine here runs as it would there
+    ask_huge_pages()
 
     from services.common.model_source import load_model
 

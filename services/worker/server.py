@@ -41,6 +41,7 @@ from services.common.gateway_messages import (
     WorkerMessage,
     WorkerStatus,
 )
+from services.common.heap import huge_page_bytes
 from services.common.kv_geometry import RESERVED_CHUNKS
 from services.common.messages import KvEvents
 from services.common.sampling_params import SamplingParams
@@ -225,6 +226,7 @@ class WorkerServer:
             "worker ready",
             worker_id=self.worker_id,
             async_batching=self.engine.config.use_async_batching,
+            huge_page_bytes=huge_page_bytes(),
             **msgspec.to_builtins(self.facts),
         )
         ready_file.mark(self.ready_path, True)
@@ -576,10 +578,11 @@ def run_worker(
 ) -> int:
     import os
 
-    from services.common.heap import keep_freed_memory
+    from services.common.heap import ask_huge_pages, keep_freed_memory
     from services.common.model_source import load_model
 
     keep_freed_memory()
+    ask_huge_pages()
     torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
     loaded, _ = load_model(model, dtype=dtype, device=device)
     WorkerServer(
