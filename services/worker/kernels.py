@@ -12,6 +12,7 @@ import fcntl
 import functools
 import hashlib
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -69,7 +70,9 @@ def _build(stem: str) -> Any:
             (build_dir / "lock").unlink(missing_ok=True)
             # Silent, a first start looked hung: say that a compile is coming and how long it took.
             built = [so.stat().st_mtime for so in build_dir.glob("*.so")]
-            compiling = not built or max(built) < source.stat().st_mtime
+            headers = [_CSRC / name for name in re.findall(r'#include "([^"]+)"', source.read_text())]
+            newest = max(path.stat().st_mtime for path in [source, *headers])  # ninja tracks both
+            compiling = not built or max(built) < newest
             if compiling:
                 log.info("compiling native kernel, once per CPU and source (about 30 s)", kernel=stem)
             started = time.monotonic()
