@@ -304,10 +304,8 @@ class BatchBuilder:
                 chunk = self._table(pages[view]).to(dev).gather(1, page_idx)
                 slots[view] = torch.where(key_ok, chunk * page + in_page, PADDING_SLOT).view(-1)
             bias = None
-            if self.decode_kernel is None:  # SDPA's additive mask, folded for GQA: [B, 1, group, L]
-                visible = key_ok[:, None, None, :].expand(n, 1, self.query_group, kv_len)
-                bias = torch.zeros(visible.shape, dtype=self.dtype, device=dev)
-                bias.masked_fill_(~visible, float("-inf"))
+            if self.decode_kernel is None:  # SDPA's mask, folded for GQA: [B, 1, group, L]
+                bias = self._bias(key_ok[:, None, None, :].expand(n, 1, self.query_group, kv_len))
             groups[g] = [RowGroup(rows_of_batch, None, None, 1, kv_len, bias, lengths, slots)]
         attention = AttentionBatch(
             num_tokens=padded,
@@ -363,6 +361,12 @@ class BatchBuilder:
             window=index.window or 0,
         )
 
+    def _bias(self, visible: torch.Tensor) -> torch.Tensor:
+        """SDPA's additive mask from a boolean one: 0 where a query may attend, -inf elsewhere."""
+        return torch.zeros(visible.shape, dtype=self.dtype, device=visible.device).masked_fill_(
+            ~visible, float("-inf")
+        )
+
     def _row_group(self, sel: torch.Tensor, index: GroupIndex) -> RowGroup:
         start, end, offset, lo = index.select(sel)
         window = index.window
@@ -395,14 +399,13 @@ class BatchBuilder:
         # Fold the mask like the queries: row (g, q) of the [group * Q] axis uses query q's mask.
         g = self.query_group
         mask = mask[:, None, None].expand(-1, 1, g, -1, -1).reshape(len(sel), 1, g * num_q, kv_len)
-        bias = torch.zeros(mask.shape, dtype=self.dtype, device=dev).masked_fill_(~mask, float("-inf"))
         return RowGroup(
             rows=rows,
             kept=kept,
             kept_rows=kept_rows,
             num_queries=num_q,
             num_keys=kv_len,
-            bias=bias,
+            bias=self._bias(mask),
             lengths=end - lo,
             slots=slots,
         )
