@@ -23,7 +23,9 @@
 // constant offsets from one pointer: read in place, each row's address took an add of its own, 13
 // dependent integer adds per k beside 28 FMAs. With both (8 -> 14 rows, packed x), on the same Xeon:
 // 1.04-1.17x at 32-192 rows, even at 1-16 (rounds alternating with the old kernel; in a second run,
-// under heavy load from other tenants, the two tied at every size).
+// under heavy load from other tenants, the two tied at every size). The copy is a transpose, done in
+// register blocks of 16 x 16 (8 x 8 on AVX2): copied one float at a time it took 3% of a 512-row
+// product (30 layers of SmolLM2's linears, Zen 4, 2 threads), about as long as a panel's FMAs.
 //
 // Measured on SmolLM2's shapes against oneDNN's brgemm on its own blocked weights (30 layers, so the
 // weights come from memory as in a real step), 2 threads, on an AMD machine: 2.0x at 1 row (44 GB/s
@@ -135,9 +137,12 @@ inline __m512 silu_times(__m512 gate, __m512 up) {
   return _mm512_mul_ps(_mm512_div_ps(_mm512_mul_ps(gate, num), _mm512_add_ps(one, e)), up);
 }
 
+// Every loop over the rows is unrolled: otherwise GCC gives the accumulators a stack copy for the
+// stores, zeroed by two calls to memset per tile (1.5% of a prefill's time).
 template <int R>
 void tile(const Tile& t) {
   __m512 lo[R], hi[R];
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
   const float* w = t.w;
   PanelPrefetch pull(t, R >= 8 && t.every == 1);  // sparse: a lone tile of 8-14 rows, see the top
@@ -145,6 +150,7 @@ void tile(const Tile& t) {
     pull.at(k, w);
     const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
     const float* xk = t.x + k * R;
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const __m512 xv = _mm512_set1_ps(xk[r]);
       lo[r] = _mm512_fmadd_ps(xv, w0, lo[r]);
@@ -153,16 +159,55 @@ void tile(const Tile& t) {
   }
   const __mmask16 m0 = t.cols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << t.cols) - 1);
   if (t.gated) {
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(t.y + r * t.sy, m0, silu_times(lo[r], hi[r]));
     return;
   }
   __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
   if (t.bias != nullptr) b0 = _mm512_loadu_ps(t.bias), b1 = _mm512_loadu_ps(t.bias + 16);
   const __mmask16 m1 = t.cols >= 32 ? __mmask16(0xFFFF) : t.cols <= 16 ? __mmask16(0) : __mmask16((1u << (t.cols - 16)) - 1);
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
     _mm512_mask_storeu_ps(t.y + r * t.sy, m0, _mm512_add_ps(lo[r], b0));
     _mm512_mask_storeu_ps(t.y + r * t.sy + 16, m1, _mm512_add_ps(hi[r], b1));
   }
+}
+// A tile's rows of x (rows <= 16, row stride sx) -> out [K, rows]: 16 x 16 blocks transposed in
+// registers (pairs of floats, then of pairs, then 128-bit lanes), the rest one float at a time.
+inline void pack_rows(const float* x, int64_t sx, int64_t rows, int64_t K, float* out) {
+  const __mmask16 m = __mmask16((1u << rows) - 1);
+  int64_t k0 = 0;
+  for (; k0 + 16 <= K; k0 += 16) {
+    __m512 v[16], t[16], u[16];
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) v[r] = r < rows ? _mm512_loadu_ps(x + r * sx + k0) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int i = 0; i < 16; i += 2) {
+      t[i] = _mm512_unpacklo_ps(v[i], v[i + 1]);
+      t[i + 1] = _mm512_unpackhi_ps(v[i], v[i + 1]);
+    }
+    // u[g + j], 128-bit lane l: rows g .. g + 3 of column 4 l + j
+#pragma GCC unroll 4
+    for (int g = 0; g < 16; g += 4) {
+      const __m512d t0 = _mm512_castps_pd(t[g]), t1 = _mm512_castps_pd(t[g + 1]);
+      const __m512d t2 = _mm512_castps_pd(t[g + 2]), t3 = _mm512_castps_pd(t[g + 3]);
+      u[g] = _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2));
+      u[g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2));
+      u[g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3));
+      u[g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {  // lanes (0, 2) then (1, 3) of rows 0-7, then of rows 8-15
+      const __m512 a0 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x88), a1 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xDD);
+      const __m512 b0 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x88), b1 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xDD);
+      _mm512_mask_storeu_ps(out + (k0 + j) * rows, m, _mm512_shuffle_f32x4(a0, b0, 0x88));
+      _mm512_mask_storeu_ps(out + (k0 + 4 + j) * rows, m, _mm512_shuffle_f32x4(a1, b1, 0x88));
+      _mm512_mask_storeu_ps(out + (k0 + 8 + j) * rows, m, _mm512_shuffle_f32x4(a0, b0, 0xDD));
+      _mm512_mask_storeu_ps(out + (k0 + 12 + j) * rows, m, _mm512_shuffle_f32x4(a1, b1, 0xDD));
+    }
+  }
+  for (; k0 < K; ++k0)
+    for (int64_t r = 0; r < rows; ++r) out[k0 * rows + r] = x[r * sx + k0];
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 // Lane i of the mask is set where i < n (n in [0, 8]).
@@ -210,6 +255,37 @@ void tile(const Tile& t) {
     _mm256_maskstore_ps(t.y + r * t.sy + 8, m1, _mm256_add_ps(hi[r], b1));
   }
 }
+// A tile's rows of x (rows <= 8, row stride sx) -> out [K, rows]: 8 x 8 blocks transposed in
+// registers (pairs of floats, then of pairs, then 128-bit halves), the rest one float at a time.
+inline void pack_rows(const float* x, int64_t sx, int64_t rows, int64_t K, float* out) {
+  const __m256i m = first_lanes(rows);
+  int64_t k0 = 0;
+  for (; k0 + 8 <= K; k0 += 8) {
+    __m256 v[8], t[8], u[8];
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; ++r) v[r] = r < rows ? _mm256_loadu_ps(x + r * sx + k0) : _mm256_setzero_ps();
+#pragma GCC unroll 4
+    for (int i = 0; i < 8; i += 2) {
+      t[i] = _mm256_unpacklo_ps(v[i], v[i + 1]);
+      t[i + 1] = _mm256_unpackhi_ps(v[i], v[i + 1]);
+    }
+    // u[g + j], 128-bit half h: rows g .. g + 3 of column 4 h + j
+#pragma GCC unroll 2
+    for (int g = 0; g < 8; g += 4) {
+      u[g] = _mm256_shuffle_ps(t[g], t[g + 2], 0x44);
+      u[g + 1] = _mm256_shuffle_ps(t[g], t[g + 2], 0xEE);
+      u[g + 2] = _mm256_shuffle_ps(t[g + 1], t[g + 3], 0x44);
+      u[g + 3] = _mm256_shuffle_ps(t[g + 1], t[g + 3], 0xEE);
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      _mm256_maskstore_ps(out + (k0 + j) * rows, m, _mm256_permute2f128_ps(u[j], u[4 + j], 0x20));
+      _mm256_maskstore_ps(out + (k0 + 4 + j) * rows, m, _mm256_permute2f128_ps(u[j], u[4 + j], 0x31));
+    }
+  }
+  for (; k0 < K; ++k0)
+    for (int64_t r = 0; r < rows; ++r) out[k0 * rows + r] = x[r * sx + k0];
+}
 #else
 // Portable: the same tile with the compiler's vectors.
 template <int R>
@@ -229,6 +305,10 @@ void tile(const Tile& t) {
     }
     for (int64_t c = 0; c < t.cols; ++c) t.y[r * t.sy + c] = acc[r][c] + (t.bias != nullptr ? t.bias[c] : 0.f);
   }
+}
+inline void pack_rows(const float* x, int64_t sx, int64_t rows, int64_t K, float* out) {
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t r = 0; r < rows; ++r) out[k * rows + r] = x[r * sx + k];
 }
 #endif
 
@@ -296,10 +376,8 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const c10::
   float* xq = packed_x.data_ptr<float>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t rows = tile_rows(i), r0 = tile_first_row(i);
-      float* tile_x = xq + r0 * K;
-      for (int64_t k = 0; k < K; ++k)
-        for (int64_t r = 0; r < rows; ++r) tile_x[k * rows + r] = xp[(r0 + r) * sx + k];
+      const int64_t r0 = tile_first_row(i);
+      pack_rows(xp + r0 * sx, sx, tile_rows(i), K, xq + r0 * K);
     }
   });
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
