@@ -129,6 +129,13 @@ inline float silu_times(float gate, float up) {
   return gate * (gate < 0.f ? e : 1.f) / (1.f + e) * up;
 }
 
+// Columns [k0, K) of a tile's rows of x (row stride sx) -> out [K, rows], one float at a time: the
+// portable pack, and the vector packs' last columns short of a whole block.
+inline void copy_columns(const float* x, int64_t sx, int64_t rows, int64_t k0, int64_t K, float* out) {
+  for (int64_t k = k0; k < K; ++k)
+    for (int64_t r = 0; r < rows; ++r) out[k * rows + r] = x[r * sx + k];
+}
+
 #ifdef __AVX512F__
 inline __m512 silu_times(__m512 gate, __m512 up) {
   const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.f);
@@ -173,7 +180,7 @@ void tile(const Tile& t) {
   }
 }
 // A tile's rows of x (rows <= 16, row stride sx) -> out [K, rows]: 16 x 16 blocks transposed in
-// registers (pairs of floats, then of pairs, then 128-bit lanes), the rest one float at a time.
+// registers (pairs of floats, then of pairs, then 128-bit lanes).
 inline void pack_rows(const float* x, int64_t sx, int64_t rows, int64_t K, float* out) {
   const __mmask16 m = __mmask16((1u << rows) - 1);
   int64_t k0 = 0;
@@ -206,8 +213,7 @@ inline void pack_rows(const float* x, int64_t sx, int64_t rows, int64_t K, float
       _mm512_mask_storeu_ps(out + (k0 + 12 + j) * rows, m, _mm512_shuffle_f32x4(a1, b1, 0xDD));
     }
   }
-  for (; k0 < K; ++k0)
-    for (int64_t r = 0; r < rows; ++r) out[k0 * rows + r] = x[r * sx + k0];
+  copy_columns(x, sx, rows, k0, K, out);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 // Lane i of the mask is set where i < n (n in [0, 8]).
@@ -256,7 +262,7 @@ void tile(const Tile& t) {
   }
 }
 // A tile's rows of x (rows <= 8, row stride sx) -> out [K, rows]: 8 x 8 blocks transposed in
-// registers (pairs of floats, then of pairs, then 128-bit halves), the rest one float at a time.
+// registers (pairs of floats, then of pairs, then 128-bit halves).
 inline void pack_rows(const float* x, int64_t sx, int64_t rows, int64_t K, float* out) {
   const __m256i m = first_lanes(rows);
   int64_t k0 = 0;
@@ -283,8 +289,7 @@ inline void pack_rows(const float* x, int64_t sx, int64_t rows, int64_t K, float
       _mm256_maskstore_ps(out + (k0 + 4 + j) * rows, m, _mm256_permute2f128_ps(u[j], u[4 + j], 0x31));
     }
   }
-  for (; k0 < K; ++k0)
-    for (int64_t r = 0; r < rows; ++r) out[k0 * rows + r] = x[r * sx + k0];
+  copy_columns(x, sx, rows, k0, K, out);
 }
 #else
 // Portable: the same tile with the compiler's vectors.
@@ -307,8 +312,7 @@ void tile(const Tile& t) {
   }
 }
 inline void pack_rows(const float* x, int64_t sx, int64_t rows, int64_t K, float* out) {
-  for (int64_t k = 0; k < K; ++k)
-    for (int64_t r = 0; r < rows; ++r) out[k * rows + r] = x[r * sx + k];
+  copy_columns(x, sx, rows, 0, K, out);
 }
 #endif
 
