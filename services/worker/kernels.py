@@ -50,6 +50,12 @@ def _build_dir(stem: str) -> Path:
     return cbserve_home() / "kernels" / f"cbserve_{stem}_{_cpu_tag()}"
 
 
+def _source_files(stem: str) -> list[Path]:
+    """`csrc/<stem>.cpp` and the local headers it includes (`#include "..."`): what its build reads."""
+    source = _CSRC / f"{stem}.cpp"
+    return [source, *(_CSRC / name for name in re.findall(r'#include "([^"]+)"', source.read_text()))]
+
+
 def _build(stem: str) -> Any:
     """Compile (once per CPU and source) and import `csrc/<stem>.cpp`; None when that fails."""
     if not native_kernels_enabled():
@@ -70,8 +76,7 @@ def _build(stem: str) -> Any:
             (build_dir / "lock").unlink(missing_ok=True)
             # Silent, a first start looked hung: say that a compile is coming and how long it took.
             built = [so.stat().st_mtime for so in build_dir.glob("*.so")]
-            headers = [_CSRC / name for name in re.findall(r'#include "([^"]+)"', source.read_text())]
-            newest = max(path.stat().st_mtime for path in [source, *headers])  # ninja tracks both
+            newest = max(path.stat().st_mtime for path in _source_files(stem))  # ninja tracks them all
             compiling = not built or max(built) < newest
             if compiling:
                 log.info("compiling native kernel, once per CPU and source (about 30 s)", kernel=stem)
@@ -180,7 +185,7 @@ def packed_linear_ops() -> PanelLinear | None:
     # A new kernel or a new way to measure it: measured again.
     sources = b"".join(
         path.read_bytes()
-        for path in (_CSRC / "panel_linear.cpp", Path(gemm_crossover.__file__), Path(torch_gemm.__file__))
+        for path in (*_source_files("panel_linear"), Path(gemm_crossover.__file__), Path(torch_gemm.__file__))
     )
     source_hash = hashlib.sha1(sources).hexdigest()[:10]
     crossover = gemm_crossover.torch_from_rows(
