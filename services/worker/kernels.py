@@ -4,6 +4,11 @@
 One switch: `CBSERVE_NATIVE_KERNELS=0` turns them off. Without the switch, without a compiler, or off
 the CPU/float32 path, attention falls back to gather + SDPA and linears to torch's GEMM, which give
 the same results up to fp32 rounding; the tests run both.
+
+Each kernel picks its vector path at compile time from what this CPU has (`-march=native`): AVX-512
+with bf16 dot products, AVX-512, AVX2 with FMA, or portable loops. `CBSERVE_CPU_ISA` compiles a lower
+path than the CPU's best (`ISA_FLAGS`), so that every path can be run and tested on a CPU that has a
+higher one; each module's `isa()` names the path it was built for.
 """
 
 from __future__ import annotations
@@ -30,6 +35,15 @@ log = structlog.get_logger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 SWITCH = "CBSERVE_NATIVE_KERNELS"
+ISA_SWITCH = "CBSERVE_CPU_ISA"
+# The compiler flags of each path a build may be held to, after -march=native: GCC drops every feature
+# that needs one it is told to drop (-mno-avx512f takes all AVX-512 subsets with it).
+ISA_FLAGS: dict[str, tuple[str, ...]] = {
+    "native": (),
+    "avx512": ("-mno-avx512bf16", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"),
+    "avx2": ("-mno-avx512f", "-mno-amx-tile"),
+    "portable": ("-march=x86-64",),
+}
 
 PagedDecode = Callable[..., None]
 PagedPrefill = Callable[..., None]
@@ -37,6 +51,14 @@ PagedPrefill = Callable[..., None]
 
 def native_kernels_enabled() -> bool:
     return os.environ.get(SWITCH, "1") != "0"
+
+
+def isa() -> str:
+    """The path the kernels are compiled for (`ISA_FLAGS`); a value outside it is a usage error."""
+    value = os.environ.get(ISA_SWITCH, "native") or "native"
+    if value not in ISA_FLAGS:
+        raise ValueError(f"{ISA_SWITCH} must be one of {', '.join(ISA_FLAGS)}, got {value!r}")
+    return value
 
 
 def _cpu_tag() -> str:
@@ -47,7 +69,8 @@ def _cpu_tag() -> str:
 
 
 def _build_dir(stem: str) -> Path:
-    return cbserve_home() / "kernels" / f"cbserve_{stem}_{_cpu_tag()}"
+    held = "" if isa() == "native" else f"{isa()}_"
+    return cbserve_home() / "kernels" / f"cbserve_{stem}_{held}{_cpu_tag()}"
 
 
 def _source_files(stem: str) -> list[Path]:
@@ -86,7 +109,7 @@ def _build(stem: str) -> Any:
             module = load(
                 name=name,
                 sources=[str(source)],
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+                extra_cflags=["-O3", "-march=native", *ISA_FLAGS[isa()], "-fopenmp", "-ffast-math"],
                 extra_ldflags=["-lmvec", "-fopenmp"],
                 build_directory=str(build_dir),
                 verbose=False,
