@@ -113,10 +113,13 @@ SERVICE_SETTINGS = (
 )  # fmt: skip
 
 
-def _dtype(name: str) -> torch.dtype:
-    import torch
+def _dtype(args: argparse.Namespace, model: str) -> torch.dtype:
+    """`--dtype` for the model in directory `model` on `--device` (`auto` resolved: precision.py)."""
+    from pathlib import Path
 
-    return getattr(torch, name)
+    from services.common.precision import resolve_dtype
+
+    return resolve_dtype(args.dtype, Path(model), args.device)
 
 
 def _cachemgr(args: argparse.Namespace) -> int:
@@ -124,7 +127,8 @@ def _cachemgr(args: argparse.Namespace) -> int:
     from services.common.cli_args import cb_config, model_dir
 
     config = cb_config(args)
-    return run_cachemgr(model_dir(args.model), args.cachemgr_address, config, args.device, _dtype(args.dtype))
+    model = model_dir(args.model)
+    return run_cachemgr(model, args.cachemgr_address, config, args.device, _dtype(args, model))
 
 
 def _gemm_crossover_setting() -> None:
@@ -146,13 +150,14 @@ def _worker(args: argparse.Namespace) -> int:
 
     config = cb_config(args)
     _gemm_crossover_setting()
+    model = model_dir(args.model)
     return run_worker(
-        model_dir(args.model),
+        model,
         args.worker_address,
         args.cachemgr_address,
         config,
         args.device,
-        _dtype(args.dtype),
+        _dtype(args, model),
         threads=args.threads,
         cachemgr_timeout_s=args.cachemgr_timeout,
         gateway_timeout_s=args.gateway_timeout,
@@ -349,11 +354,18 @@ def _health(args: argparse.Namespace) -> int:
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     from services.common.cli_args import add_env_argument
+    from services.common.config import DTYPES
 
     add_env_argument(parser, "--model", help="local model directory (default: the embedded SmolLM2-135M)")
     add_env_argument(parser, "--device", default="cpu", help="cpu, cuda or cuda:N")
-    add_env_argument(parser, "--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                     help="weight and KV dtype")  # fmt: skip
+    add_env_argument(
+        parser,
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help="the weights' dtype (and the KV pages', unless --kv-cache-dtype says): auto is bfloat16 "
+        "where the device computes it natively, else float32; float32 is exact",
+    )
 
 
 def _add_worker_arguments(parser: argparse.ArgumentParser) -> None:

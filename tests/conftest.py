@@ -12,6 +12,9 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 # would be the record a user's stack reads. The panels at every size, as this project's machines
 # measured; tests/test_attention.py and tests/test_gemm_crossover.py run torch's side and the measuring.
 os.environ.setdefault("CBSERVE_GEMM_CROSSOVER", "never")
+# Every stack a test starts runs exact float32 unless the test says otherwise: the parity tests compare
+# with transformers' float32 `generate` token for token (`--dtype auto` is bfloat16 on some CPUs).
+os.environ.setdefault("CBSERVE_DTYPE", "float32")
 
 from collections.abc import Callable, Iterator
 from pathlib import Path

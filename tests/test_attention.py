@@ -310,7 +310,10 @@ def test_fused_norms_match_torch() -> None:
     torch.testing.assert_close(residual, summed)  # the skip connection, in place
 
 
-def test_fused_rotary_matches_transformers() -> None:
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_fused_rotary_matches_transformers(cache_dtype: torch.dtype) -> None:
+    """Rotated keys and values land in their slots; a bfloat16 pool holds them rounded to nearest even,
+    byte for byte what torch's `.to(torch.bfloat16)` gives, whichever path wrote a page."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     ops = _fused_ops()
@@ -324,15 +327,15 @@ def test_fused_rotary_matches_transformers() -> None:
     k = qkv[:, heads * d : (heads + kv_heads) * d].view(t, kv_heads, d).transpose(0, 1)
     want_q, want_k = apply_rotary_pos_emb(q, k, cos[positions], sin[positions], unsqueeze_dim=0)
     v_before = qkv[:, (heads + kv_heads) * d :].clone()
-    k_cache, v_cache = torch.zeros(40, kv_heads, d), torch.zeros(40, kv_heads, d)
+    k_cache, v_cache = (torch.zeros(40, kv_heads, d, dtype=cache_dtype) for _ in range(2))
     slots = torch.randperm(40, generator=gen)[:t]
     ops.rotary_store_kv_(qkv, heads, kv_heads, d, cos, sin, positions, k_cache, v_cache, slots)
     torch.testing.assert_close(q, want_q, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(k, want_k, rtol=1e-5, atol=1e-5)
     assert torch.equal(qkv[:, (heads + kv_heads) * d :], v_before)  # values are not rotated
     # Each row's rotated keys and its values land in its slot, and no other slot is touched.
-    assert torch.equal(k_cache[slots], k.transpose(0, 1))
-    assert torch.equal(v_cache[slots], v_before.view(t, kv_heads, d))
+    assert torch.equal(k_cache[slots], k.transpose(0, 1).to(cache_dtype))
+    assert torch.equal(v_cache[slots], v_before.view(t, kv_heads, d).to(cache_dtype))
     untouched = torch.ones(40, dtype=torch.bool).index_fill_(0, slots, False)
     assert not k_cache[untouched].any() and not v_cache[untouched].any()
     with pytest.raises(RuntimeError, match="position 50 outside the rotary table of 50"):
@@ -340,6 +343,9 @@ def test_fused_rotary_matches_transformers() -> None:
     past_the_end = torch.full((t,), 40)
     with pytest.raises(RuntimeError, match="slot 40 outside 40"):
         ops.rotary_store_kv_(qkv, heads, kv_heads, d, cos, sin, positions, k_cache, v_cache, past_the_end)
+    with pytest.raises(RuntimeError, match="Half"):
+        half = k_cache.half()
+        ops.rotary_store_kv_(qkv, heads, kv_heads, d, cos, sin, positions, half, half.clone(), slots)
 
 
 @pytest.mark.parametrize("n", [1, 15, 16, 49_152, 49_157])

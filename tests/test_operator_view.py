@@ -59,7 +59,7 @@ def test_one_plain_line_says_what_serves_where(tiny_stack: Stack) -> None:
     name = tiny_stack.model_dir.name
     tokens = tiny_stack.info.total_blocks * tiny_stack.info.page_size
     expected = (
-        f"serving {name} on 127.0.0.1:{tiny_stack.port}, metrics on "
+        f"serving {name} in float32 on 127.0.0.1:{tiny_stack.port}, metrics on "
         f"http://127.0.0.1:{tiny_stack.metrics_port}/metrics; "
         f"KV cache {tiny_stack.info.total_blocks:,} blocks = {tokens:,} tokens ("
     )

@@ -23,6 +23,11 @@ from services.common.messages import Flushed, KvEvents, StepGrant, StepPlan
 log = structlog.get_logger(__name__)
 
 
+def kv_cache_dtype(config: CBConfig, weights: torch.dtype) -> torch.dtype:
+    """The KV pool's dtype for a model whose weights are `weights` (`config.kv_cache_dtype`)."""
+    return getattr(torch, config.kv_dtype_name(str(weights).removeprefix("torch.")))
+
+
 class KVCache:
     def __init__(
         self,
@@ -62,6 +67,9 @@ class KVCache:
         log.info(
             "kv cache sized",
             **self.sizing.as_dict(),
+            kv_dtype=str(dtype).removeprefix("torch."),
+            kv_bytes_per_token=self.geometry.bytes_per_token,
+            kv_tokens=self.geometry.tokens_held(self.sizing.num_chunks),
             layers_per_chunk=self.geometry.layers_per_chunk,
             groups=self.geometry.groups,
             prefix_caching=self.block_manager.sharing,

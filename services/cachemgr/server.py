@@ -18,7 +18,7 @@ import structlog
 import torch
 import zmq
 
-from services.cachemgr.kv_cache import KVCache
+from services.cachemgr.kv_cache import KVCache, kv_cache_dtype
 from services.common.config import CBConfig
 from services.common.messages import (
     PROTOCOL_VERSION,
@@ -145,6 +145,7 @@ class CacheServer:
 
 
 def run_cachemgr(model: str | None, address: str, config: CBConfig, device: str, dtype: torch.dtype) -> int:
+    """`dtype`: the worker's weights'; the pool's follows `config.kv_cache_dtype`."""
     from transformers import AutoConfig
 
     from services.common.model_source import resolve_model
@@ -156,7 +157,8 @@ def run_cachemgr(model: str | None, address: str, config: CBConfig, device: str,
     model_config = AutoConfig.from_pretrained(resolve_model(model))
     dev = torch.device(device)
     reserve = weights_bytes(model_config, dtype) if dev.type == "cuda" else 0
-    cache = KVCache(model_config, config, dtype, dev, shared=True, reserve_bytes=reserve)
+    kv_dtype = kv_cache_dtype(config, dtype)
+    cache = KVCache(model_config, config, kv_dtype, dev, shared=True, reserve_bytes=reserve)
     try:
         CacheServer(cache, internal_key()).serve(address)
     finally:

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from services.common.config import DEFAULT_SAFETY_MARGIN, CBConfig
+from services.common.config import DEFAULT_SAFETY_MARGIN, KV_CACHE_DTYPES, CBConfig
 
 # (name, parser, help) for each CBConfig field; `bool` fields become --x/--no-x switches.
 CB_SETTINGS: tuple[tuple[str, Any, str], ...] = (
@@ -25,6 +25,7 @@ CB_SETTINGS: tuple[tuple[str, Any, str], ...] = (
     ("kv_cache_space", float, "GiB of KV cache (overrides max_memory_percent)"),
     ("max_memory_percent", float, "fraction of free memory for the KV cache"),
     ("prefault_kv_pool", bool, "commit a host KV pool's memory at start (off: as pages are first written)"),
+    ("kv_cache_dtype", str, "KV page dtype: auto (the weights'), float32, bfloat16 or float16"),
     ("max_requests_per_batch", int, "rows of logits (sampling requests) per step"),
     ("allow_block_sharing", bool, "prefix caching"),
     ("scheduler_type", str, "fifo or prefill_first"),
@@ -37,6 +38,10 @@ CB_SETTINGS: tuple[tuple[str, Any, str], ...] = (
     ("arrival_gap_ms", float, "with nothing running, gather requests arriving < this many ms apart (0: off)"),
 )
 CB_SETTING_NAMES = tuple(name for name, _, _ in CB_SETTINGS)
+CHOICES: dict[str, list[str]] = {
+    "scheduler_type": sorted(DEFAULT_SAFETY_MARGIN),
+    "kv_cache_dtype": list(KV_CACHE_DTYPES),
+}
 
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
@@ -117,7 +122,7 @@ def add_cb_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("continuous batching (unset: the engine's defaults)")
     defaults = {f.name: f.default for f in dataclasses.fields(CBConfig)}
     for name, kind, help_text in CB_SETTINGS:
-        extra = {"choices": sorted(DEFAULT_SAFETY_MARGIN)} if name == "scheduler_type" else {}
+        extra = {"choices": CHOICES[name]} if name in CHOICES else {}
         if os.environ.get(env_name(name)) is None:  # else the variable's value shows as the default
             default = _UNSET_MEANS.get(name, defaults[name])
             if kind is bool:

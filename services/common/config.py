@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 SchedulerType = Literal["fifo", "prefill_first"]
+# The weights' dtype (`auto`: services/common/precision.py) and the KV pool's (`auto`: the weights').
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = DTYPES
 
 # The safety margin each policy gets unless one is given: fifo keeps headroom so that running decodes
 # are not starved by newly admitted prefills; prefill_first drains prefills and needs none.
@@ -39,6 +42,9 @@ class CBConfig:
     # A host pool's pages are written once at start (cachemgr/pool_memory.py), as the peers do, so that
     # no step waits for the kernel to fault in fresh KV pages. Off: committed as first written.
     prefault_kv_pool: bool = True
+    # The KV pages' element type apart from the weights' (KV_CACHE_DTYPES): bfloat16 pages hold twice
+    # the tokens of float32 ones in the same bytes. `auto`: the weights' dtype.
+    kv_cache_dtype: str = "auto"
     max_requests_per_batch: int = 64
     allow_block_sharing: bool = True
     scheduler_type: SchedulerType = "fifo"
@@ -74,6 +80,9 @@ class CBConfig:
             raise ValueError(
                 f"scheduler_type must be one of {sorted(DEFAULT_SAFETY_MARGIN)}, got {self.scheduler_type!r}"
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            known = ", ".join(KV_CACHE_DTYPES)
+            raise ValueError(f"kv_cache_dtype must be one of {known}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_space is not None and not self.kv_cache_space > 0:
             raise ValueError(f"kv_cache_space must be > 0 GiB, got {self.kv_cache_space!r}")
         if self.max_memory_percent is not None and not 0.0 < self.max_memory_percent <= 1.0:
@@ -105,6 +114,10 @@ class CBConfig:
                 "(leave the setting unset, or turn it off)"
             )
         return self.use_cuda_graph
+
+    def kv_dtype_name(self, weights: str) -> str:
+        """The KV pool's dtype name for weights of dtype `weights` ("float32", "bfloat16", ...)."""
+        return weights if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     @property
     def effective_safety_margin(self) -> float:

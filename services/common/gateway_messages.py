@@ -95,6 +95,7 @@ class WorkerFacts(msgspec.Struct, frozen=True):
     device: str
     max_logprobs: int
     kv_bytes: int = 0  # the KV pool's size in memory (0: not reported)
+    kv_dtype: str = ""  # the KV pages' dtype ("": not reported)
 
 
 class WorkerStatus(msgspec.Struct, frozen=True):

@@ -79,6 +79,15 @@ class KVGeometry:
         )
 
     @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token in every layer."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    def tokens_held(self, num_chunks: int) -> int:
+        """Tokens `num_chunks` chunks (reserved ones included) hold in every layer."""
+        return (num_chunks - RESERVED_CHUNKS) * self.layers_per_chunk * self.page_size // self.num_layers
+
+    @property
     def all_full(self) -> bool:
         return self.groups == ("full",)
 

@@ -441,11 +441,13 @@ def _announce(model: str, address: str, metrics: str | None, facts: WorkerFacts)
     """The stack serves: one line for the person who started it (stdout), and its facts in the log."""
     tokens = facts.total_blocks * facts.page_size
     pool = f"KV cache {facts.total_blocks:,} blocks = {tokens:,} tokens"
+    about = [facts.kv_dtype] if facts.kv_dtype else []
     if facts.kv_bytes:
         gib = facts.kv_bytes / (1 << 30)
-        pool += f" ({gib:.1f} GiB)" if gib >= 1 else f" ({facts.kv_bytes / (1 << 20):.0f} MiB)"
+        about.insert(0, f"{gib:.1f} GiB" if gib >= 1 else f"{facts.kv_bytes / (1 << 20):.0f} MiB")
+    pool += f" ({', '.join(about)})" if about else ""
     where = f", metrics on http://{metrics}/metrics" if metrics else ""
-    print(f"serving {model} on {address}{where}; {pool}", flush=True)
+    print(f"serving {model} in {facts.dtype} on {address}{where}; {pool}", flush=True)
     log.info("stack serving", model=model, address=address, metrics=metrics, kv_blocks=facts.total_blocks,
              kv_tokens=tokens, kv_bytes=facts.kv_bytes, device=facts.device, dtype=facts.dtype)  # fmt: skip
 

@@ -23,7 +23,7 @@ import structlog
 import torch
 from transformers import PreTrainedModel
 
-from services.cachemgr.kv_cache import KVCache
+from services.cachemgr.kv_cache import KVCache, kv_cache_dtype
 from services.common.config import CBConfig
 from services.common.kv_geometry import KVGeometry
 from services.common.messages import KvEvents, StepGrant
@@ -136,10 +136,10 @@ class Engine:
         config = replace(config, use_async_batching=async_batching)
         self.config = config
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
-        dtype = next(model.parameters()).dtype
+        kv_dtype = kv_cache_dtype(config, next(model.parameters()).dtype)
         self._owns_cache = cache is None
-        self.cache: CacheClient = cache or KVCache(model.config, config, dtype, self.device)
-        expected = KVGeometry.from_model_config(model.config, config.page_size, dtype.itemsize)
+        self.cache: CacheClient = cache or KVCache(model.config, config, kv_dtype, self.device)
+        expected = KVGeometry.from_model_config(model.config, config.page_size, kv_dtype.itemsize)
         if self.cache.geometry != expected:
             raise ValueError(
                 f"the KV cache's geometry {self.cache.geometry} does not fit this model: {expected}"

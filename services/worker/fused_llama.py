@@ -1,4 +1,4 @@
-"""Our own forward for Llama-shaped decoders (Llama, Mistral, Qwen2) on the CPU, float32.
+"""Our own forward for Llama-shaped decoders (Llama, Mistral, Qwen2) on the CPU, float32 or bfloat16.
 
 transformers' forward spends a third of a W1 step outside the matrix products: per layer it runs
 about forty small kernels (RMSNorm as six, rotary as sixteen, SiLU and the product, three residual
@@ -10,7 +10,12 @@ views of the concatenations) and packed once into panels; the last layer past it
 norm and the LM head run only on the rows whose logits are asked for (those that sample, and prompt
 logprobs' rows).
 
-Results equal transformers' up to fp32 summation order; `FusedLlama.build` returns None (the model
+A bfloat16 model keeps its weights in bfloat16 (the panels hold them so, halving the bytes a step
+streams) while the activations, the residual stream, norms, rotary, attention and logits stay float32:
+only each linear's input is rounded to bfloat16 for its products, which accumulate in float32. The
+KV pool may be either dtype apart from the weights'.
+
+In float32, results equal transformers' up to fp32 summation order; `FusedLlama.build` returns None (the model
 then runs transformers' forward) for anything else: another architecture, a rotary embedding that
 changes with the sequence length, biases on the MLP, another activation, or no native kernels.
 """
@@ -29,6 +34,7 @@ from services.worker.kernels import fused_ops, packed_linear_ops
 from services.worker.packed_linear import PackedWeight
 
 SUPPORTED_TYPES = frozenset({"llama", "mistral", "qwen2"})
+WEIGHT_DTYPES = frozenset({torch.float32, torch.bfloat16})
 STATIC_ROPE = frozenset({"default", "linear", "llama3"})  # inv_freq fixed at load time
 
 
@@ -54,7 +60,7 @@ def _supported(model: nn.Module) -> bool:
         and not getattr(config, "mlp_bias", False)
         and model.lm_head.bias is None
         and next(model.parameters()).device.type == "cpu"
-        and next(model.parameters()).dtype == torch.float32
+        and next(model.parameters()).dtype in WEIGHT_DTYPES
     )
 
 
@@ -65,7 +71,7 @@ class FusedLlama:
         self.ops = ops
         self.eps = float(config.rms_norm_eps)
         self.embed = inner.embed_tokens.weight
-        self.final_norm = inner.norm.weight
+        self.final_norm = inner.norm.weight.detach().float()
         self.lm_head = PackedWeight.of(linear_ops, model.lm_head, many_rows=False)  # sampled rows only
         attn0 = inner.layers[0].self_attn
         self.head_dim = int(attn0.head_dim)
@@ -76,8 +82,8 @@ class FusedLlama:
         for layer in inner.layers[: config.num_hidden_layers]:
             attn, mlp = layer.self_attn, layer.mlp
             self.layers.append(_Layer(
-                input_norm=layer.input_layernorm.weight.detach(),
-                post_norm=layer.post_attention_layernorm.weight.detach(),
+                input_norm=layer.input_layernorm.weight.detach().float(),
+                post_norm=layer.post_attention_layernorm.weight.detach().float(),
                 qkv=PackedWeight.of(linear_ops, attn.q_proj, attn.k_proj, attn.v_proj),
                 o=PackedWeight.of(linear_ops, attn.o_proj),
                 gate_up=PackedWeight.of(linear_ops, mlp.gate_proj, mlp.up_proj, gated=True),
@@ -86,14 +92,14 @@ class FusedLlama:
         # transformers' own cos/sin for every position, computed once (the same products per position).
         positions = torch.arange(config.max_position_embeddings).unsqueeze(0)
         with torch.no_grad():
-            cos, sin = inner.rotary_emb(self.embed[:1].unsqueeze(0), positions)
+            cos, sin = inner.rotary_emb(self.embed[:1].float().unsqueeze(0), positions)
         self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
 
     @classmethod
     def build(cls, model: nn.Module) -> FusedLlama | None:
         if not _supported(model):
             return None
-        ops, linear_ops = fused_ops(), packed_linear_ops()
+        ops, linear_ops = fused_ops(), packed_linear_ops(next(model.parameters()).dtype)
         if ops is None or linear_ops is None:
             return None
         return cls(model, ops, linear_ops)
@@ -106,7 +112,7 @@ class FusedLlama:
         ops, eps = self.ops, self.eps
         t, hd = input_ids.shape[0], self.head_dim
         q_width = self.num_heads * hd
-        residual = F.embedding(input_ids, self.embed)
+        residual = F.embedding(input_ids, self.embed).float()  # float32 activations whatever the weights
         hidden = ops.rms_norm(residual, self.layers[0].input_norm, eps)
         for i, layer in enumerate(self.layers):
             final = i + 1 == len(self.layers)

@@ -121,19 +121,23 @@ class Measurement:
 
 
 def measure(
-    pack_weight: Callable[[torch.Tensor], torch.Tensor], panel_linear: Callable[..., Any]
+    pack_weight: Callable[[torch.Tensor], torch.Tensor],
+    panel_linear: Callable[..., Any],
+    dtype: torch.dtype = torch.float32,
 ) -> Measurement:
     """Seconds of both GEMMs over one layer's linears at each of ROWS, from the round whose
-    panel/torch ratio is the median of _ROUNDS. Within a round the two run back to back, in turns
-    first, so that the host's load (noisy here: other tenants) weighs on both alike.
+    panel/torch ratio is the median of _ROUNDS. `dtype`: the weights' (and torch's products'); the
+    panels take float32 inputs whatever it is, torch's GEMM inputs of `dtype`. Within a round the two
+    run back to back, in turns first, so that the host's load (noisy here: other tenants) weighs on
+    both alike.
 
     Each timing reads a layer no recent one did, and the layers of both kernels together outgrow the
     last-level cache, so that the weights come from memory as a model's do: with them in cache the
     panels measured ahead at 512 rows where, in W1, torch's GEMM from 512 rows ran 1.07x faster."""
     gen = torch.Generator().manual_seed(0)
-    layer_bytes = _LAYER_PARAMS * 4
+    layer_bytes = _LAYER_PARAMS * dtype.itemsize
     num_layers = max(2, math.ceil(1.25 * last_level_cache_bytes() / (2 * layer_bytes)))
-    weights = [[torch.randn(n, k, generator=gen) for n, k in _LAYER] for _ in range(num_layers)]
+    weights = [[torch.randn(n, k, generator=gen).to(dtype) for n, k in _LAYER] for _ in range(num_layers)]
     panels = [[pack_weight(w) for w in layer] for layer in weights]
     prepared = [[torch_gemm.prepare(w) for w in layer] for layer in weights]
 
@@ -143,7 +147,7 @@ def measure(
 
     def torch_side(i: int, inputs: dict[int, torch.Tensor]) -> None:
         for (_, k), w in zip(_LAYER, prepared[i], strict=True):
-            torch_gemm.linear(inputs[k], w, None)
+            torch_gemm.linear(inputs[k].to(dtype), w, None)
 
     turn = itertools.count()
     timings = {}
@@ -170,17 +174,19 @@ def torch_from_rows(
     kernel_version: str,
     pack_weight: Callable[[torch.Tensor], torch.Tensor],
     panel_linear: Callable[..., Any],
+    dtype: torch.dtype = torch.float32,
 ) -> int:
-    """This machine's crossover for this version of the panel kernel: read from `cache_dir`, or
-    measured and written there once a measurement is quiet."""
+    """This machine's crossover for this version of the panel kernel and weights of `dtype`: read from
+    `cache_dir`, or measured and written there once a measurement is quiet."""
     threads = torch.get_num_threads()
-    path = cache_dir / f"gemm-crossover-{kernel_version}-torch{torch.__version__}-{threads}threads.json"
+    of = "" if dtype == torch.float32 else f"-{str(dtype).removeprefix('torch.')}"
+    path = cache_dir / f"gemm-crossover{of}-{kernel_version}-torch{torch.__version__}-{threads}threads.json"
     try:
         return int(json.loads(path.read_text())["torch_from_rows"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
     for attempt in range(1, _ATTEMPTS + 1):
-        measured = measure(pack_weight, panel_linear)
+        measured = measure(pack_weight, panel_linear, dtype)
         if measured.quiet:
             break
         log.warning("the host was busy while measuring the GEMM crossover",
@@ -196,6 +202,7 @@ def torch_from_rows(
         if measured.quiet
         else "a GEMM crossover for this start only",
         torch_from_rows=None if chosen == NEVER else chosen,
+        weights=str(dtype).removeprefix("torch."),
         gflops=gflops,
         cpu_share=round(measured.cpu_share, 2),
         threads=threads,

@@ -172,17 +172,20 @@ class PanelLinear:
     """Linears on weights packed once into column panels (csrc/panel_linear.cpp): `pack_weight(W [N, K])`,
     then `packed_linear(x [..., K], packed, bias, N) -> [..., N]`; for an MLP's gate and up,
     `pack_weight_gated([Wg; Wu] [2I, K])`, then `packed_linear_gated(x, packed, I) -> silu(x Wg^T) *
-    (x Wu^T) [..., I]`. Products of `torch_from_rows` rows
-    or more run faster on torch's GEMM on this CPU (`gemm_crossover`, `torch_gemm`): their callers
-    send them there.
+    (x Wu^T) [..., I]`. x and the outputs are float32; `dtype` is the weights' in the panels: float32,
+    or bfloat16 (x is then rounded to bfloat16 for the products, which accumulate in float32). Products
+    of `torch_from_rows` rows or more run faster on torch's GEMM on this CPU (`gemm_crossover`,
+    `torch_gemm`): their callers send them there.
     """
 
-    def __init__(self, module: Any, torch_from_rows: int) -> None:
+    def __init__(self, module: Any, torch_from_rows: int, dtype: torch.dtype = torch.float32) -> None:
         self._module = module
         self.torch_from_rows = torch_from_rows
+        self.dtype = dtype
+        self._bf16 = dtype == torch.bfloat16
 
     def pack_weight(self, weight: torch.Tensor) -> torch.Tensor:
-        return self._module.pack_weight(weight)
+        return self._module.pack_weight_bf16(weight) if self._bf16 else self._module.pack_weight(weight)
 
     def packed_linear(
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
@@ -190,21 +193,33 @@ class PanelLinear:
         return self._module.panel_linear(x, packed, bias, out_features)
 
     def pack_weight_gated(self, weight: torch.Tensor) -> torch.Tensor:
-        return self._module.pack_weight_gated(weight)
+        module = self._module
+        return module.pack_weight_gated_bf16(weight) if self._bf16 else module.pack_weight_gated(weight)
 
     def packed_linear_gated(self, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
         return self._module.panel_linear_gated(x, packed, out_features)
 
 
+PANEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def packed_linear_ops(dtype: torch.dtype = torch.float32) -> PanelLinear | None:
+    """The packed linears for weights of `dtype` (one of PANEL_DTYPES), or None (switched off, or not
+    built): then linears run torch's own GEMM. One object per dtype, however it is asked for."""
+    return _packed_linear_ops(dtype)
+
+
 @functools.cache
-def packed_linear_ops() -> PanelLinear | None:
-    """The packed linears, or None (switched off, or not built): then linears run torch's own GEMM."""
+def _packed_linear_ops(dtype: torch.dtype) -> PanelLinear | None:
+    if dtype not in PANEL_DTYPES:
+        raise ValueError(f"panels hold float32 or bfloat16 weights, not {dtype}")
     module = _built()["panel_linear"]
     if module is None:
         return None
     crossover = gemm_crossover.pinned()
     if crossover is not None:
-        return PanelLinear(module, crossover)
+        return PanelLinear(module, crossover, dtype)
+    ops = PanelLinear(module, gemm_crossover.NEVER, dtype)
     # A new kernel or a new way to measure it: measured again.
     sources = b"".join(
         path.read_bytes()
@@ -212,9 +227,15 @@ def packed_linear_ops() -> PanelLinear | None:
     )
     source_hash = hashlib.sha1(sources).hexdigest()[:10]
     crossover = gemm_crossover.torch_from_rows(
-        _build_dir("panel_linear"), source_hash, module.pack_weight, module.panel_linear
+        _build_dir("panel_linear"), source_hash, ops.pack_weight, ops.packed_linear, dtype
     )
-    return PanelLinear(module, crossover)
+    return PanelLinear(module, crossover, dtype)
+
+
+def paths() -> dict[str, str]:
+    """The vector path each built kernel runs (its `isa()`), for the start-up log; {} when none is built."""
+    built = _built().items()
+    return {name: module.isa() for name, module in built if module is not None and hasattr(module, "isa")}
 
 
 @functools.cache

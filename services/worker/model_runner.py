@@ -17,6 +17,7 @@ from services.worker.buckets import Shape
 from services.worker.cuda_graphs import Capture, CudaGraphs
 from services.worker.fused_llama import FusedLlama
 from services.worker.kernels import paged_decode_kernel, paged_prefill_kernel
+from services.worker.kernels import paths as kernel_paths
 from services.worker.packed_linear import pack_linears
 from services.worker.swap_copies import SwapCopies
 
@@ -27,7 +28,13 @@ log = structlog.get_logger(__name__)
 # A prefill step brings new (requests, queries, keys) shapes in most layers' groups: eager steps took
 # 0.37-2.8 s where the same shapes, planned, took 43-60 ms. The memory-efficient kernel takes the same
 # masks with no plan (0.1 ms a first call there).
+NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16)
+
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 class ModelRunner:
@@ -61,13 +68,20 @@ class ModelRunner:
         kv_of_layer = [
             (kv_pool[p.slot, 0].view(flat), kv_pool[p.slot, 1].view(flat)) for p in geometry.placements
         ]
-        native = self.device.type == "cpu" and kv_pool.dtype == torch.float32
+        # Our own forward keeps its activations in float32 whatever the weights' dtype; the native
+        # attention kernels take float32 queries over float32 or bfloat16 pages.
+        self.activation_dtype = torch.float32 if self.fused is not None else next(model.parameters()).dtype
+        native = (
+            self.device.type == "cpu"
+            and self.activation_dtype == torch.float32
+            and kv_pool.dtype in NATIVE_KV_DTYPES
+        )
         self.builder = BatchBuilder(
             geometry,
             kv_of_layer,
             max_batch_tokens=config.max_batch_tokens,
             query_group=text.num_attention_heads // geometry.num_kv_heads,
-            dtype=kv_pool.dtype,
+            dtype=self.activation_dtype,
             q_padding=config.q_padding_interval_size,
             kv_padding=config.kv_padding_interval_size,
             device=self.device,
@@ -92,6 +106,16 @@ class ModelRunner:
                 # Unset (automatic): serve, eagerly, and say why loudly.
                 log.exception("CUDA graph capture failed: every step runs eagerly")
                 self.graphs = None
+
+    def describe(self) -> dict[str, object]:
+        """What runs, for the start-up log: whose forward, its dtypes, the native kernels' vector paths."""
+        return {
+            "forward": "native" if self.fused is not None else "transformers",
+            "weights": _name(next(self.model.parameters()).dtype),
+            "activations": _name(self.activation_dtype),
+            "kv_dtype": _name(self.kv_pool.dtype),
+            "kernel_paths": kernel_paths() if self.device.type == "cpu" else {},
+        }
 
     def use_graphs(self, capture: Capture | None = None) -> None:
         """Capture the decode graphs (again), with `capture` as the back end (default: CUDA's)."""

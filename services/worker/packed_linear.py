@@ -1,4 +1,4 @@
-"""Linears with their weights packed once into column panels (CPU, float32; `kernels.PanelLinear`).
+"""Linears with their weights packed once into column panels (CPU; `kernels.PanelLinear`).
 
 torch's own GEMM (MKL here) re-packs a weight matrix on every product; our panel kernel streams
 weights packed once (see csrc/panel_linear.cpp): 2x torch's at the few rows of a decode step, where
@@ -8,6 +8,10 @@ torch has oneDNN, else the plain weights). `pack_linears` swaps every `nn.Linear
 model for a `PackedLinear` that keeps the original parameters (tied weights, `.weight` readers and
 checkpoints see no change) plus the packed copy. Results equal torch's GEMM up to fp32 summation
 order, as any change of batch shape does.
+
+Weights may be bfloat16 (`FusedLlama` on a bfloat16 model): the panels then hold them in bfloat16,
+the inputs and outputs stay float32, and each product is bf16(x) times the weights, summed in float32,
+on the panels and on torch's GEMM alike.
 """
 
 from __future__ import annotations
@@ -60,16 +64,23 @@ class PackedWeight:
                     first += lin.out_features
             biases = [lin.bias for lin in linears]
             bias = None if all(b is None for b in biases) else torch.cat([
-                b.detach() if b is not None else torch.zeros(lin.out_features)
+                b.detach().float() if b is not None else torch.zeros(lin.out_features)
                 for b, lin in zip(biases, linears, strict=True)
             ])  # fmt: skip
-            prepared = torch_gemm.prepare(weight) if many_rows and ops.torch_from_rows < NEVER else None
+            prepared = None
+            if many_rows and ops.torch_from_rows < NEVER:
+                prepared = torch_gemm.prepare(weight.to(ops.dtype))
             packed = ops.pack_weight_gated(weight) if gated else ops.pack_weight(weight)
             return cls(ops, weight, packed, bias, prepared, gated)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.many_rows is not None and x.numel() >= self.ops.torch_from_rows * x.shape[-1]:
-            y = torch_gemm.linear(x, self.many_rows, self.bias)
+            if self.ops.dtype == torch.float32:
+                y = torch_gemm.linear(x, self.many_rows, self.bias)
+            else:  # a bias is added in float32, as the panels add it
+                y = torch_gemm.linear(x.to(self.ops.dtype), self.many_rows, None).float()
+                if self.bias is not None:
+                    y += self.bias
             if self.gated:
                 gate, up = y.chunk(2, dim=-1)
                 return F.silu(gate) * up

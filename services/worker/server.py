@@ -220,6 +220,7 @@ class WorkerServer:
             device=str(self.model.device),
             max_logprobs=SamplingParams.MAX_LOGPROBS,
             kv_bytes=cache.sizing.kv_bytes,
+            kv_dtype=str(self.engine.runner.kv_pool.dtype).removeprefix("torch."),
         )
         self._last_status = 0.0  # announce readiness at once
         log.info(
@@ -228,6 +229,7 @@ class WorkerServer:
             async_batching=self.engine.config.use_async_batching,
             huge_page_bytes=huge_page_bytes(),
             **msgspec.to_builtins(self.facts),
+            **{k: v for k, v in self.engine.runner.describe().items() if k != "kv_dtype"},
         )
         ready_file.mark(self.ready_path, True)
 

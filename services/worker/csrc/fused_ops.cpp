@@ -11,6 +11,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
 #include <torch/csrc/utils/pybind.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -108,11 +109,42 @@ inline void rotate_row(float* row, int64_t num_heads, int64_t head_dim, const fl
 }
 }  // namespace
 
+namespace {
+inline void store_kv(const float* src, int64_t n, float* dst) { std::copy(src, src + n, dst); }
+
+// Rounded to nearest even, as torch's .to(torch.bfloat16): a page holds the same bytes whichever path
+// wrote it.
+inline void store_kv(const float* src, int64_t n, c10::BFloat16* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
+}
+
+template <typename T>
+void rotate_and_store(at::Tensor& qkv, int64_t q_heads, int64_t kv_heads, int64_t head_dim, const at::Tensor& cos,
+                      const at::Tensor& sin, const int64_t* pp, at::Tensor& k_cache, at::Tensor& v_cache,
+                      const int64_t* sl) {
+  const int64_t sx = qkv.stride(0), width = kv_heads * head_dim, k_off = q_heads * head_dim;
+  float* xp = qkv.data_ptr<float>();
+  T* kp = k_cache.data_ptr<T>();
+  T* vp = v_cache.data_ptr<T>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  at::parallel_for(0, qkv.size(0), 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* row = xp + t * sx;
+      rotate_row(row, q_heads + kv_heads, head_dim, cp + pp[t] * head_dim, sp + pp[t] * head_dim);
+      store_kv(row + k_off, width, kp + sl[t] * width);
+      store_kv(row + k_off + width, width, vp + sl[t] * width);
+    }
+  });
+}
+}  // namespace
+
 // Rotary embedding, in place, on the q and k heads of each row of a fused q|k|v projection
 // [rows, (q_heads + 2 kv_heads) x D], with cos/sin [max_positions, D] read at each row's position;
 // then the row's k heads (rotated) and v heads written to its KV slot `slots[t]` of k_cache/v_cache
-// [S, kv_heads, D]: one pass while the row is in cache, where index_copy_ after the rotary took 70 us
-// a layer for a few dozen rows. Every position and slot is checked before anything is written.
+// [S, kv_heads, D], float32 or bfloat16: one pass while the row is in cache, where index_copy_ after
+// the rotary took 70 us a layer for a few dozen rows. Every position and slot is checked before
+// anything is written.
 void rotary_store_kv_(at::Tensor qkv, int64_t q_heads, int64_t kv_heads, int64_t head_dim, at::Tensor cos,
                       at::Tensor sin, at::Tensor positions, at::Tensor k_cache, at::Tensor v_cache,
                       at::Tensor slots) {
@@ -120,29 +152,21 @@ void rotary_store_kv_(at::Tensor qkv, int64_t q_heads, int64_t kv_heads, int64_t
   TORCH_CHECK(qkv.size(1) == (q_heads + 2 * kv_heads) * head_dim, "qkv rows of ", qkv.size(1), " are not ",
               q_heads, " + 2 x ", kv_heads, " heads of ", head_dim);
   const int64_t* pp = checked_positions(positions, qkv, cos, sin, q_heads + kv_heads, head_dim);
-  TORCH_CHECK(k_cache.dtype() == at::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+  TORCH_CHECK((k_cache.dtype() == at::kFloat || k_cache.dtype() == at::kBFloat16) &&
+                  v_cache.dtype() == k_cache.dtype() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && k_cache.dim() == 3 && k_cache.size(1) == kv_heads &&
                   k_cache.size(2) == head_dim,
-              "caches must be contiguous float32 [slots, ", kv_heads, ", ", head_dim, "], got ", k_cache.sizes());
+              "caches must be contiguous float32 or bfloat16 [slots, ", kv_heads, ", ", head_dim, "], got ",
+              k_cache.sizes(), " ", k_cache.dtype(), " and ", v_cache.sizes(), " ", v_cache.dtype());
   TORCH_CHECK(slots.dtype() == at::kLong && slots.is_contiguous() && slots.numel() == qkv.size(0),
               "slots must be contiguous int64 [", qkv.size(0), "]");
   const int64_t* sl = slots.data_ptr<int64_t>();
   const int64_t S = k_cache.size(0);
   for (int64_t t = 0; t < qkv.size(0); ++t) TORCH_CHECK(sl[t] >= 0 && sl[t] < S, "slot ", sl[t], " outside ", S);
-  const int64_t sx = qkv.stride(0), width = kv_heads * head_dim, k_off = q_heads * head_dim;
-  float* xp = qkv.data_ptr<float>();
-  float* kp = k_cache.data_ptr<float>();
-  float* vp = v_cache.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  at::parallel_for(0, qkv.size(0), 8, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      float* row = xp + t * sx;
-      rotate_row(row, q_heads + kv_heads, head_dim, cp + pp[t] * head_dim, sp + pp[t] * head_dim);
-      std::copy(row + k_off, row + k_off + width, kp + sl[t] * width);
-      std::copy(row + k_off + width, row + k_off + 2 * width, vp + sl[t] * width);
-    }
-  });
+  if (k_cache.dtype() == at::kBFloat16)
+    rotate_and_store<c10::BFloat16>(qkv, q_heads, kv_heads, head_dim, cos, sin, pp, k_cache, v_cache, sl);
+  else
+    rotate_and_store<float>(qkv, q_heads, kv_heads, head_dim, cos, sin, pp, k_cache, v_cache, sl);
 }
 
 namespace {

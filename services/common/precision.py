@@ -1,0 +1,62 @@
+"""The weights' dtype: `--dtype`, with `auto` resolved the same way in every process of a stack.
+
+`auto` follows what a user of vLLM gets from its own `auto`: a 16-bit checkpoint runs in its own
+dtype and a float32 one in bfloat16, on a device that computes bfloat16 natively. On a CPU that means
+AVX512-BF16 or AMX (the panels' products then take bfloat16 operands in hardware); a CPU without
+either, or native kernels held below that path (`CBSERVE_CPU_ISA`), runs float32, where bfloat16
+would only be emulated; a float16 checkpoint runs as bfloat16 there (the native kernels have no
+float16 path).
+Exact float32 is always one flag away (`--dtype float32`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from services.common.config import DTYPES
+
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+_HELD_BELOW_BF16 = frozenset({"avx512", "avx2", "portable"})  # kernels.ISA_FLAGS' lower paths
+
+
+def cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
+
+
+def cpu_computes_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively and the native kernels may use it."""
+    if os.environ.get("CBSERVE_CPU_ISA", "") in _HELD_BELOW_BF16:
+        return False
+    return bool(NATIVE_BF16_FLAGS & cpu_flags())
+
+
+def checkpoint_dtype(model_dir: Path) -> torch.dtype | None:
+    """The dtype the checkpoint's config.json names (`dtype`, or the older `torch_dtype`), if any."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    text = config.get("dtype") or config.get("torch_dtype")
+    dtype = getattr(torch, str(text), None) if text else None
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def resolve_dtype(name: str, model_dir: Path, device: str) -> torch.dtype:
+    """`name` (one of DTYPES) as the dtype the weights load in on `device` ("cpu", "cuda:1", ...)."""
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    if name != "auto":
+        return getattr(torch, name)
+    stored = checkpoint_dtype(model_dir)
+    if device.split(":")[0] == "cuda":
+        return stored if stored in (torch.bfloat16, torch.float16) else torch.bfloat16
+    return torch.bfloat16 if cpu_computes_bf16() else torch.float32

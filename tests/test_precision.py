@@ -1,0 +1,138 @@
+"""Lower precisions: bfloat16 weights (our own forward with float32 activations) and bfloat16 KV pages.
+
+Measured, not assumed exact: teacher-forced top-1 agreement with the float32 model over a fixed text
+of real prose (services/bench/agreement.py), and a request's tokens must not change with the events
+that change how its tokens reach the model (chunked prefill, prefix hits, offloading, soft resets):
+those feed the same kernels the same bytes.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from services.bench.agreement import agreement, engine_top1, prose_conversations, reference_top1
+from services.common.model_source import load_model
+from services.worker import kernels
+from services.worker.engine import Engine
+from tests.test_engine_parity import CHATS, SMOL_CONFIGS, assert_no_leak
+
+NEW_TOKENS = 24
+
+
+@cache
+def _prose(model_dir: Path) -> tuple[list[list[int]], list[list[int]]]:
+    """The prose conversations and float32 transformers' top-1 at every position."""
+    prompts = prose_conversations(AutoTokenizer.from_pretrained(model_dir))
+    model, _ = load_model(model_dir)
+    return prompts, reference_top1(model, prompts)
+
+
+def _native_bf16(engine: Engine) -> None:
+    """The engine runs our own forward on bfloat16 panels, not transformers' bfloat16 fallback."""
+    if engine.runner.fused is None:
+        pytest.skip("no native kernels here: bfloat16 runs transformers' own forward")
+    assert engine.runner.fused.lm_head.packed.dtype == torch.bfloat16
+    assert engine.runner.activation_dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("weights", "kv", "floor"),
+    [(torch.bfloat16, "auto", 0.99), (torch.float32, "bfloat16", 0.99)],
+    ids=["bf16-weights-and-kv", "bf16-kv"],
+)
+def test_teacher_forced_top1_agreement_with_float32(
+    weights: torch.dtype, kv: str, floor: float, smollm2_dir: Path, record_property: Any
+) -> None:
+    prompts, expected = _prose(smollm2_dir)
+    with Engine.from_pretrained(smollm2_dir, dtype=weights, kv_cache_dtype=kv, num_blocks=160) as engine:
+        assert engine.runner.kv_pool.dtype == torch.bfloat16
+        if weights == torch.bfloat16:
+            _native_bf16(engine)
+        same, total = agreement(expected, engine_top1(engine, prompts))
+        assert_no_leak(engine)
+    record_property("agreement", f"{same}/{total}")
+    print(f"teacher-forced top-1 agreement ({weights}, kv {kv}): {same}/{total} = {same / total:.4f}")
+    assert total > 3000
+    assert same / total >= floor, (same, total)
+
+
+@pytest.fixture(scope="module")
+def smol_chat_prompts(smollm2_dir: Path) -> list[list[int]]:
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    prompts = []
+    for text in CHATS:
+        messages = [
+            {"role": "system", "content": "You are a concise assistant."},
+            {"role": "user", "content": text},
+        ]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return prompts
+
+
+@cache
+def _bf16_plain(model_dir: Path, prompts: tuple[tuple[int, ...], ...]) -> list[list[int]]:
+    """The bfloat16 engine's tokens with none of the events: a roomy cache, no prefix sharing, whole
+    prompts in one step."""
+    with Engine.from_pretrained(
+        model_dir, dtype=torch.bfloat16, num_blocks=64, page_size=16, allow_block_sharing=False
+    ) as engine:
+        _native_bf16(engine)
+        return engine.generate([list(p) for p in prompts], NEW_TOKENS, ignore_eos=True)
+
+
+@pytest.mark.parametrize("config_name", list(SMOL_CONFIGS))
+def test_bf16_tokens_do_not_change_with_chunks_prefix_hits_offload_or_soft_reset(
+    config_name: str, smollm2_dir: Path, smol_chat_prompts: list[list[int]]
+) -> None:
+    expected = _bf16_plain(smollm2_dir, tuple(map(tuple, smol_chat_prompts)))
+    with Engine.from_pretrained(smollm2_dir, dtype=torch.bfloat16, **SMOL_CONFIGS[config_name]) as engine:
+        # The shared system prompt: the second round hits the prefix cache.
+        assert engine.generate(smol_chat_prompts, NEW_TOKENS, ignore_eos=True) == expected
+        assert engine.generate(smol_chat_prompts, NEW_TOKENS, ignore_eos=True) == expected
+        stats = engine.stats()
+        if config_name == "roomy":
+            assert stats["prefix_hit_tokens"] > 0, stats
+        if config_name == "swap":
+            assert stats["swap_restores"] > 0, stats
+        if config_name == "soft_reset":
+            assert stats["soft_resets"] > 0, stats
+        assert_no_leak(engine)
+
+
+def test_bf16_halves_the_kv_bytes_per_token(smollm2_dir: Path) -> None:
+    with (
+        Engine.from_pretrained(smollm2_dir, num_blocks=8) as fp32,
+        Engine.from_pretrained(smollm2_dir, dtype=torch.bfloat16, num_blocks=8) as bf16,
+    ):
+        assert bf16.geometry.bytes_per_token * 2 == fp32.geometry.bytes_per_token
+        assert bf16.runner.kv_pool.nbytes * 2 == fp32.runner.kv_pool.nbytes
+
+
+def test_the_kernels_name_their_vector_path() -> None:
+    paths = kernels.paths()
+    if not paths:
+        pytest.skip("no native kernels here")
+    assert set(paths.values()) <= {"avx512-bf16", "avx512", "avx2", "portable"}, paths
+
+
+def test_auto_dtype_is_bfloat16_only_where_the_cpu_computes_it(
+    monkeypatch: pytest.MonkeyPatch, smollm2_dir: Path
+) -> None:
+    from services.common import precision
+
+    native = bool(precision.NATIVE_BF16_FLAGS & precision.cpu_flags())
+    auto = torch.bfloat16 if native else torch.float32
+    assert precision.resolve_dtype("auto", smollm2_dir, "cpu") == auto
+    assert precision.resolve_dtype("float32", smollm2_dir, "cpu") == torch.float32
+    assert precision.resolve_dtype("auto", smollm2_dir, "cuda:0") == torch.bfloat16
+    monkeypatch.setenv("CBSERVE_CPU_ISA", "avx2")  # kernels held below bfloat16: exact float32
+    assert precision.resolve_dtype("auto", smollm2_dir, "cpu") == torch.float32
+    with pytest.raises(ValueError, match="'int4'"):
+        precision.resolve_dtype("int4", smollm2_dir, "cpu")
