@@ -327,9 +327,9 @@ inline void dots_avx2(const Task<T>& t, const float* q, int64_t head_off, int64_
 
 // out[g] (+)= sum over keys j in [j0, j1) of w[g][j] * V[j], on one 32-float slice of a head (`v` at
 // the slice in key row 0: key j's slice is v + slot[j] * stride), for GB query heads of a decode row:
-// 4 x GB accumulators in registers; each V vector is loaded (and widened) once per key for all GB
-// heads, which with GB broadcasts fills the 16 registers; `first` starts from zero, `last` scales by
-// inv[g].
+// 4 x GB accumulators in registers, each V vector loaded once per head from L1; `first` starts from
+// zero, `last` scales by inv[g]. (Widening a bfloat16 V vector once per key for all GB heads instead
+// took GB broadcasts' registers: float32 pools ran slower that way, and bfloat16 ones no faster.)
 template <int GB, class T>
 inline void weighted_slice(const T* v, int64_t stride, const int64_t* slot, const float* const* w, int64_t j0,
                            int64_t j1, const float* inv, float* const* out, bool first, bool last) {
@@ -340,14 +340,11 @@ inline void weighted_slice(const T* v, int64_t stride, const int64_t* slot, cons
     for (int c = 0; c < 4; ++c) acc[g][c] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out[g] + 8 * c);
   for (int64_t j = j0; j < j1; ++j) {
     const T* vr = v + slot[j] * stride;
-    __m256 wg[GB];
 #pragma GCC unroll 4
-    for (int g = 0; g < GB; ++g) wg[g] = _mm256_set1_ps(w[g][j]);
+    for (int g = 0; g < GB; ++g) {
+      const __m256 wg = _mm256_set1_ps(w[g][j]);
 #pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) {
-      const __m256 x = load8(vr + 8 * c);
-#pragma GCC unroll 4
-      for (int g = 0; g < GB; ++g) acc[g][c] = _mm256_fmadd_ps(wg[g], x, acc[g][c]);
+      for (int c = 0; c < 4; ++c) acc[g][c] = _mm256_fmadd_ps(wg, load8(vr + 8 * c), acc[g][c]);
     }
   }
 #pragma GCC unroll 4
