@@ -521,6 +521,20 @@ void run_task(const Task<T>& t, float* scores) {
     }
 #endif
     pump.advance(count * t.hs * t.D);
+#ifdef CBSERVE_AVX2
+    if constexpr (NC > 0 && !std::is_same_v<T, float>) {
+      // The AVX2 dots load a K row once per query of its head: a bfloat16 block's rows are widened
+      // once, all heads, into float32 rows after the scores (`scores` has room), read as a pool.
+      static constexpr int64_t kIota[kBlock] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+      float* widened = scores + rows * t.n;
+      for (int64_t i = 0; i < count; ++i)
+        f32_row(t.k + t.slot[j0 + i] * t.stride, widened + i * t.hs * t.D, t.hs * t.D);
+      const Task<float> block{t.q, t.out, widened, nullptr, kIota, count, t.hs, t.G, t.D, t.hs * t.D, t.scale, t.cap};
+      for (int64_t r = 0; r < rows; ++r)
+        row_dots<NC>(block, t.q + r * t.D, (r / t.G) * t.D, 0, count, scores + r * t.n + j0);
+      continue;
+    }
+#endif
     for (int64_t r = 0; r < rows; ++r)
       row_dots<NC>(t, t.q + r * t.D, (r / t.G) * t.D, j0, count, scores + r * t.n + j0);
   }
@@ -633,7 +647,7 @@ void paged_decode(
     const TaskFn<T> fn = pick<T>(D);
     std::atomic<int64_t> next{0};
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-      std::vector<float> scores(static_cast<size_t>(hs * G * L));
+      std::vector<float> scores(static_cast<size_t>(hs * G * L + kBlock * hs * D));  // + run_task's block
       for (int64_t task = next++; task < tasks; task = next++) {
         const int64_t b = task / parts, h0 = (task % parts) * hs;
         const Task<T> t{
