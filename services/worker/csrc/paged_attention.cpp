@@ -88,8 +88,9 @@ inline __m256 load8(const bf16* p) {
 #endif
 
 // A pool row of n elements as float32: the row itself, or, from bfloat16, widened into `buf`. For the
-// loops that broadcast a row one element at a time (the prefill kernels): a widened broadcast is three
-// instructions where a float32 one is a load, so such a row is widened once, by vectors, into L1.
+// loops that broadcast a row one element at a time (the prefill kernels; a widened broadcast is three
+// instructions where a float32 one is a load) or load it once per query (AVX2's decode dots): such a
+// row is widened once, by vectors, into L1.
 inline const float* f32_row(const float* row, float*, int64_t) { return row; }
 inline const float* f32_row(const bf16* row, float* buf, int64_t n) {
   int64_t i = 0;
@@ -118,13 +119,14 @@ struct Task {
 // the reads advance. Prefetching a whole block's rows at once (16 keys, 192 lines) outran what a core
 // can have in flight, and the reads waited for memory instead of overlapping the arithmetic: with the
 // pump (and each K row loaded once a head), W1's decode attention took 1.10-1.14 s instead of 1.75-2.01
-// (2026-12-03). Of 48-256 lines ahead, 144-256 ran alike. The reads advance in elements and the pump counts lines of
-// the element type: the distance ahead is bytes in flight, whatever an element's size.
+// (2026-12-03). Of 48-256 lines ahead, 144-256 ran alike. The reads advance in elements and the pump
+// counts lines of the element type: the distance ahead is bytes in flight, whatever an element's size.
 template <class T>
 class Pump {
  public:
   explicit Pump(const Task<T>& t)
-      : t_(t), row_elems_(t.hs * t.D), lines_((row_elems_ * int64_t{sizeof(T)} + 63) / 64), end_(2 * t.n * row_elems_) {
+      : t_(t), row_elems_(t.hs * t.D), lines_((row_elems_ * int64_t{sizeof(T)} + 63) / 64),
+        end_(2 * t.n * row_elems_) {
     advance(kAheadLines * kLineElems);
   }
 
@@ -380,8 +382,8 @@ inline void weighted_blocks_avx2(const Task<T>& t, const float* w, int64_t head_
 
 // Portable fallbacks of the vector paths above, one key at a time. A dot's products are summed in 8
 // lanes (GCC's vector type, whatever the target's width), then the lanes in one fixed tree: the order
-// is written out, not left to the vectoriser, which picks its width from the element type and summed
-// a bfloat16 row in another order than its float32 upcast.
+// is written out, not left to the vectoriser, whose width follows the element type, so that a
+// bfloat16 row is summed in the order of its float32 upcast.
 using Lanes = float __attribute__((vector_size(32)));
 constexpr int64_t kLanesGeneric = 8;
 
