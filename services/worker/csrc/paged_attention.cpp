@@ -1,5 +1,9 @@
-// Paged attention on CPU, float32, reading K/V straight from the paged pool through each request's
-// slot list: no gathered copy of any context and no mask is ever built.
+// Paged attention on CPU, reading K/V straight from the paged pool through each request's slot list:
+// no gathered copy of any context and no mask is ever built. The pool holds float32 or bfloat16 (the
+// element type T of every loop that reads it); queries, outputs and all arithmetic are float32. A
+// bfloat16 is the high half of a float32's bits, so it is widened exactly as it is loaded, and with the
+// same arithmetic in the same order a bfloat16 pool gives, bit for bit, the float32 kernel's output on
+// its upcast copy, from half the bytes.
 //
 // Decode rows (paged_decode): one query token per request. The context is read once per layer, from
 // memory (a step's contexts of 30 layers are far larger than the caches), which is what bounds decode
@@ -31,6 +35,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
 #include <torch/csrc/utils/pybind.h>
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #define CBSERVE_AVX2 1  // the 8-float variants of the vector paths (16 registers)
@@ -41,8 +46,13 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <bit>
 #include <cfloat>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -54,13 +64,53 @@ constexpr int64_t kBlock = 16;   // keys per block of dots
 constexpr int64_t kVBlock = 32;  // keys per block of the V pass: their rows, all heads, stay in L1
 constexpr int64_t kMaxRows = 4096;  // query heads of one request
 
+using bf16 = at::BFloat16;
+
+// The pool's elements as float32, exactly: a bfloat16's 16 bits are the high half of the float32's.
+inline float widen(float x) { return x; }
+inline float widen(bf16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x.x) << 16); }
+
+#ifdef __AVX512F__
+// 16 elements of a pool row as float32 lanes.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#endif
+#ifdef CBSERVE_AVX2
+// 8 elements of a pool row as float32 lanes.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+#endif
+
+// A pool row of n elements as float32: the row itself, or, from bfloat16, widened into `buf`. For the
+// loops that broadcast a row one element at a time (the prefill kernels; a widened broadcast is three
+// instructions where a float32 one is a load) or load it once per query (AVX2's decode dots): such a
+// row is widened once, by vectors, into L1.
+inline const float* f32_row(const float* row, float*, int64_t) { return row; }
+inline const float* f32_row(const bf16* row, float* buf, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(buf + i, load16(row + i));
+#elif defined(CBSERVE_AVX2)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(buf + i, load8(row + i));
+#endif
+  for (; i < n; ++i) buf[i] = widen(row[i]);
+  return buf;
+}
+
+template <class T>  // the pool's element type: float or bf16
 struct Task {
   const float* q;      // [hs, G, D] of this row (contiguous: heads are adjacent in a packed row)
   float* out;          // [hs, G, D]
-  const float* k;      // this task's first head in key 0 of the pool: key s is k + s * stride
-  const float* v;
+  const T* k;          // this task's first head in key 0 of the pool: key s is k + s * stride
+  const T* v;
   const int64_t* slot; // the keys this row reads: slot[0 .. n)
-  int64_t n, hs, G, D, stride;
+  int64_t n, hs, G, D, stride;  // stride: elements
   float scale, cap;
 };
 
@@ -69,32 +119,41 @@ struct Task {
 // the reads advance. Prefetching a whole block's rows at once (16 keys, 192 lines) outran what a core
 // can have in flight, and the reads waited for memory instead of overlapping the arithmetic: with the
 // pump (and each K row loaded once a head), W1's decode attention took 1.10-1.14 s instead of 1.75-2.01
-// (2026-12-03). Of 48-256 lines ahead, 144-256 ran alike.
+// (2026-12-03). Of 48-256 lines ahead, 144-256 ran alike. The reads advance in elements and the pump
+// counts lines of the element type: the distance ahead is bytes in flight, whatever an element's size.
+template <class T>
 class Pump {
  public:
-  explicit Pump(const Task& t)
-      : t_(t), lines_((t.hs * t.D * 4 + 63) / 64), end_(2 * t.n * lines_) { advance(kAheadLines); }
+  explicit Pump(const Task<T>& t)
+      : t_(t), row_elems_(t.hs * t.D), lines_((row_elems_ * int64_t{sizeof(T)} + 63) / 64),
+        end_(2 * t.n * row_elems_) {
+    advance(kAheadLines * kLineElems);
+  }
 
-  // The reads moved `lines` further along the stream.
-  inline void advance(int64_t lines) {
-    target_ += lines;
-    for (const int64_t stop = std::min(target_, end_); next_ < stop; ++next_) {
+  // The reads moved `elements` further along the stream.
+  inline void advance(int64_t elements) {
+    target_ += elements;
+    for (const int64_t stop = std::min(target_, end_); pos_ < stop;) {
       if (line_ == 0) {
-        const float* row = row_ < t_.n ? t_.k + t_.slot[row_] * t_.stride : t_.v + t_.slot[row_ - t_.n] * t_.stride;
+        const T* row = row_ < t_.n ? t_.k + t_.slot[row_] * t_.stride : t_.v + t_.slot[row_ - t_.n] * t_.stride;
         base_ = reinterpret_cast<const char*>(row);
       }
       __builtin_prefetch(base_ + 64 * line_);
-      if (++line_ == lines_) line_ = 0, ++row_;
+      if (++line_ == lines_) {
+        line_ = 0;
+        pos_ = ++row_ * row_elems_;
+      } else {
+        pos_ += kLineElems;
+      }
     }
   }
 
-  int64_t row_lines() const { return lines_; }
-
  private:
-  const Task& t_;
-  const int64_t lines_, end_;
-  int64_t target_ = 0, next_ = 0;  // lines of the stream: to prefetch up to, prefetched so far
-  int64_t row_ = 0, line_ = 0;     // where next_ is: a row of the stream and a line of it
+  static constexpr int64_t kLineElems = 64 / sizeof(T);
+  const Task<T>& t_;
+  const int64_t row_elems_, lines_, end_;
+  int64_t target_ = 0, pos_ = 0;  // elements of the stream: to prefetch up to, where the next line starts
+  int64_t row_ = 0, line_ = 0;    // where pos_ is: a row of the stream and a line of it
   const char* base_ = nullptr;
 };
 
@@ -147,23 +206,23 @@ constexpr bool head_fits(int NC, int G) { return (G + 1) * NC + 2 * G <= 30; }
 // Scores of one head's G queries against keys [j0, j0 + count) of the slot range, scaled: each K row
 // is loaded once for all G queries (from registers), and each pair of keys folds its first level at
 // once.
-template <int NC, int G>
-inline void dots_head(const Task& t, int64_t h, int64_t j0, int64_t count, float* scores, Pump& pump) {
+template <int NC, int G, class T>
+inline void dots_head(const Task<T>& t, int64_t h, int64_t j0, int64_t count, float* scores, Pump<T>& pump) {
   __m512 qv[G][NC];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NC; ++c) qv[g][c] = _mm512_loadu_ps(t.q + (h * G + g) * t.D + 16 * c);
   __m512 folded[G][8];
   for (int64_t i = 0; i < kBlock; i += 2) {
-    pump.advance(2 * NC);
+    pump.advance(2 * 16 * NC);
     __m512 s[2][G];
     for (int u = 0; u < 2; ++u) {
       if (i + u >= count) {
         for (int g = 0; g < G; ++g) s[u][g] = _mm512_setzero_ps();
         continue;
       }
-      const float* kr = t.k + t.slot[j0 + i + u] * t.stride + h * t.D;
+      const T* kr = t.k + t.slot[j0 + i + u] * t.stride + h * t.D;
       __m512 kv[NC];
-      for (int c = 0; c < NC; ++c) kv[c] = _mm512_loadu_ps(kr + 16 * c);
+      for (int c = 0; c < NC; ++c) kv[c] = load16(kr + 16 * c);
       for (int g = 0; g < G; ++g) s[u][g] = lane_dot<NC>(qv[g], kv);
     }
     for (int g = 0; g < G; ++g) folded[g][i / 2] = fold_pair(s[0][g], s[1][g]);
@@ -172,16 +231,16 @@ inline void dots_head(const Task& t, int64_t h, int64_t j0, int64_t count, float
 }
 
 // Scores of one (head, query) against keys [j0, j0 + 16) of its slot range, scaled: 16 floats.
-template <int NC>
-inline void dots16(const Task& t, const float* q, int64_t head_off, int64_t j0, int64_t count, float* dst) {
+template <int NC, class T>
+inline void dots16(const Task<T>& t, const float* q, int64_t head_off, int64_t j0, int64_t count, float* dst) {
   __m512 qv[NC];
   for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
   __m512 part[16];
   for (int64_t i = 0; i < 16; ++i) {
     if (i >= count) { part[i] = _mm512_setzero_ps(); continue; }
-    const float* kr = t.k + t.slot[j0 + i] * t.stride + head_off;
+    const T* kr = t.k + t.slot[j0 + i] * t.stride + head_off;
     __m512 kv[NC];
-    for (int c = 0; c < NC; ++c) kv[c] = _mm512_loadu_ps(kr + 16 * c);
+    for (int c = 0; c < NC; ++c) kv[c] = load16(kr + 16 * c);
     part[i] = lane_dot<NC>(qv, kv);
   }
   store_scores(dst, fold16(part), count, t.scale);
@@ -190,18 +249,18 @@ inline void dots16(const Task& t, const float* q, int64_t head_off, int64_t j0, 
 // out[g] (+)= sum_j w[g][j] * V[j] over keys [j0, j1) for GB queries of one head (w rows t.n apart,
 // out rows t.D apart): each V row is loaded once for all of them, and the GB x NC accumulators stay in
 // registers within the block; `first` starts from zero, `last` scales by inv[g] = 1 / the row's sum.
-template <int NC, int GB>
-inline void weighted_block(const Task& t, const float* w, int64_t head_off, int64_t j0, int64_t j1,
-                           const float* inv, float* out, bool first, bool last, Pump* pump) {
+template <int NC, int GB, class T>
+inline void weighted_block(const Task<T>& t, const float* w, int64_t head_off, int64_t j0, int64_t j1,
+                           const float* inv, float* out, bool first, bool last, Pump<T>* pump) {
   __m512 acc[GB][NC];
   for (int g = 0; g < GB; ++g)
     for (int c = 0; c < NC; ++c)
       acc[g][c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + g * t.D + 16 * c);
   for (int64_t j = j0; j < j1; ++j) {
-    if (pump != nullptr) pump->advance(NC);
-    const float* vr = t.v + t.slot[j] * t.stride + head_off;
+    if (pump != nullptr) pump->advance(16 * NC);
+    const T* vr = t.v + t.slot[j] * t.stride + head_off;
     __m512 v[NC];
-    for (int c = 0; c < NC; ++c) v[c] = _mm512_loadu_ps(vr + 16 * c);
+    for (int c = 0; c < NC; ++c) v[c] = load16(vr + 16 * c);
     for (int g = 0; g < GB; ++g) {
       const __m512 wg = _mm512_set1_ps(w[g * t.n + j]);
       for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_fmadd_ps(wg, v[c], acc[g][c]);
@@ -215,15 +274,15 @@ inline void weighted_block(const Task& t, const float* w, int64_t head_off, int6
 
 // The queries of one head over a block of keys, as many per weighted_block call as keep the
 // accumulators within 16 registers; the first call moves the pump along.
-template <int NC>
-inline void weighted_blocks(const Task& t, const float* w, int64_t head_off, int64_t j0, int64_t j1,
-                            const float* inv, float* out, bool first, bool last, Pump& pump) {
+template <int NC, class T>
+inline void weighted_blocks(const Task<T>& t, const float* w, int64_t head_off, int64_t j0, int64_t j1,
+                            const float* inv, float* out, bool first, bool last, Pump<T>& pump) {
   constexpr int kMax = std::max(1, std::min(4, 16 / NC));
   for (int64_t g = 0; g < t.G; g += kMax) {
     const int64_t gb = std::min<int64_t>(kMax, t.G - g);
     const float* wg = w + g * t.n;
     float* og = out + g * t.D;
-    Pump* moves = g == 0 ? &pump : nullptr;
+    Pump<T>* moves = g == 0 ? &pump : nullptr;
     if (gb == 1) weighted_block<NC, 1>(t, wg, head_off, j0, j1, inv + g, og, first, last, moves);
     if constexpr (kMax >= 2) if (gb == 2) weighted_block<NC, 2>(t, wg, head_off, j0, j1, inv + g, og, first, last, moves);
     if constexpr (kMax >= 3) if (gb == 3) weighted_block<NC, 3>(t, wg, head_off, j0, j1, inv + g, og, first, last, moves);
@@ -243,17 +302,17 @@ inline __m256 fold8(const __m256* p) {
 
 // Scores of one (head, query) against keys [j0, j0 + count) of its slot range (count <= kBlock),
 // scaled, 8 keys a fold.
-template <int NC>  // D / 8
-inline void dots_avx2(const Task& t, const float* q, int64_t head_off, int64_t j0, int64_t count, float* dst) {
+template <int NC, class T>  // D / 8
+inline void dots_avx2(const Task<T>& t, const float* q, int64_t head_off, int64_t j0, int64_t count, float* dst) {
   for (int64_t i0 = 0; i0 < count; i0 += 8) {
     __m256 part[8];
 #pragma GCC unroll 8
     for (int64_t i = 0; i < 8; ++i) {
       if (i0 + i >= count) { part[i] = _mm256_setzero_ps(); continue; }
-      const float* kr = t.k + t.slot[j0 + i0 + i] * t.stride + head_off;
-      __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(kr));
+      const T* kr = t.k + t.slot[j0 + i0 + i] * t.stride + head_off;
+      __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(q), load8(kr));
 #pragma GCC unroll 16
-      for (int c = 1; c < NC; ++c) sum = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(kr + 8 * c), sum);
+      for (int c = 1; c < NC; ++c) sum = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), load8(kr + 8 * c), sum);
       part[i] = sum;
     }
     const __m256 scores = _mm256_mul_ps(fold8(part), _mm256_set1_ps(t.scale));
@@ -271,9 +330,10 @@ inline void dots_avx2(const Task& t, const float* q, int64_t head_off, int64_t j
 // out[g] (+)= sum over keys j in [j0, j1) of w[g][j] * V[j], on one 32-float slice of a head (`v` at
 // the slice in key row 0: key j's slice is v + slot[j] * stride), for GB query heads of a decode row:
 // 4 x GB accumulators in registers, each V vector loaded once per head from L1; `first` starts from
-// zero, `last` scales by inv[g].
-template <int GB>
-inline void weighted_slice(const float* v, int64_t stride, const int64_t* slot, const float* const* w, int64_t j0,
+// zero, `last` scales by inv[g]. (Widening a bfloat16 V vector once per key for all GB heads instead
+// took GB broadcasts' registers: float32 pools ran slower that way, and bfloat16 ones no faster.)
+template <int GB, class T>
+inline void weighted_slice(const T* v, int64_t stride, const int64_t* slot, const float* const* w, int64_t j0,
                            int64_t j1, const float* inv, float* const* out, bool first, bool last) {
   __m256 acc[GB][4];
 #pragma GCC unroll 4
@@ -281,12 +341,12 @@ inline void weighted_slice(const float* v, int64_t stride, const int64_t* slot, 
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) acc[g][c] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out[g] + 8 * c);
   for (int64_t j = j0; j < j1; ++j) {
-    const float* vr = v + slot[j] * stride;
+    const T* vr = v + slot[j] * stride;
 #pragma GCC unroll 4
     for (int g = 0; g < GB; ++g) {
       const __m256 wg = _mm256_set1_ps(w[g][j]);
 #pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c) acc[g][c] = _mm256_fmadd_ps(wg, _mm256_loadu_ps(vr + 8 * c), acc[g][c]);
+      for (int c = 0; c < 4; ++c) acc[g][c] = _mm256_fmadd_ps(wg, load8(vr + 8 * c), acc[g][c]);
     }
   }
 #pragma GCC unroll 4
@@ -299,7 +359,8 @@ inline void weighted_slice(const float* v, int64_t stride, const int64_t* slot, 
 
 // The query heads of one kv head over keys [j0, j1): weighted_slice over every 32-float slice of the
 // head, up to three query heads a pass (head g's weights at w + g * n, its output at out + g * D).
-inline void weighted_blocks_avx2(const Task& t, const float* w, int64_t head_off, int64_t j0, int64_t j1,
+template <class T>
+inline void weighted_blocks_avx2(const Task<T>& t, const float* w, int64_t head_off, int64_t j0, int64_t j1,
                                  const float* inv, float* out, bool first, bool last) {
   for (int64_t g = 0; g < t.G; g += 3) {
     const int64_t gb = std::min<int64_t>(3, t.G - g);
@@ -310,7 +371,7 @@ inline void weighted_blocks_avx2(const Task& t, const float* w, int64_t head_off
         wr[i] = w + (g + i) * t.n;
         orow[i] = out + (g + i) * t.D + c0;
       }
-      const float* v = t.v + head_off + c0;
+      const T* v = t.v + head_off + c0;
       if (gb == 3) weighted_slice<3>(v, t.stride, t.slot, wr, j0, j1, inv + g, orow, first, last);
       if (gb == 2) weighted_slice<2>(v, t.stride, t.slot, wr, j0, j1, inv + g, orow, first, last);
       if (gb == 1) weighted_slice<1>(v, t.stride, t.slot, wr, j0, j1, inv + g, orow, first, last);
@@ -319,27 +380,51 @@ inline void weighted_blocks_avx2(const Task& t, const float* w, int64_t head_off
 }
 #endif
 
-// Portable fallbacks of the vector paths above, one key at a time.
-inline void dots_generic(const Task& t, const float* q, int64_t head_off, int64_t j0, int64_t count, float* dst) {
+// Portable fallbacks of the vector paths above, one key at a time. A dot's products are summed in 8
+// lanes (GCC's vector type, whatever the target's width), then the lanes in one fixed tree: the order
+// is written out, not left to the vectoriser, whose width follows the element type, so that a
+// bfloat16 row is summed in the order of its float32 upcast.
+using Lanes = float __attribute__((vector_size(32)));
+constexpr int64_t kLanesGeneric = 8;
+
+inline Lanes lanes(const float* p) {
+  Lanes x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+inline Lanes lanes(const bf16* p) {
+  using Raw = uint16_t __attribute__((vector_size(16)));
+  using Bits = uint32_t __attribute__((vector_size(32)));
+  Raw raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  return std::bit_cast<Lanes>(__builtin_convertvector(raw, Bits) << 16);
+}
+
+template <class T>
+inline void dots_generic(const Task<T>& t, const float* q, int64_t head_off, int64_t j0, int64_t count, float* dst) {
   for (int64_t i = 0; i < count; ++i) {
-    const float* kr = t.k + t.slot[j0 + i] * t.stride + head_off;
-    float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-    for (int64_t d = 0; d < t.D; ++d) dot += q[d] * kr[d];
-    dst[i] = dot * t.scale;
+    const T* kr = t.k + t.slot[j0 + i] * t.stride + head_off;
+    Lanes sum = {};
+    int64_t d = 0;
+    for (; d + kLanesGeneric <= t.D; d += kLanesGeneric) sum += lanes(q + d) * lanes(kr + d);
+    Lanes qt = {}, kt = {};  // the tail, zero-padded
+    for (int64_t l = 0; d + l < t.D; ++l) qt[l] = q[d + l], kt[l] = widen(kr[d + l]);
+    sum += qt * kt;
+    dst[i] = (((sum[0] + sum[1]) + (sum[2] + sum[3])) + ((sum[4] + sum[5]) + (sum[6] + sum[7]))) * t.scale;
   }
 }
 
-inline void weighted_blocks_generic(const Task& t, const float* w, int64_t head_off, int64_t j0, int64_t j1,
+template <class T>
+inline void weighted_blocks_generic(const Task<T>& t, const float* w, int64_t head_off, int64_t j0, int64_t j1,
                                     const float* inv, float* out, bool first, bool last) {
   if (first) std::fill(out, out + t.G * t.D, 0.f);
   for (int64_t j = j0; j < j1; ++j) {
-    const float* vr = t.v + t.slot[j] * t.stride + head_off;
+    const T* vr = t.v + t.slot[j] * t.stride + head_off;
     for (int64_t g = 0; g < t.G; ++g) {
       const float wj = w[g * t.n + j];
       float* o = out + g * t.D;
 #pragma omp simd
-      for (int64_t d = 0; d < t.D; ++d) o[d] += wj * vr[d];
+      for (int64_t d = 0; d < t.D; ++d) o[d] += wj * widen(vr[d]);
     }
   }
   if (last)
@@ -349,16 +434,16 @@ inline void weighted_blocks_generic(const Task& t, const float* w, int64_t head_
 
 // Below AVX-512 (whose path in run_task works a whole head at a time) a task goes row by row: on
 // the AVX2 path where the head size has one (NC > 0), else on the portable one.
-template <int NC>
-inline void row_dots(const Task& t, const float* q, int64_t head_off, int64_t j0, int64_t count, float* dst) {
+template <int NC, class T>
+inline void row_dots(const Task<T>& t, const float* q, int64_t head_off, int64_t j0, int64_t count, float* dst) {
 #ifdef CBSERVE_AVX2
   if constexpr (NC > 0) return dots_avx2<NC>(t, q, head_off, j0, count, dst);
 #endif
   dots_generic(t, q, head_off, j0, count, dst);
 }
 
-template <int NC>
-inline void head_weighted(const Task& t, const float* w, int64_t head_off, int64_t j0, int64_t j1, const float* inv,
+template <int NC, class T>
+inline void head_weighted(const Task<T>& t, const float* w, int64_t head_off, int64_t j0, int64_t j1, const float* inv,
                           float* out, bool first, bool last) {
 #ifdef CBSERVE_AVX2
   if constexpr (NC > 0) return weighted_blocks_avx2(t, w, head_off, j0, j1, inv, out, first, last);
@@ -405,8 +490,8 @@ inline float softmax_(float* row, int64_t n, float cap) {
 
 #ifdef __AVX512F__
 // One head's dots over a block of keys: dots_head where its registers fit, else a query at a time.
-template <int NC>
-inline void head_dots(const Task& t, int64_t h, int64_t j0, int64_t count, float* scores, Pump& pump) {
+template <int NC, class T>
+inline void head_dots(const Task<T>& t, int64_t h, int64_t j0, int64_t count, float* scores, Pump<T>& pump) {
   switch (t.G) {
     case 1: if constexpr (head_fits(NC, 1)) return dots_head<NC, 1>(t, h, j0, count, scores, pump); break;
     case 2: if constexpr (head_fits(NC, 2)) return dots_head<NC, 2>(t, h, j0, count, scores, pump); break;
@@ -414,7 +499,7 @@ inline void head_dots(const Task& t, int64_t h, int64_t j0, int64_t count, float
     case 4: if constexpr (head_fits(NC, 4)) return dots_head<NC, 4>(t, h, j0, count, scores, pump); break;
     default: break;
   }
-  pump.advance(count * NC);
+  pump.advance(count * 16 * NC);
   for (int64_t g = 0; g < t.G; ++g)
     dots16<NC>(t, t.q + (h * t.G + g) * t.D, h * t.D, j0, count, scores + (h * t.G + g) * t.n + j0);
 }
@@ -425,10 +510,10 @@ inline void head_dots(const Task& t, int64_t h, int64_t j0, int64_t count, float
 // (all the task's heads, one contiguous read) front to back, once from memory: reading a whole context
 // head by head instead strides through the rows several times, which from memory ran at a quarter
 // of a core's streaming rate.
-template <int NC>  // D / 16 on the AVX-512 path, D / 8 on the AVX2 one; 0: the portable one
-void run_task(const Task& t, float* scores) {
+template <int NC, class T>  // D / 16 on the AVX-512 path, D / 8 on the AVX2 one; 0: the portable one
+void run_task(const Task<T>& t, float* scores) {
   const int64_t rows = t.hs * t.G;
-  Pump pump(t);
+  Pump<T> pump(t);
   for (int64_t j0 = 0; j0 < t.n; j0 += kBlock) {
     const int64_t count = std::min(kBlock, t.n - j0);
 #ifdef __AVX512F__
@@ -437,7 +522,21 @@ void run_task(const Task& t, float* scores) {
       continue;
     }
 #endif
-    pump.advance(count * pump.row_lines());
+    pump.advance(count * t.hs * t.D);
+#ifdef CBSERVE_AVX2
+    if constexpr (NC > 0 && !std::is_same_v<T, float>) {
+      // The AVX2 dots load a K row once per query of its head: a bfloat16 block's rows are widened
+      // once, all heads, into float32 rows after the scores (`scores` has room), read as a pool.
+      static constexpr int64_t kIota[kBlock] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+      float* widened = scores + rows * t.n;
+      for (int64_t i = 0; i < count; ++i)
+        f32_row(t.k + t.slot[j0 + i] * t.stride, widened + i * t.hs * t.D, t.hs * t.D);
+      const Task<float> block{t.q, t.out, widened, nullptr, kIota, count, t.hs, t.G, t.D, t.hs * t.D, t.scale, t.cap};
+      for (int64_t r = 0; r < rows; ++r)
+        row_dots<NC>(block, t.q + r * t.D, (r / t.G) * t.D, 0, count, scores + r * t.n + j0);
+      continue;
+    }
+#endif
     for (int64_t r = 0; r < rows; ++r)
       row_dots<NC>(t, t.q + r * t.D, (r / t.G) * t.D, j0, count, scores + r * t.n + j0);
   }
@@ -454,7 +553,7 @@ void run_task(const Task& t, float* scores) {
       continue;
     }
 #endif
-    pump.advance((j1 - j0) * pump.row_lines());
+    pump.advance((j1 - j0) * t.hs * t.D);
     for (int64_t h = 0; h < t.hs; ++h) {
       const int64_t r = h * t.G;
       head_weighted<NC>(t, scores + r * t.n, h * t.D, j0, j1, inv + r, t.out + r * t.D, j0 == 0, j1 == t.n);
@@ -480,23 +579,39 @@ Fn by_head_size(int64_t D, Fn other, Make make) {
 }
 #endif
 
-using TaskFn = void (*)(const Task&, float*);
+template <class T>
+using TaskFn = void (*)(const Task<T>&, float*);
 
-TaskFn pick(int64_t D) {
+template <class T>
+TaskFn<T> pick(int64_t D) {
 #ifdef __AVX512F__
-  return by_head_size<TaskFn>(D, run_task<0>, []<int NC>() -> TaskFn { return run_task<NC>; });
+  return by_head_size<TaskFn<T>>(D, run_task<0, T>, []<int NC>() -> TaskFn<T> { return run_task<NC, T>; });
 #elif defined(CBSERVE_AVX2)
   switch (D) {
-    case 32: return run_task<4>;
-    case 64: return run_task<8>;
-    case 96: return run_task<12>;
-    case 128: return run_task<16>;
-    default: return run_task<0>;
+    case 32: return run_task<4, T>;
+    case 64: return run_task<8, T>;
+    case 96: return run_task<12, T>;
+    case 128: return run_task<16, T>;
+    default: return run_task<0, T>;
   }
 #else
   (void)D;
-  return run_task<0>;
+  return run_task<0, T>;
 #endif
+}
+
+// Whether the pools hold bfloat16 (else float32): any other dtype, or two different ones, is refused.
+bool bf16_pools(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  const at::ScalarType k = k_cache.scalar_type(), v = v_cache.scalar_type();
+  TORCH_CHECK(k == v && (k == at::kFloat || k == at::kBFloat16),
+              "k_cache and v_cache must both be float32 or both bfloat16, got ", k, " and ", v);
+  return k == at::kBFloat16;
+}
+
+// The pool's data, of the element type the kernel was picked for.
+template <class T>
+const T* pool_data(const at::Tensor& cache) {
+  return static_cast<const T*>(cache.const_data_ptr());
 }
 }  // namespace
 
@@ -504,15 +619,15 @@ void paged_decode(
     at::Tensor q,        // [T, H, D] float32: heads contiguous, any token stride
     at::Tensor out,      // [T, H, D]: rows[b] is written for each request, the others left alone
     at::Tensor rows,     // [B] int64: the packed row of each request's query token
-    at::Tensor k_cache,  // [S, kv_heads, D] float32, contiguous
-    at::Tensor v_cache,  // [S, kv_heads, D]
+    at::Tensor k_cache,  // [S, kv_heads, D] float32 or bfloat16, contiguous
+    at::Tensor v_cache,  // [S, kv_heads, D], k_cache's dtype
     at::Tensor slots,    // [B, L] int64: the first lengths[b] entries are the keys of request b
     at::Tensor lengths,  // [B] int64
     double scale,
     double softcap) {       // <= 0: none
-  TORCH_CHECK(q.dtype() == at::kFloat && out.dtype() == at::kFloat &&
-              k_cache.dtype() == at::kFloat && v_cache.dtype() == at::kFloat,
-              "float32 only, got ", q.dtype(), " and ", k_cache.dtype());
+  TORCH_CHECK(q.dtype() == at::kFloat && out.dtype() == at::kFloat, "q and out must be float32, got ",
+              q.scalar_type(), " and ", out.scalar_type());
+  const bool bf16_kv = bf16_pools(k_cache, v_cache);
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) && out.sizes() == q.sizes() &&
               out.stride(2) == 1 && out.stride(1) == out.size(2), "q and out must be [T, H, D] with contiguous heads");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slots.is_contiguous() &&
@@ -530,23 +645,27 @@ void paged_decode(
   const int threads = at::get_num_threads();
   const int64_t hs = B >= 2 * threads ? H : 1;  // heads per task
   const int64_t parts = H / hs, tasks = B * parts;
-  const TaskFn fn = pick(D);
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    std::vector<float> scores(static_cast<size_t>(hs * G * L));
-    for (int64_t task = next++; task < tasks; task = next++) {
-      const int64_t b = task / parts, h0 = (task % parts) * hs;
-      const Task t{
-          q.data_ptr<float>() + rp[b] * q.stride(0) + h0 * G * D,
-          out.data_ptr<float>() + rp[b] * out.stride(0) + h0 * G * D,
-          k_cache.data_ptr<float>() + h0 * D,
-          v_cache.data_ptr<float>() + h0 * D,
-          slots.data_ptr<int64_t>() + b * L,
-          lp[b], hs, G, D, H * D,
-          static_cast<float>(scale), static_cast<float>(softcap)};
-      fn(t, scores.data());
-    }
-  });
+  auto run = [&]<class T>() {
+    const TaskFn<T> fn = pick<T>(D);
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      std::vector<float> scores(static_cast<size_t>(hs * G * L + kBlock * hs * D));  // + run_task's block
+      for (int64_t task = next++; task < tasks; task = next++) {
+        const int64_t b = task / parts, h0 = (task % parts) * hs;
+        const Task<T> t{
+            q.data_ptr<float>() + rp[b] * q.stride(0) + h0 * G * D,
+            out.data_ptr<float>() + rp[b] * out.stride(0) + h0 * G * D,
+            pool_data<T>(k_cache) + h0 * D,
+            pool_data<T>(v_cache) + h0 * D,
+            slots.data_ptr<int64_t>() + b * L,
+            lp[b], hs, G, D, H * D,
+            static_cast<float>(scale), static_cast<float>(softcap)};
+        fn(t, scores.data());
+      }
+    });
+  };
+  if (bf16_kv) run.template operator()<bf16>();
+  else run.template operator()<float>();
 }
 
 // ------------------------------------------------------------------------------------------ prefill
@@ -564,15 +683,16 @@ constexpr int64_t kQueryBlock = 16;  // query tokens per task
 constexpr int64_t kLanes = 16;
 constexpr int64_t kKeys = 8;         // keys per score block: 8 x GR accumulators (of 32 registers)
 
+template <class T>  // the pool's element type: float or bf16
 struct PrefillTask {
   const float* q;        // the block's first query token at its kv head's first query head
   int64_t sq;            // q's token stride (heads are D apart)
   float* out;            // same layout as q, token stride so
   int64_t so;
-  const float* k;        // this kv head in slot 0: slot s is k + s * stride
-  const float* v;
+  const T* k;            // this kv head in slot 0: slot s is k + s * stride
+  const T* v;
   const int64_t* slot;   // the request's slot list
-  int64_t nq, G, D, stride;
+  int64_t nq, G, D, stride;  // stride: elements
   int64_t j0, nk;        // the block reads slot list entries [j0, j0 + nk)
   const int64_t* jlo;    // query i of the block sees entries [jlo[i], jhi[i]]
   const int64_t* jhi;
@@ -582,7 +702,8 @@ struct PrefillTask {
 // The task's rows r = i * G + g (query token i, query head g of the kv head), padded to Rp rows (whole
 // vectors): the queries as qt [D, Rp], scaled, and each row's range [lo, hi] within the block's keys.
 // Padding rows (zero queries, finite scores) take all keys and are never stored.
-inline void prefill_rows(const PrefillTask& t, int64_t Rp, float* qt, int32_t* lo, int32_t* hi) {
+template <class T>
+inline void prefill_rows(const PrefillTask<T>& t, int64_t Rp, float* qt, int32_t* lo, int32_t* hi) {
   const int64_t R = t.nq * t.G;
   for (int64_t r = 0; r < Rp; ++r) {
     const float* src = t.q + (r / t.G) * t.sq + (r % t.G) * t.D;
@@ -625,17 +746,17 @@ constexpr int64_t values_rows(int NC) { return std::max(1, std::min(8, 24 / NC))
 
 // The values of rows r0 .. r0 + ROWS: out = inv * sum over keys [a, b] of st[j][row] * V[j]. Rows
 // that do not see key j weigh exactly 0 there.
-template <int NC, int ROWS>
-void prefill_values(const PrefillTask& t, const float* st, int64_t Rp, int64_t a, int64_t b, const float* inv,
+template <int NC, int ROWS, class T>
+void prefill_values(const PrefillTask<T>& t, const float* st, int64_t Rp, int64_t a, int64_t b, const float* inv,
                     int64_t r0) {
   constexpr int64_t D = NC * 16;
   __m512 acc[ROWS][NC];
   for (int r = 0; r < ROWS; ++r)
     for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t j = a; j <= b; ++j) {
-    const float* vr = t.v + t.slot[t.j0 + j] * t.stride;
+    const T* vr = t.v + t.slot[t.j0 + j] * t.stride;
     __m512 vv[NC];
-    for (int c = 0; c < NC; ++c) vv[c] = _mm512_loadu_ps(vr + 16 * c);
+    for (int c = 0; c < NC; ++c) vv[c] = load16(vr + 16 * c);
     const float* w = st + j * Rp;
     for (int r = 0; r < ROWS; ++r) {
       const __m512 wr = _mm512_set1_ps(w[r]);
@@ -650,27 +771,31 @@ void prefill_values(const PrefillTask& t, const float* st, int64_t Rp, int64_t a
   }
 }
 
-using ValuesFn = void (*)(const PrefillTask&, const float*, int64_t, int64_t, int64_t, const float*, int64_t);
-template <int NC, size_t... I>
-constexpr std::array<ValuesFn, sizeof...(I) + 1> values_table(std::index_sequence<I...>) {
-  return {nullptr, prefill_values<NC, static_cast<int>(I) + 1>...};
+template <class T>
+using ValuesFn = void (*)(const PrefillTask<T>&, const float*, int64_t, int64_t, int64_t, const float*, int64_t);
+template <int NC, class T, size_t... I>
+constexpr std::array<ValuesFn<T>, sizeof...(I) + 1> values_table(std::index_sequence<I...>) {
+  return {nullptr, prefill_values<NC, static_cast<int>(I) + 1, T>...};
 }
-// kValues<NC>[rows]: the value block of 1 .. values_rows(NC) rows.
-template <int NC>
-constexpr auto kValues = values_table<NC>(std::make_index_sequence<values_rows(NC)>{});
+// kValues<NC, T>[rows]: the value block of 1 .. values_rows(NC) rows.
+template <int NC, class T>
+constexpr auto kValues = values_table<NC, T>(std::make_index_sequence<values_rows(NC)>{});
 
 // Rows r = i * G + g (query token i, query head g of the kv head), padded to Rp = whole vectors;
-// qt is [D, Rp], st [nk, Rp]: both in L1/L2 for the task's life.
-template <int NC>
-void run_prefill(const PrefillTask& t, float* qt, float* st) {
+// qt is [D, Rp], st [nk, Rp]: both in L1/L2 for the task's life. The scores broadcast K one element
+// at a time, so a block's K rows are read as float32 rows (f32_row); the values load V by vectors.
+template <int NC, class T>
+void run_prefill(const PrefillTask<T>& t, float* qt, float* st) {
   const int64_t R = t.nq * t.G, Rp = (R + kLanes - 1) / kLanes * kLanes;
   std::vector<int32_t> lo(Rp), hi(Rp);
   prefill_rows(t, Rp, qt, lo.data(), hi.data());
   const int64_t vectors = Rp / kLanes;
   for (int64_t j = 0; j < t.nk; j += kKeys) {
     const int64_t keys = std::min(kKeys, t.nk - j);
+    alignas(64) float widened[kKeys][16 * NC];
     const float* kr[kKeys];
-    for (int64_t u = 0; u < kKeys; ++u) kr[u] = t.k + t.slot[t.j0 + j + std::min(u, keys - 1)] * t.stride;
+    for (int64_t u = 0; u < kKeys; ++u)
+      kr[u] = f32_row(t.k + t.slot[t.j0 + j + std::min(u, keys - 1)] * t.stride, widened[u], 16 * NC);
     for (int64_t g0 = 0; g0 < vectors; g0 += 3) {
       const float* qg = qt + g0 * kLanes;
       float* sg = st + j * Rp + g0 * kLanes;
@@ -710,7 +835,7 @@ void run_prefill(const PrefillTask& t, float* qt, float* st) {
     const int64_t rows = std::min(kRows, R - r0);
     const int64_t a = *std::min_element(lo.begin() + r0, lo.begin() + r0 + rows);
     const int64_t b = *std::max_element(hi.begin() + r0, hi.begin() + r0 + rows);
-    kValues<NC>[rows](t, st + r0, Rp, a, b, inv.data() + r0, r0);
+    kValues<NC, T>[rows](t, st + r0, Rp, a, b, inv.data() + r0, r0);
   }
 }
 #endif
@@ -793,17 +918,19 @@ inline void values_passes_avx2(const float* const* vr, int64_t D, const float* s
   for (; d0 + 2 <= D; d0 += 2) values_pass_avx2<GR, 2>(vr, d0, st, Rp, n, ot);
 }
 
-// ot is [D, Rp], zeroed here (the task's qt, free once its scores are done).
-template <int NC>  // D / 8
-void prefill_values_avx2(const PrefillTask& t, const float* st, int64_t Rp, int64_t a, int64_t b, const float* inv,
-                         float* ot) {
+// ot is [D, Rp], zeroed here (the task's qt, free once its scores are done). The passes broadcast V
+// one element at a time, so a chunk's V rows are read as float32 rows (f32_row).
+template <int NC, class T>  // D / 8
+void prefill_values_avx2(const PrefillTask<T>& t, const float* st, int64_t Rp, int64_t a, int64_t b,
+                         const float* inv, float* ot) {
   constexpr int64_t D = NC * 8;
   const int64_t vectors = Rp / kLanes8, R = t.nq * t.G;
   std::fill(ot, ot + D * Rp, 0.f);
+  alignas(32) float widened[kVChunk][D];
   const float* vr[kVChunk];
   for (int64_t j0 = a; j0 <= b; j0 += kVChunk) {
     const int64_t n = std::min(kVChunk, b + 1 - j0);
-    for (int64_t j = 0; j < n; ++j) vr[j] = t.v + t.slot[t.j0 + j0 + j] * t.stride;
+    for (int64_t j = 0; j < n; ++j) vr[j] = f32_row(t.v + t.slot[t.j0 + j0 + j] * t.stride, widened[j], D);
     const float* sc = st + j0 * Rp;
     for (int64_t g0 = 0; g0 < vectors; g0 += 2) {
       if (vectors - g0 >= 2) {
@@ -819,16 +946,18 @@ void prefill_values_avx2(const PrefillTask& t, const float* st, int64_t Rp, int6
   }
 }
 
-template <int NC>  // D / 8
-void run_prefill_avx2(const PrefillTask& t, float* qt, float* st) {
+template <int NC, class T>  // D / 8
+void run_prefill_avx2(const PrefillTask<T>& t, float* qt, float* st) {
   const int64_t R = t.nq * t.G, Rp = (R + kLanes8 - 1) / kLanes8 * kLanes8;
   std::vector<int32_t> lo(Rp), hi(Rp);
   prefill_rows(t, Rp, qt, lo.data(), hi.data());
   const int64_t vectors = Rp / kLanes8;
   for (int64_t j = 0; j < t.nk; j += kKeys8) {
     const int64_t keys = std::min(kKeys8, t.nk - j);
+    alignas(32) float widened[kKeys8][8 * NC];
     const float* kr[kKeys8];
-    for (int64_t u = 0; u < kKeys8; ++u) kr[u] = t.k + t.slot[t.j0 + j + std::min(u, keys - 1)] * t.stride;
+    for (int64_t u = 0; u < kKeys8; ++u)
+      kr[u] = f32_row(t.k + t.slot[t.j0 + j + std::min(u, keys - 1)] * t.stride, widened[u], 8 * NC);
     for (int64_t g0 = 0; g0 < vectors; g0 += 2) {
       const float* qg = qt + g0 * kLanes8;
       float* sg = st + j * Rp + g0 * kLanes8;
@@ -873,17 +1002,19 @@ void run_prefill_avx2(const PrefillTask& t, float* qt, float* st) {
 }
 #endif
 
-using PrefillFn = void (*)(const PrefillTask&, float*, float*);
+template <class T>
+using PrefillFn = void (*)(const PrefillTask<T>&, float*, float*);
 
-PrefillFn pick_prefill(int64_t D) {
+template <class T>
+PrefillFn<T> pick_prefill(int64_t D) {
 #ifdef __AVX512F__
-  return by_head_size<PrefillFn>(D, nullptr, []<int NC>() -> PrefillFn { return run_prefill<NC>; });
+  return by_head_size<PrefillFn<T>>(D, nullptr, []<int NC>() -> PrefillFn<T> { return run_prefill<NC, T>; });
 #elif defined(CBSERVE_AVX2)
   switch (D) {
-    case 32: return run_prefill_avx2<4>;
-    case 64: return run_prefill_avx2<8>;
-    case 96: return run_prefill_avx2<12>;
-    case 128: return run_prefill_avx2<16>;
+    case 32: return run_prefill_avx2<4, T>;
+    case 64: return run_prefill_avx2<8, T>;
+    case 96: return run_prefill_avx2<12, T>;
+    case 128: return run_prefill_avx2<16, T>;
     default: return nullptr;
   }
 #else
@@ -893,13 +1024,14 @@ PrefillFn pick_prefill(int64_t D) {
 }
 }  // namespace
 
-bool prefill_supports(int64_t head_dim) { return pick_prefill(head_dim) != nullptr; }
+// Both element types have the same head sizes.
+bool prefill_supports(int64_t head_dim) { return pick_prefill<float>(head_dim) != nullptr; }
 
 void paged_prefill(
     at::Tensor q,           // [T, H, D] float32: heads contiguous, any token stride
     at::Tensor out,         // [T, H, D]: the requests' rows are written, the others left alone
-    at::Tensor k_cache,     // [S, kv_heads, D], contiguous
-    at::Tensor v_cache,
+    at::Tensor k_cache,     // [S, kv_heads, D] float32 or bfloat16, contiguous
+    at::Tensor v_cache,     // k_cache's dtype
     at::Tensor first_rows,  // [B] int64: packed row of each request's first query token
     at::Tensor num_queries, // [B]
     at::Tensor slots,       // [B, L]: the first lengths[b] are the keys request b's chunk reads
@@ -907,17 +1039,16 @@ void paged_prefill(
     double scale,
     double softcap,            // <= 0: none
     int64_t window) {          // > 0: a query sees only its last `window` keys
-  TORCH_CHECK(q.dtype() == at::kFloat && out.dtype() == at::kFloat &&
-              k_cache.dtype() == at::kFloat && v_cache.dtype() == at::kFloat,
-              "float32 only, got ", q.dtype(), " and ", k_cache.dtype());
+  TORCH_CHECK(q.dtype() == at::kFloat && out.dtype() == at::kFloat, "q and out must be float32, got ",
+              q.scalar_type(), " and ", out.scalar_type());
+  const bool bf16_kv = bf16_pools(k_cache, v_cache);
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) && out.sizes() == q.sizes() &&
               out.stride(2) == 1 && out.stride(1) == out.size(2), "q and out must be [T, H, D] with contiguous heads");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slots.is_contiguous() &&
               first_rows.is_contiguous() && num_queries.is_contiguous() && lengths.is_contiguous(),
               "contiguous caches and index tensors only");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KV = k_cache.size(1);
-  const PrefillFn fn = pick_prefill(D);
-  TORCH_CHECK(fn != nullptr, "no prefill kernel for head size ", D, " on this CPU");
+  TORCH_CHECK(prefill_supports(D), "no prefill kernel for head size ", D, " on this CPU");
   TORCH_CHECK(H % KV == 0, H, " query heads do not share ", KV, " kv heads");
   const int64_t G = H / KV, B = slots.size(0), L = slots.size(1);
   TORCH_CHECK(first_rows.numel() == B && num_queries.numel() == B && lengths.numel() == B,
@@ -937,34 +1068,53 @@ void paged_prefill(
     return lp[x.b] - nq[x.b] + x.q0 > lp[y.b] - nq[y.b] + y.q0;  // most keys first
   });
   const int64_t Rp = (kQueryBlock * G + kLanes - 1) / kLanes * kLanes;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> qt(static_cast<size_t>(D * Rp)), st(static_cast<size_t>(L * Rp));
-    int64_t jlo[kQueryBlock], jhi[kQueryBlock];
-    for (int64_t i = next++; i < static_cast<int64_t>(blocks.size()); i = next++) {
-      const Block blk = blocks[i];
-      const int64_t n = std::min(kQueryBlock, nq[blk.b] - blk.q0);
-      for (int64_t x = 0; x < n; ++x) {
-        jhi[x] = lp[blk.b] - nq[blk.b] + blk.q0 + x;
-        jlo[x] = window > 0 ? std::max<int64_t>(0, jhi[x] - window + 1) : 0;
+  auto run = [&]<class T>() {
+    const PrefillFn<T> fn = pick_prefill<T>(D);
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+      std::vector<float> qt(static_cast<size_t>(D * Rp)), st(static_cast<size_t>(L * Rp));
+      int64_t jlo[kQueryBlock], jhi[kQueryBlock];
+      for (int64_t i = next++; i < static_cast<int64_t>(blocks.size()); i = next++) {
+        const Block blk = blocks[i];
+        const int64_t n = std::min(kQueryBlock, nq[blk.b] - blk.q0);
+        for (int64_t x = 0; x < n; ++x) {
+          jhi[x] = lp[blk.b] - nq[blk.b] + blk.q0 + x;
+          jlo[x] = window > 0 ? std::max<int64_t>(0, jhi[x] - window + 1) : 0;
+        }
+        const int64_t row = fr[blk.b] + blk.q0;
+        const PrefillTask<T> t{
+            q.data_ptr<float>() + row * q.stride(0) + blk.h * G * D, q.stride(0),
+            out.data_ptr<float>() + row * out.stride(0) + blk.h * G * D, out.stride(0),
+            pool_data<T>(k_cache) + blk.h * D, pool_data<T>(v_cache) + blk.h * D,
+            slots.data_ptr<int64_t>() + blk.b * L, n, G, D, KV * D,
+            jlo[0], jhi[n - 1] - jlo[0] + 1, jlo, jhi,
+            static_cast<float>(scale), static_cast<float>(softcap)};
+        fn(t, qt.data(), st.data());
       }
-      const int64_t row = fr[blk.b] + blk.q0;
-      const PrefillTask t{
-          q.data_ptr<float>() + row * q.stride(0) + blk.h * G * D, q.stride(0),
-          out.data_ptr<float>() + row * out.stride(0) + blk.h * G * D, out.stride(0),
-          k_cache.data_ptr<float>() + blk.h * D, v_cache.data_ptr<float>() + blk.h * D,
-          slots.data_ptr<int64_t>() + blk.b * L, n, G, D, KV * D,
-          jlo[0], jhi[n - 1] - jlo[0] + 1, jlo, jhi,
-          static_cast<float>(scale), static_cast<float>(softcap)};
-      fn(t, qt.data(), st.data());
-    }
-  });
+    });
+  };
+  if (bf16_kv) run.template operator()<bf16>();
+  else run.template operator()<float>();
+}
+
+// The vector path this module was compiled for (the worker logs it; CBSERVE_CPU_ISA holds a build to
+// a lower one).
+std::string isa() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(CBSERVE_AVX2)
+  return "avx2";
+#else
+  return "portable";
+#endif
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Without the GIL: the host plans the next step while a forward runs (async batching).
   using nogil = pybind11::call_guard<pybind11::gil_scoped_release>;
-  m.def("paged_decode", &paged_decode, "paged decode attention (CPU, float32)", nogil{});
-  m.def("paged_prefill", &paged_prefill, "paged causal attention of prefill chunks (CPU, float32, AVX-512 or AVX2)", nogil{});
+  m.def("paged_decode", &paged_decode, "paged decode attention (CPU; float32 or bfloat16 K/V)", nogil{});
+  m.def("paged_prefill", &paged_prefill,
+        "paged causal attention of prefill chunks (CPU, AVX-512 or AVX2; float32 or bfloat16 K/V)", nogil{});
   m.def("prefill_supports", &prefill_supports, "whether paged_prefill runs this head size here");
+  m.def("isa", &isa, "the vector path this module was compiled for: avx512, avx2 or portable");
 }
