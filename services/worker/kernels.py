@@ -172,7 +172,9 @@ class PanelLinear:
     """Linears on weights packed once into column panels (csrc/panel_linear.cpp): `pack_weight(W [N, K])`,
     then `packed_linear(x [..., K], packed, bias, N) -> [..., N]`; for an MLP's gate and up,
     `pack_weight_gated([Wg; Wu] [2I, K])`, then `packed_linear_gated(x, packed, I) -> silu(x Wg^T) *
-    (x Wu^T) [..., I]`. Products of `torch_from_rows` rows
+    (x Wu^T) [..., I]`. `pack_weight_bf16` and `pack_weight_gated_bf16` (W float32 or bfloat16) pack
+    bf16 weights for the same two products, which then compute bf16(x) . W_bf16^T with fp32 sums, x
+    and the result float32. `isa()`: the vector path compiled. Products of `torch_from_rows` rows
     or more run faster on torch's GEMM on this CPU (`gemm_crossover`, `torch_gemm`): their callers
     send them there.
     """
@@ -194,6 +196,15 @@ class PanelLinear:
 
     def packed_linear_gated(self, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
         return self._module.panel_linear_gated(x, packed, out_features)
+
+    def pack_weight_bf16(self, weight: torch.Tensor) -> torch.Tensor:
+        return self._module.pack_weight_bf16(weight)
+
+    def pack_weight_gated_bf16(self, weight: torch.Tensor) -> torch.Tensor:
+        return self._module.pack_weight_gated_bf16(weight)
+
+    def isa(self) -> str:
+        return self._module.isa()
 
 
 @functools.cache
