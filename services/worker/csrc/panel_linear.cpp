@@ -181,6 +181,14 @@ inline void copy_columns_rounded(const float* x, int64_t sx, int64_t rows, int64
     for (int64_t r = 0; r < rows; ++r) out[k * rows + r] = k < K ? bf16_round(x[r * sx + k]) : 0.f;
 }
 
+// p, but the compiler no longer knows that it is p: the widened bf16 tiles read a line twice (the low
+// halves, then the high ones) and the second read must not be merged with the first, which would keep
+// the line in two of the vector registers the accumulators need.
+inline const float* opaque(const float* p) {
+  __asm__("" : "+r"(p));
+  return p;
+}
+
 #ifdef __AVX512BF16__
 // Pairs [k2_0, K2) of a tile's rows -> out [K2, rows], lanes of (bf16(x[2 k2]), bf16(x[2 k2 + 1])), the
 // first in the low half as vdpbf16ps pairs them; an odd K's last value paired with a zero.
@@ -270,30 +278,31 @@ void tile_bf16(const Tile& t) {
 }
 #else
 // bf16 panels without AVX512-BF16: each lane widened into its two fp32 weights, w[2 k2] (the low half
-// shifted up) then w[2 k2 + 1] (the high half masked), multiplied into x's rounded values of that k.
-// One pair of weight vectors lives at a time, so the 2 x 14 accumulators still fit.
+// shifted up) then w[2 k2 + 1] (the high half, its low bits shifted out and back in as zeros: shifts
+// need no mask register), multiplied into x's rounded values of that k. One pair of weight vectors
+// lives at a time (the line is read once for each), so 2 x 14 accumulators, the pair and a broadcast
+// fit in the 32 registers, as in the fp32 tile.
 template <int R>
 void tile_bf16(const Tile& t) {
   __m512 lo[R], hi[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
-  const __m512i high = _mm512_set1_epi32(int(0xFFFF0000u));
   const float* w = t.w;
   PanelPrefetch pull(t, R >= 8 && t.every == 1);
   for (int64_t k = 0; k < t.K; ++k, w += kPanel) {
     pull.at(k, w);
-    const __m512i v0 = _mm512_loadu_si512(w), v1 = _mm512_loadu_si512(w + 16);
     const float* xk = t.x + 2 * k * R;
-    const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16));
-    const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(v1, 16));
+    const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(w), 16));
+    const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(w + 16), 16));
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const __m512 xv = _mm512_set1_ps(xk[r]);
       lo[r] = _mm512_fmadd_ps(xv, e0, lo[r]);
       hi[r] = _mm512_fmadd_ps(xv, e1, hi[r]);
     }
-    const __m512 o0 = _mm512_castsi512_ps(_mm512_and_si512(v0, high));
-    const __m512 o1 = _mm512_castsi512_ps(_mm512_and_si512(v1, high));
+    const float* again = opaque(w);
+    const __m512 o0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_srli_epi32(_mm512_loadu_si512(again), 16), 16));
+    const __m512 o1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_srli_epi32(_mm512_loadu_si512(again + 16), 16), 16));
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const __m512 xv = _mm512_set1_ps(xk[R + r]);
@@ -431,30 +440,29 @@ void tile(const Tile& t) {
   finish<R>(t, lo, hi);
 }
 
-// bf16 panels: each lane widened into its two fp32 weights, as in AVX-512's tile_bf16 without BF16.
+// bf16 panels: each lane widened into its two fp32 weights, as in AVX-512's tile_bf16 without BF16
+// (2 x 6 accumulators, a pair of weight vectors and a broadcast: 15 of the 16 registers).
 template <int R>
 void tile_bf16(const Tile& t) {
   __m256 lo[R], hi[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
-  const __m256i high = _mm256_set1_epi32(int(0xFFFF0000u));
   const float* w = t.w;
   PanelPrefetch pull(t, false);
   for (int64_t k = 0; k < t.K; ++k, w += kPanel) {
     pull.at(k, w);
-    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-    const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 8));
     const float* xk = t.x + 2 * k * R;
-    const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16));
-    const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16));
+    const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), 16));
+    const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 8)), 16));
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const __m256 xv = _mm256_broadcast_ss(xk + r);
       lo[r] = _mm256_fmadd_ps(xv, e0, lo[r]);
       hi[r] = _mm256_fmadd_ps(xv, e1, hi[r]);
     }
-    const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(v0, high));
-    const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(v1, high));
+    const __m256i* again = reinterpret_cast<const __m256i*>(opaque(w));
+    const __m256 o0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(_mm256_loadu_si256(again), 16), 16));
+    const __m256 o1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(_mm256_loadu_si256(again + 1), 16), 16));
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const __m256 xv = _mm256_broadcast_ss(xk + R + r);
