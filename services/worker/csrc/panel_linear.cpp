@@ -55,8 +55,8 @@
 // code with K2 lines for K. Every path computes bf16(x) . bf16(W) with fp32 sums: x is rounded to bf16
 // (to nearest even) as it is packed, so machines differ only in the order of the fp32 sums, as with
 // fp32 weights. With AVX512-BF16 a tile multiplies x's bf16 pairs into the pairs of weights, two
-// multiply-adds per lane per instruction; elsewhere it widens each lane into the two fp32 weights (a
-// shift and a mask) and runs fp32 FMAs on x's rounded values. The bf16 instructions read denormals as
+// multiply-adds per lane per instruction; elsewhere it widens each lane into the two fp32 weights (by
+// shifts) and runs fp32 FMAs on x's rounded values. The bf16 instructions read denormals as
 // zero (below 2^-126, far under any weight or activation's scale).
 // Only the headers used: <torch/extension.h> (all of libtorch's C++ API) tripled the compile time.
 #include <ATen/Parallel.h>
