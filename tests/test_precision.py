@@ -18,7 +18,6 @@ from transformers import AutoTokenizer
 
 from services.bench.agreement import agreement, engine_top1, prose_conversations, reference_top1
 from services.common.model_source import load_model
-from services.worker import kernels
 from services.worker.engine import Engine
 from tests.test_engine_parity import CHATS, SMOL_CONFIGS, assert_no_leak
 
@@ -113,13 +112,6 @@ def test_bf16_halves_the_kv_bytes_per_token(smollm2_dir: Path) -> None:
     ):
         assert bf16.geometry.bytes_per_token * 2 == fp32.geometry.bytes_per_token
         assert bf16.runner.kv_pool.nbytes * 2 == fp32.runner.kv_pool.nbytes
-
-
-def test_the_kernels_name_their_vector_path() -> None:
-    paths = kernels.paths()
-    if not paths:
-        pytest.skip("no native kernels here")
-    assert set(paths.values()) <= {"avx512-bf16", "avx512", "avx2", "portable"}, paths
 
 
 def test_auto_dtype_is_bfloat16_only_where_the_cpu_computes_it(

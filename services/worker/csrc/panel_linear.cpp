@@ -46,6 +46,18 @@
 // writes silu(gate) * up: the product's full width is never written to memory and read back.
 //
 // Each output is one sequential sum over k, which equals torch's GEMM up to fp32 summation order.
+//
+// bf16 weights (pack_weight_bf16) halve the bytes a decode step streams. Their panels keep the fp32
+// layout's lines: per pair of k (2 k2, 2 k2 + 1) a line holds, for each of the kPanel columns, the two
+// weights side by side in one 32-bit lane ([K2, kPanel, 2] per panel, K2 = ceil(K / 2), an odd K's
+// last weight paired with a zero): the operand layout of AVX512-BF16's vdpbf16ps, and a line is as
+// many bytes as an fp32 panel's, so the tiles, their prefetches and the split into tiles are the same
+// code with K2 lines for K. Every path computes bf16(x) . bf16(W) with fp32 sums: x is rounded to bf16
+// (to nearest even) as it is packed, so machines differ only in the order of the fp32 sums, as with
+// fp32 weights. With AVX512-BF16 a tile multiplies x's bf16 pairs into the pairs of weights, two
+// multiply-adds per lane per instruction; elsewhere it widens each lane into the two fp32 weights (by
+// shifts) and runs fp32 FMAs on x's rounded values. The bf16 instructions read denormals as
+// zero (below 2^-126, far under any weight or activation's scale).
 // Only the headers used: <torch/extension.h> (all of libtorch's C++ API) tripled the compile time.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -59,6 +71,8 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <utility>
 
 #include "vec_exp.h"
@@ -78,10 +92,18 @@ constexpr int64_t kHalf = kPanel / 2;  // a gated panel's outputs
 constexpr int64_t kLinesPerK = kPanel * 4 / 64;
 constexpr int64_t kAhead = 4096 / (kPanel * 4);  // k prefetched ahead (4 KiB): panels are read once, from memory
 
+// x's packed lines per line of a bf16 panel: its pair of k as one 32-bit lane of two bf16 where the
+// tile multiplies bf16 pairs, else the two k as fp32 (rounded to bf16) for the widened weights.
+#ifdef __AVX512BF16__
+constexpr int64_t kXLinesPerPair = 1;
+#else
+constexpr int64_t kXLinesPerPair = 2;
+#endif
+
 struct Tile {
-  const float* x;  // the tile's rows, k-major: [K, rows]
-  const float* w;  // the panel, [K, kPanel]
-  int64_t K;
+  const float* x;  // the tile's rows, k-major: [K, rows] (bf16 panels: kXLinesPerPair lines per pair)
+  const float* w;  // the panel, [K, kPanel] (bf16 panels: [K2, kPanel] lanes, each a pair of bf16)
+  int64_t K;       // the panel's lines: K, or K2 for bf16 panels
   float* y;        // first row of the tile at the panel's first column
   int64_t sy;
   const float* bias;  // the panel's kPanel (zero-padded) bias values, or null
@@ -136,6 +158,50 @@ inline void copy_columns(const float* x, int64_t sx, int64_t rows, int64_t k0, i
     for (int64_t r = 0; r < rows; ++r) out[k * rows + r] = x[r * sx + k];
 }
 
+// v rounded to bf16 to nearest even, as its 16 bits (torch's .to(bfloat16)); a NaN stays a quiet NaN.
+inline uint32_t bf16_bits(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0u;
+  return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+
+inline float bf16_round(float v) {
+  const uint32_t u = bf16_bits(v) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// copy_columns for the widened bf16 tiles: the values rounded to bf16, and lines [K, lines) zero (an
+// odd K's pad, multiplied into the zero weights that pair its last one).
+inline void copy_columns_rounded(const float* x, int64_t sx, int64_t rows, int64_t k0, int64_t K, int64_t lines,
+                                 float* out) {
+  for (int64_t k = k0; k < lines; ++k)
+    for (int64_t r = 0; r < rows; ++r) out[k * rows + r] = k < K ? bf16_round(x[r * sx + k]) : 0.f;
+}
+
+// p, but the compiler no longer knows that it is p: the widened bf16 tiles read a line twice (the low
+// halves, then the high ones) and the second read must not be merged with the first, which would keep
+// the line in two of the vector registers the accumulators need.
+inline const float* opaque(const float* p) {
+  __asm__("" : "+r"(p));
+  return p;
+}
+
+#ifdef __AVX512BF16__
+// Pairs [k2_0, K2) of a tile's rows -> out [K2, rows], lanes of (bf16(x[2 k2]), bf16(x[2 k2 + 1])), the
+// first in the low half as vdpbf16ps pairs them; an odd K's last value paired with a zero.
+inline void copy_pairs(const float* x, int64_t sx, int64_t rows, int64_t k2_0, int64_t K, float* out) {
+  for (int64_t k2 = k2_0; 2 * k2 < K; ++k2)
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* v = x + r * sx + 2 * k2;
+      const uint32_t lane = bf16_bits(v[0]) | (2 * k2 + 1 < K ? bf16_bits(v[1]) << 16 : 0u);
+      std::memcpy(out + k2 * rows + r, &lane, sizeof lane);
+    }
+}
+#endif
+
 #ifdef __AVX512F__
 inline __m512 silu_times(__m512 gate, __m512 up) {
   const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.f);
@@ -144,8 +210,28 @@ inline __m512 silu_times(__m512 gate, __m512 up) {
   return _mm512_mul_ps(_mm512_div_ps(_mm512_mul_ps(gate, num), _mm512_add_ps(one, e)), up);
 }
 
+// How every tile ends, whatever its weights: lo[r] and hi[r] (a row's columns [0, 16) and [16, 32))
+// plus the bias, or silu(lo) * hi for a gated panel, stored masked to the panel's real columns.
 // Every loop over the rows is unrolled: otherwise GCC gives the accumulators a stack copy for the
 // stores, zeroed by two calls to memset per tile (1.5% of a prefill's time).
+template <int R>
+__attribute__((always_inline)) inline void finish(const Tile& t, const __m512 (&lo)[R], const __m512 (&hi)[R]) {
+  const __mmask16 m0 = t.cols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << t.cols) - 1);
+  if (t.gated) {
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(t.y + r * t.sy, m0, silu_times(lo[r], hi[r]));
+    return;
+  }
+  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+  if (t.bias != nullptr) b0 = _mm512_loadu_ps(t.bias), b1 = _mm512_loadu_ps(t.bias + 16);
+  const __mmask16 m1 = t.cols >= 32 ? __mmask16(0xFFFF) : t.cols <= 16 ? __mmask16(0) : __mmask16((1u << (t.cols - 16)) - 1);
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    _mm512_mask_storeu_ps(t.y + r * t.sy, m0, _mm512_add_ps(lo[r], b0));
+    _mm512_mask_storeu_ps(t.y + r * t.sy + 16, m1, _mm512_add_ps(hi[r], b1));
+  }
+}
+
 template <int R>
 void tile(const Tile& t) {
   __m512 lo[R], hi[R];
@@ -164,30 +250,93 @@ void tile(const Tile& t) {
       hi[r] = _mm512_fmadd_ps(xv, w1, hi[r]);
     }
   }
-  const __mmask16 m0 = t.cols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << t.cols) - 1);
-  if (t.gated) {
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(t.y + r * t.sy, m0, silu_times(lo[r], hi[r]));
-    return;
-  }
-  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-  if (t.bias != nullptr) b0 = _mm512_loadu_ps(t.bias), b1 = _mm512_loadu_ps(t.bias + 16);
-  const __mmask16 m1 = t.cols >= 32 ? __mmask16(0xFFFF) : t.cols <= 16 ? __mmask16(0) : __mmask16((1u << (t.cols - 16)) - 1);
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) {
-    _mm512_mask_storeu_ps(t.y + r * t.sy, m0, _mm512_add_ps(lo[r], b0));
-    _mm512_mask_storeu_ps(t.y + r * t.sy + 16, m1, _mm512_add_ps(hi[r], b1));
-  }
+  finish<R>(t, lo, hi);
 }
-// A tile's rows of x (rows <= 16, row stride sx) -> out [K, rows]: 16 x 16 blocks transposed in
-// registers (pairs of floats, then of pairs, then 128-bit lanes).
-inline void pack_rows(const float* x, int64_t sx, int64_t rows, int64_t K, float* out) {
+
+#ifdef __AVX512BF16__
+// bf16 panels: a line's lanes are pairs of weights, x's lanes pairs of its values (broadcast as
+// 32 bits), and vdpbf16ps adds both products of each lane into its fp32 accumulator.
+template <int R>
+void tile_bf16(const Tile& t) {
+  __m512 lo[R], hi[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+  const float* w = t.w;
+  PanelPrefetch pull(t, R >= 8 && t.every == 1);
+  for (int64_t k = 0; k < t.K; ++k, w += kPanel) {
+    pull.at(k, w);
+    const __m512bh w0 = (__m512bh)_mm512_loadu_ps(w), w1 = (__m512bh)_mm512_loadu_ps(w + 16);
+    const float* xk = t.x + k * R;
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_set1_ps(xk[r]);
+      lo[r] = _mm512_dpbf16_ps(lo[r], xv, w0);
+      hi[r] = _mm512_dpbf16_ps(hi[r], xv, w1);
+    }
+  }
+  finish<R>(t, lo, hi);
+}
+#else
+// bf16 panels without AVX512-BF16: each lane widened into its two fp32 weights, w[2 k2] (the low half
+// shifted up) then w[2 k2 + 1] (the high half, its low bits shifted out and back in as zeros: shifts
+// need no mask register), multiplied into x's rounded values of that k. One pair of weight vectors
+// lives at a time (the line is read once for each), so 2 x 14 accumulators, the pair and a broadcast
+// fit in the 32 registers, as in the fp32 tile.
+template <int R>
+void tile_bf16(const Tile& t) {
+  __m512 lo[R], hi[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+  const float* w = t.w;
+  PanelPrefetch pull(t, R >= 8 && t.every == 1);
+  for (int64_t k = 0; k < t.K; ++k, w += kPanel) {
+    pull.at(k, w);
+    const float* xk = t.x + 2 * k * R;
+    const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(w), 16));
+    const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(w + 16), 16));
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(xk[r]);
+      lo[r] = _mm512_fmadd_ps(xv, e0, lo[r]);
+      hi[r] = _mm512_fmadd_ps(xv, e1, hi[r]);
+    }
+    const float* again = opaque(w);
+    const __m512 o0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_srli_epi32(_mm512_loadu_si512(again), 16), 16));
+    const __m512 o1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_srli_epi32(_mm512_loadu_si512(again + 16), 16), 16));
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(xk[R + r]);
+      lo[r] = _mm512_fmadd_ps(xv, o0, lo[r]);
+      hi[r] = _mm512_fmadd_ps(xv, o1, hi[r]);
+    }
+  }
+  finish<R>(t, lo, hi);
+}
+
+// 16 floats rounded to bf16 to nearest even, kept as fp32 (bf16_bits on a vector).
+inline __m512 round_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i tie = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i up = _mm512_add_epi32(u, _mm512_add_epi32(tie, _mm512_set1_epi32(0x7FFF)));
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                _mm512_set1_epi32(0x7F800000));
+  const __m512i r = _mm512_mask_mov_epi32(_mm512_and_si512(up, _mm512_set1_epi32(int(0xFFFF0000u))), nan,
+                                          _mm512_set1_epi32(0x7FC00000));
+  return _mm512_castsi512_ps(r);
+}
+#endif
+
+// Whole blocks of 16 lines of a tile's rows (rows <= 16) -> out [lines, rows], block(r, k0) giving
+// row r's 32-bit values of lines k0 .. k0 + 15: each block transposed in registers (pairs of floats,
+// then of pairs, then 128-bit lanes). Returns the first line left to pack.
+template <class Block>
+inline int64_t pack_blocks(int64_t rows, int64_t lines, float* out, Block block) {
   const __mmask16 m = __mmask16((1u << rows) - 1);
   int64_t k0 = 0;
-  for (; k0 + 16 <= K; k0 += 16) {
+  for (; k0 + 16 <= lines; k0 += 16) {
     __m512 v[16], t[16], u[16];
 #pragma GCC unroll 16
-    for (int r = 0; r < 16; ++r) v[r] = r < rows ? _mm512_loadu_ps(x + r * sx + k0) : _mm512_setzero_ps();
+    for (int r = 0; r < 16; ++r) v[r] = r < rows ? block(r, k0) : _mm512_setzero_ps();
 #pragma GCC unroll 8
     for (int i = 0; i < 16; i += 2) {
       t[i] = _mm512_unpacklo_ps(v[i], v[i + 1]);
@@ -213,8 +362,31 @@ inline void pack_rows(const float* x, int64_t sx, int64_t rows, int64_t K, float
       _mm512_mask_storeu_ps(out + (k0 + 12 + j) * rows, m, _mm512_shuffle_f32x4(a1, b1, 0xDD));
     }
   }
+  return k0;
+}
+
+// A tile's rows of x (rows <= 16, row stride sx) -> out [K, rows].
+inline void pack_rows(const float* x, int64_t sx, int64_t rows, int64_t K, float* out) {
+  const int64_t k0 = pack_blocks(rows, K, out, [&](int r, int64_t k) { return _mm512_loadu_ps(x + r * sx + k); });
   copy_columns(x, sx, rows, k0, K, out);
 }
+
+#ifdef __AVX512BF16__
+// x for tile_bf16: [K2, rows] lanes of bf16 pairs, 32 values of a row rounded to 16 pairs at once.
+inline void pack_rows_bf16(const float* x, int64_t sx, int64_t rows, int64_t K, float* out) {
+  const int64_t k2 = pack_blocks(rows, K / 2, out, [&](int r, int64_t k2) {
+    const float* v = x + r * sx + 2 * k2;
+    return (__m512)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(v + 16), _mm512_loadu_ps(v));
+  });
+  copy_pairs(x, sx, rows, k2, K, out);
+}
+#else
+// x for tile_bf16: [2 K2, rows], rounded to bf16.
+inline void pack_rows_bf16(const float* x, int64_t sx, int64_t rows, int64_t K, float* out) {
+  const int64_t k0 = pack_blocks(rows, K, out, [&](int r, int64_t k) { return round_bf16(_mm512_loadu_ps(x + r * sx + k)); });
+  copy_columns_rounded(x, sx, rows, k0, K, (K + 1) / 2 * 2, out);
+}
+#endif
 #elif defined(__AVX2__) && defined(__FMA__)
 // Lane i of the mask is set where i < n (n in [0, 8]).
 inline __m256i first_lanes(int64_t n) {
@@ -226,6 +398,25 @@ inline __m256 silu_times(__m256 gate, __m256 up) {
   const __m256 e = exp_avx2(_mm256_min_ps(gate, _mm256_sub_ps(zero, gate)));
   const __m256 num = _mm256_blendv_ps(one, e, _mm256_cmp_ps(gate, zero, _CMP_LT_OQ));
   return _mm256_mul_ps(_mm256_div_ps(_mm256_mul_ps(gate, num), _mm256_add_ps(one, e)), up);
+}
+
+// How every tile ends, whatever its weights: see the AVX-512 one.
+template <int R>
+__attribute__((always_inline)) inline void finish(const Tile& t, const __m256 (&lo)[R], const __m256 (&hi)[R]) {
+  if (t.gated) {
+    const __m256i m = first_lanes(t.cols);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) _mm256_maskstore_ps(t.y + r * t.sy, m, silu_times(lo[r], hi[r]));
+    return;
+  }
+  __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+  if (t.bias != nullptr) b0 = _mm256_loadu_ps(t.bias), b1 = _mm256_loadu_ps(t.bias + 8);
+  const __m256i m0 = first_lanes(std::min<int64_t>(t.cols, 8)), m1 = first_lanes(std::max<int64_t>(t.cols - 8, 0));
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    _mm256_maskstore_ps(t.y + r * t.sy, m0, _mm256_add_ps(lo[r], b0));
+    _mm256_maskstore_ps(t.y + r * t.sy + 8, m1, _mm256_add_ps(hi[r], b1));
+  }
 }
 
 template <int R>
@@ -246,30 +437,64 @@ void tile(const Tile& t) {
       hi[r] = _mm256_fmadd_ps(xv, w1, hi[r]);
     }
   }
-  if (t.gated) {
-    const __m256i m = first_lanes(t.cols);
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) _mm256_maskstore_ps(t.y + r * t.sy, m, silu_times(lo[r], hi[r]));
-    return;
-  }
-  __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
-  if (t.bias != nullptr) b0 = _mm256_loadu_ps(t.bias), b1 = _mm256_loadu_ps(t.bias + 8);
-  const __m256i m0 = first_lanes(std::min<int64_t>(t.cols, 8)), m1 = first_lanes(std::max<int64_t>(t.cols - 8, 0));
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) {
-    _mm256_maskstore_ps(t.y + r * t.sy, m0, _mm256_add_ps(lo[r], b0));
-    _mm256_maskstore_ps(t.y + r * t.sy + 8, m1, _mm256_add_ps(hi[r], b1));
-  }
+  finish<R>(t, lo, hi);
 }
-// A tile's rows of x (rows <= 8, row stride sx) -> out [K, rows]: 8 x 8 blocks transposed in
-// registers (pairs of floats, then of pairs, then 128-bit halves).
-inline void pack_rows(const float* x, int64_t sx, int64_t rows, int64_t K, float* out) {
+
+// bf16 panels: each lane widened into its two fp32 weights, as in AVX-512's tile_bf16 without BF16
+// (2 x 6 accumulators, a pair of weight vectors and a broadcast: 15 of the 16 registers).
+template <int R>
+void tile_bf16(const Tile& t) {
+  __m256 lo[R], hi[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  const float* w = t.w;
+  PanelPrefetch pull(t, false);
+  for (int64_t k = 0; k < t.K; ++k, w += kPanel) {
+    pull.at(k, w);
+    const float* xk = t.x + 2 * k * R;
+    const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), 16));
+    const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 8)), 16));
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(xk + r);
+      lo[r] = _mm256_fmadd_ps(xv, e0, lo[r]);
+      hi[r] = _mm256_fmadd_ps(xv, e1, hi[r]);
+    }
+    const __m256i* again = reinterpret_cast<const __m256i*>(opaque(w));
+    const __m256 o0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(_mm256_loadu_si256(again), 16), 16));
+    const __m256 o1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(_mm256_loadu_si256(again + 1), 16), 16));
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(xk + R + r);
+      lo[r] = _mm256_fmadd_ps(xv, o0, lo[r]);
+      hi[r] = _mm256_fmadd_ps(xv, o1, hi[r]);
+    }
+  }
+  finish<R>(t, lo, hi);
+}
+
+// 8 floats rounded to bf16 to nearest even, kept as fp32 (bf16_bits on a vector).
+inline __m256 round_bf16(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i tie = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i up = _mm256_add_epi32(u, _mm256_add_epi32(tie, _mm256_set1_epi32(0x7FFF)));
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)), _mm256_set1_epi32(0x7F800000));
+  const __m256i r = _mm256_blendv_epi8(_mm256_and_si256(up, _mm256_set1_epi32(int(0xFFFF0000u))),
+                                       _mm256_set1_epi32(0x7FC00000), nan);
+  return _mm256_castsi256_ps(r);
+}
+
+// Whole blocks of 8 lines of a tile's rows (rows <= 8) -> out [lines, rows], block(r, k0) giving row
+// r's values of lines k0 .. k0 + 7: each block transposed in registers (pairs of floats, then of
+// pairs, then 128-bit halves). Returns the first line left to pack.
+template <class Block>
+inline int64_t pack_blocks(int64_t rows, int64_t lines, float* out, Block block) {
   const __m256i m = first_lanes(rows);
   int64_t k0 = 0;
-  for (; k0 + 8 <= K; k0 += 8) {
+  for (; k0 + 8 <= lines; k0 += 8) {
     __m256 v[8], t[8], u[8];
 #pragma GCC unroll 8
-    for (int r = 0; r < 8; ++r) v[r] = r < rows ? _mm256_loadu_ps(x + r * sx + k0) : _mm256_setzero_ps();
+    for (int r = 0; r < 8; ++r) v[r] = r < rows ? block(r, k0) : _mm256_setzero_ps();
 #pragma GCC unroll 4
     for (int i = 0; i < 8; i += 2) {
       t[i] = _mm256_unpacklo_ps(v[i], v[i + 1]);
@@ -289,10 +514,33 @@ inline void pack_rows(const float* x, int64_t sx, int64_t rows, int64_t K, float
       _mm256_maskstore_ps(out + (k0 + 4 + j) * rows, m, _mm256_permute2f128_ps(u[j], u[4 + j], 0x31));
     }
   }
+  return k0;
+}
+
+// A tile's rows of x (rows <= 8, row stride sx) -> out [K, rows].
+inline void pack_rows(const float* x, int64_t sx, int64_t rows, int64_t K, float* out) {
+  const int64_t k0 = pack_blocks(rows, K, out, [&](int r, int64_t k) { return _mm256_loadu_ps(x + r * sx + k); });
   copy_columns(x, sx, rows, k0, K, out);
 }
+
+// x for tile_bf16: [2 K2, rows], rounded to bf16.
+inline void pack_rows_bf16(const float* x, int64_t sx, int64_t rows, int64_t K, float* out) {
+  const int64_t k0 = pack_blocks(rows, K, out, [&](int r, int64_t k) { return round_bf16(_mm256_loadu_ps(x + r * sx + k)); });
+  copy_columns_rounded(x, sx, rows, k0, K, (K + 1) / 2 * 2, out);
+}
 #else
-// Portable: the same tile with the compiler's vectors.
+// Portable: the same tiles with the compiler's vectors, and one epilogue.
+template <int R>
+void finish(const Tile& t, const float (&acc)[R][kPanel]) {
+  for (int r = 0; r < R; ++r) {
+    if (t.gated) {
+      for (int64_t c = 0; c < t.cols; ++c) t.y[r * t.sy + c] = silu_times(acc[r][c], acc[r][kHalf + c]);
+      continue;
+    }
+    for (int64_t c = 0; c < t.cols; ++c) t.y[r * t.sy + c] = acc[r][c] + (t.bias != nullptr ? t.bias[c] : 0.f);
+  }
+}
+
 template <int R>
 void tile(const Tile& t) {
   float acc[R][kPanel] = {};
@@ -303,25 +551,59 @@ void tile(const Tile& t) {
 #pragma omp simd
       for (int64_t c = 0; c < kPanel; ++c) acc[r][c] += xv * w[c];
     }
-  for (int r = 0; r < R; ++r) {
-    if (t.gated) {
-      for (int64_t c = 0; c < t.cols; ++c) t.y[r * t.sy + c] = silu_times(acc[r][c], acc[r][kHalf + c]);
-      continue;
-    }
-    for (int64_t c = 0; c < t.cols; ++c) t.y[r * t.sy + c] = acc[r][c] + (t.bias != nullptr ? t.bias[c] : 0.f);
-  }
+  finish<R>(t, acc);
 }
+
+// bf16 panels: each lane's two weights widened, then multiplied into x's rounded values of their k.
+template <int R>
+void tile_bf16(const Tile& t) {
+  float acc[R][kPanel] = {};
+  const float* w = t.w;
+  for (int64_t k = 0; k < t.K; ++k, w += kPanel) {
+    uint32_t lanes[kPanel];
+    std::memcpy(lanes, w, sizeof lanes);
+    float even[kPanel], odd[kPanel];
+    for (int64_t c = 0; c < kPanel; ++c) {
+      const uint32_t e = lanes[c] << 16, o = lanes[c] & 0xFFFF0000u;
+      std::memcpy(even + c, &e, sizeof e);
+      std::memcpy(odd + c, &o, sizeof o);
+    }
+    for (int r = 0; r < R; ++r) {
+      const float xe = t.x[2 * k * R + r], xo = t.x[(2 * k + 1) * R + r];
+#pragma omp simd
+      for (int64_t c = 0; c < kPanel; ++c) acc[r][c] += xe * even[c] + xo * odd[c];
+    }
+  }
+  finish<R>(t, acc);
+}
+
 inline void pack_rows(const float* x, int64_t sx, int64_t rows, int64_t K, float* out) {
   copy_columns(x, sx, rows, 0, K, out);
+}
+
+inline void pack_rows_bf16(const float* x, int64_t sx, int64_t rows, int64_t K, float* out) {
+  copy_columns_rounded(x, sx, rows, 0, K, (K + 1) / 2 * 2, out);
 }
 #endif
 
 using TileFn = void (*)(const Tile&);
-template <size_t... R>
+template <bool Bf16, size_t... R>
 constexpr std::array<TileFn, kMaxRows + 1> tiles_up_to(std::index_sequence<R...>) {
-  return {nullptr, tile<int(R) + 1>...};
+  return {nullptr, (Bf16 ? tile_bf16<int(R) + 1> : tile<int(R) + 1>)...};
 }
-constexpr auto kTiles = tiles_up_to(std::make_index_sequence<kMaxRows>{});
+constexpr auto kTiles = tiles_up_to<false>(std::make_index_sequence<kMaxRows>{});
+constexpr auto kTilesBf16 = tiles_up_to<true>(std::make_index_sequence<kMaxRows>{});
+
+constexpr const char* kIsa =
+#if defined(__AVX512BF16__)
+    "avx512-bf16";
+#elif defined(__AVX512F__)
+    "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+    "avx2";
+#else
+    "portable";
+#endif
 }  // namespace
 
 // W [N, K] -> panels [ceil(N / kPanel), K, kPanel], the last one zero-padded.
@@ -346,13 +628,54 @@ at::Tensor pack_weight_gated(at::Tensor weight) {
 }
 
 namespace {
+// W [rows, K] float32 or bfloat16 -> bf16 (rounded to nearest even), rows zero-padded to `rows` and
+// K to 2 K2: its pairs of k side by side, as the panels hold them.
+at::Tensor bf16_padded(const at::Tensor& weight, int64_t rows, const char* what) {
+  TORCH_CHECK((weight.dtype() == at::kFloat || weight.dtype() == at::kBFloat16) && weight.dim() == 2,
+              "float32 or bfloat16 ", what, " weight only, got ", weight.sizes(), " ", weight.scalar_type());
+  const int64_t K = weight.size(1);
+  auto padded = at::zeros({rows, (K + 1) / 2 * 2}, weight.options().dtype(at::kBFloat16));
+  padded.narrow(0, 0, weight.size(0)).narrow(1, 0, K).copy_(weight);
+  return padded;
+}
+}  // namespace
+
+// W [N, K] -> bf16 panels [ceil(N / kPanel), K2, 2 kPanel]: per pair of k, each column's two weights
+// side by side (see the top); the last panel and an odd K zero-padded.
+at::Tensor pack_weight_bf16(at::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2, "[N, K] weight only, got ", weight.sizes());
+  const int64_t N = weight.size(0), K2 = (weight.size(1) + 1) / 2, P = (N + kPanel - 1) / kPanel;
+  auto padded = bf16_padded(weight, P * kPanel, "[N, K]");
+  return padded.view({P, kPanel, K2, 2}).permute({0, 2, 1, 3}).reshape({P, K2, 2 * kPanel}).contiguous();
+}
+
+// W [2I, K] (gate rows, then up rows) -> bf16 panels [ceil(I / kHalf), K2, 2 kPanel]: the columns of
+// pack_weight_gated, the pairs of pack_weight_bf16.
+at::Tensor pack_weight_gated_bf16(at::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) % 2 == 0, "[2I, K] weight only, got ", weight.sizes());
+  const int64_t I = weight.size(0) / 2, K2 = (weight.size(1) + 1) / 2, P = (I + kHalf - 1) / kHalf;
+  auto halves = at::zeros({2, P * kHalf, 2 * K2}, weight.options().dtype(at::kBFloat16));
+  halves.narrow(1, 0, I).copy_(bf16_padded(weight, 2 * I, "[2I, K]").view({2, I, 2 * K2}));
+  return halves.view({2, P, kHalf, K2, 2}).permute({1, 3, 0, 2, 4}).reshape({P, K2, 2 * kPanel}).contiguous();
+}
+
+namespace {
 // x [..., K] times the panels -> [..., N]; gated: N = I outputs of silu(gate) * up.
 at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
                       int64_t N, bool gated) {
-  TORCH_CHECK(x.dtype() == at::kFloat && panels.dtype() == at::kFloat, "float32 only, got ", x.dtype());
-  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous(), "panels must come from pack_weight");
-  const int64_t K = panels.size(1), P = panels.size(0), width = gated ? kHalf : kPanel;
-  TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
+  TORCH_CHECK(x.dtype() == at::kFloat, "x must be float32, got ", x.scalar_type());
+  const bool bf16 = panels.dtype() == at::kBFloat16;
+  TORCH_CHECK(bf16 || panels.dtype() == at::kFloat, "panels must be float32 or bfloat16, got ", panels.scalar_type());
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == (bf16 ? 2 : 1) * kPanel && panels.is_contiguous(),
+              "panels must come from pack_weight", bf16 ? "_bf16" : "", ", got ", panels.sizes());
+  // lines: the panels' lines per column (K, or K2 pairs of k); x_lines: x's packed lines.
+  const int64_t K = x.size(-1), lines = panels.size(1), P = panels.size(0), width = gated ? kHalf : kPanel;
+  if (bf16) {
+    TORCH_CHECK((K + 1) / 2 == lines, "x has ", K, " features, the weight ", 2 * lines - 1, " or ", 2 * lines);
+  } else {
+    TORCH_CHECK(K == lines, "x has ", K, " features, the weight ", lines);
+  }
+  const int64_t x_lines = bf16 ? lines * kXLinesPerPair : K;
   TORCH_CHECK(N > (P - 1) * width && N <= P * width, "N = ", N, " does not fit ", P, " panels");
   auto x2 = x.reshape({-1, K});
   if (x2.stride(1) != 1) x2 = x2.contiguous();
@@ -368,7 +691,8 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const c10::
     bias_padded.narrow(0, 0, N).copy_(bias->reshape({N}));
   }
   const float* xp = x2.data_ptr<float>();
-  const float* wp = panels.data_ptr<float>();
+  // bf16 panels are read as 32-bit lanes, each a pair of weights, through the vector loads (or memcpy).
+  const float* wp = bf16 ? static_cast<const float*>(panels.data_ptr()) : panels.data_ptr<float>();
   const float* bp = bias_padded.defined() ? bias_padded.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t sx = x2.stride(0);
@@ -376,24 +700,25 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const c10::
   const int64_t tiles = (M + kMaxRows - 1) / kMaxRows, base = M / tiles, extra = M % tiles;
   auto tile_rows = [&](int64_t i) { return base + (i < extra ? 1 : 0); };
   auto tile_first_row = [&](int64_t i) { return i * base + std::min(i, extra); };
-  auto packed_x = at::empty({M * K}, x.options());
+  auto packed_x = at::empty({M * x_lines}, x.options());
   float* xq = packed_x.data_ptr<float>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r0 = tile_first_row(i);
-      pack_rows(xp + r0 * sx, sx, tile_rows(i), K, xq + r0 * K);
+      (bf16 ? pack_rows_bf16 : pack_rows)(xp + r0 * sx, sx, tile_rows(i), K, xq + r0 * x_lines);
     }
   });
+  const auto& tile_fns = bf16 ? kTilesBf16 : kTiles;
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
       for (int64_t i = 0; i < tiles; ++i) {
         const int64_t rows = tile_rows(i), r0 = tile_first_row(i);
-        const int64_t line0 = K * i / tiles, line1 = K * (i + 1) / tiles;
-        const float* next = j + 1 < end ? wp + ((j + 1) * K + line0) * kPanel : nullptr;
-        const Tile t{xq + r0 * K, wp + j * K * kPanel, K, yp + r0 * N + j * width, N,
+        const int64_t line0 = lines * i / tiles, line1 = lines * (i + 1) / tiles;
+        const float* next = j + 1 < end ? wp + ((j + 1) * lines + line0) * kPanel : nullptr;
+        const Tile t{xq + r0 * x_lines, wp + j * lines * kPanel, lines, yp + r0 * N + j * width, N,
                      bp == nullptr ? nullptr : bp + j * kPanel, std::min(width, N - j * width), gated,
                      next, next == nullptr ? 0 : line1 - line0, tiles};
-        kTiles[rows](t);
+        tile_fns[rows](t);
       }
     }
   });
@@ -401,12 +726,13 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const c10::
 }
 }  // namespace
 
-// x [..., K] (rows contiguous), panels of pack_weight, bias [N] or None -> [..., N]
+// x [..., K] float32 (rows contiguous), panels of pack_weight or pack_weight_bf16, bias [N] or None
+// -> [..., N] float32
 at::Tensor panel_linear(at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias, int64_t N) {
   return run_panels(x, panels, bias, N, false);
 }
 
-// x [..., K], panels of pack_weight_gated for I outputs -> silu(x Wg^T) * (x Wu^T) [..., I]
+// x [..., K], panels of pack_weight_gated(_bf16) for I outputs -> silu(x Wg^T) * (x Wu^T) [..., I]
 at::Tensor panel_linear_gated(at::Tensor x, at::Tensor panels, int64_t I) {
   return run_panels(x, panels, c10::nullopt, I, true);
 }
@@ -415,7 +741,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Without the GIL: the host plans the next step while a forward runs (async batching).
   using nogil = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("pack_weight", &pack_weight, "W [N, K] -> column panels (CPU, float32)", nogil{});
-  m.def("panel_linear", &panel_linear, "x W^T + bias with W packed by pack_weight", nogil{});
+  m.def("panel_linear", &panel_linear, "x W^T + bias with W packed by pack_weight(_bf16)", nogil{});
   m.def("pack_weight_gated", &pack_weight_gated, "[gate; up] [2I, K] -> gated column panels", nogil{});
-  m.def("panel_linear_gated", &panel_linear_gated, "silu(x Wg^T) * (x Wu^T) with pack_weight_gated's panels", nogil{});
+  m.def("panel_linear_gated", &panel_linear_gated, "silu(x Wg^T) * (x Wu^T) with pack_weight_gated(_bf16)'s panels", nogil{});
+  m.def("pack_weight_bf16", &pack_weight_bf16, "W [N, K] -> bf16 column panels of pairs of k", nogil{});
+  m.def("pack_weight_gated_bf16", &pack_weight_gated_bf16, "[gate; up] [2I, K] -> gated bf16 column panels", nogil{});
+  m.def("isa", [] { return std::string(kIsa); }, "the vector path compiled: avx512-bf16, avx512, avx2 or portable");
 }
