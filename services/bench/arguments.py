@@ -103,7 +103,7 @@ def add_offline_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=ENGINE_DTYPES,
         default="float32",
-        help="weights and KV cache of the cbserve systems (engine, stack) (default: float32)",
+        help="weights and KV cache of the cbserve systems (engine, stack)",
     )
     parser.add_argument(
         "--peer-precision",

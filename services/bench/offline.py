@@ -742,12 +742,12 @@ def _print_engine_stats(result: SystemResult) -> None:
         if isinstance(value, int | float) and isinstance(prior, int | float) and prior and prior != value:
             delta = f" ({value - prior:+g} in the timed run)"
         parts.append(f"{key}={value}{delta}")
-    print("engine stats: " + ", ".join(parts))
+    print(f"{result.name} stats: " + ", ".join(parts))
     profile: dict[str, float] = result.extra["step_profile_s"]
     steps = after["steps"] - before["steps"]
     total = sum(profile.values()) or 1.0
     phases = [(k, v / max(steps, 1), v / total) for k, v in profile.items()]
-    print(f"engine step profile over {steps} timed steps, per step: {_phases_line(phases)}")
+    print(f"{result.name} step profile over {steps} timed steps, per step: {_phases_line(phases)}")
 
 
 def _print_stack_profile(result: SystemResult) -> None:
