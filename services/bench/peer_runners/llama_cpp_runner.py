@@ -4,6 +4,11 @@ The harness builds the server and converts the model (`--model` is the F32 GGUF,
 binary). 48 slots with an f32 KV cache (its default is f16) and the whole machine's cores; prompts go
 in as token ids, greedy, with the prompt cache off. llama.cpp's `ignore_eos` masks EOS rather than
 passing it over, so a request whose greedy choice is EOS continues differently than in the others.
+
+Precision: llama.cpp computes with the GGUF's own weight types, so what it runs is chosen by the
+conversion, not by a runtime setting; `--precision` changes nothing here and the harness runs this
+peer once whatever `--peer-precision` says. `settings()` labels what ran: the GGUF's type (from the
+harness's file name, `...-f32.gguf`) and the KV cache's.
 """
 
 from __future__ import annotations
@@ -14,22 +19,25 @@ import subprocess
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from protocol import serve
 
 SLOTS = 48
 SLOT_CONTEXT = 1024
+KV_TYPE = "f32"
 
 
 class LlamaCppPeer:
     def __init__(self, args: argparse.Namespace) -> None:
         port = args.port
+        self.weights = Path(args.model).stem.rpartition("-")[2]  # f32, f16, q8_0...
         self.url = f"http://127.0.0.1:{port}"
         self.argv = [
             args.server, "-m", args.model, "--host", "127.0.0.1", "--port", str(port),
             "-c", str(SLOTS * SLOT_CONTEXT), "-np", str(SLOTS), "-t", str(args.threads),
-            "-b", "512", "-ub", "512", "-ctk", "f32", "-ctv", "f32", "-cram", "0", "--no-webui",
+            "-b", "512", "-ub", "512", "-ctk", KV_TYPE, "-ctv", KV_TYPE, "-cram", "0", "--no-webui",
         ]  # fmt: skip
         self.server = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL)
         deadline = time.monotonic() + 300
@@ -60,7 +68,7 @@ class LlamaCppPeer:
             return list(pool.map(self._complete, prompts, max_new_tokens))
 
     def settings(self) -> dict[str, Any]:
-        return {"argv": self.argv[1:]}
+        return {"precision": f"{self.weights} GGUF, KV {KV_TYPE}", "argv": self.argv[1:]}
 
     def close(self) -> None:
         self.server.terminate()

@@ -1,14 +1,24 @@
 """Peer runner: OpenVINO GenAI's `ContinuousBatchingPipeline` on the CPU, stepped by hand.
 
 `--model` is an OpenVINO IR exported from the safetensors directory (the harness exports it once,
-fp32 weights). This CPU has AVX-512 BF16, where OpenVINO would compute in bf16 and keep a u8 KV
-cache: f32 is asked for both, so the comparison is fp32 against fp32. Settings otherwise are the
-best found on this machine (../shared/peers/README.md): 512 tokens a step with dynamic split-fuse.
+fp32 weights, which is also what `optimum-cli export openvino` keeps for a model under a billion
+parameters). Settings are the best found on this machine (../shared/peers/README.md): 512 tokens a
+step with dynamic split-fuse.
+
+Precision: on a CPU with bf16 instructions the CPU plugin computes in bf16 unless told otherwise,
+and its KV cache precision comes from the IR's `runtime_options` when the exporter wrote one
+(optimum-intel writes f16) or else the plugin's default (u8 on such CPUs). `--precision fp32` asks
+for f32 compute and an f32 KV cache, so the comparison with an fp32 engine is like for like;
+`default` asks for neither. The pipeline does not hand out its compiled model, so `settings()`
+reads the resolved precisions from the same IR compiled with the same properties: the plugin
+resolves them from the model's runtime options and the properties alone, and the pipeline's KV
+cache takes its element types from its compiled model's cache inputs.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from protocol import closed_loop, serve
@@ -25,15 +35,18 @@ class OpenVinoPeer:
         scheduler.cache_size = 4  # GB
         scheduler.dynamic_split_fuse = True
         scheduler.enable_prefix_caching = False  # the warm-up must not help a timed run
-        self.properties: dict[str, Any] = {
-            "INFERENCE_PRECISION_HINT": "f32",
-            "KV_CACHE_PRECISION": "f32",
-            "KEY_CACHE_PRECISION": "f32",
-            "VALUE_CACHE_PRECISION": "f32",
-            "INFERENCE_NUM_THREADS": args.threads,
-        }
+        self.properties: dict[str, Any] = {"INFERENCE_NUM_THREADS": args.threads}
+        if args.precision == "fp32":
+            self.properties |= {
+                "INFERENCE_PRECISION_HINT": "f32",
+                "KV_CACHE_PRECISION": "f32",
+                "KEY_CACHE_PRECISION": "f32",
+                "VALUE_CACHE_PRECISION": "f32",
+            }
+        self.precision: str = args.precision
         self.scheduler = scheduler
         self.pipe = ov_genai.ContinuousBatchingPipeline(args.model, scheduler, "CPU", self.properties)
+        self.resolved = _resolved_precisions(args.model, self.properties)
         self._ids = 0
 
     def _config(self, n: int) -> Any:
@@ -75,9 +88,14 @@ class OpenVinoPeer:
     def settings(self) -> dict[str, Any]:
         import openvino as ov
 
+        inference, key, value = (self.resolved[k] for k in RESOLVED)
+        kv = key if key == value else f"K {key} V {value}"
         return {
             "openvino": ov.get_version(),
             "openvino_genai": self._genai.get_version(),
+            "precision_asked": self.precision,
+            "precision": f"{inference}, KV {kv}",
+            "resolved": self.resolved,
             "properties": self.properties,
             "max_num_batched_tokens": self.scheduler.max_num_batched_tokens,
             "dynamic_split_fuse": self.scheduler.dynamic_split_fuse,
@@ -85,6 +103,21 @@ class OpenVinoPeer:
 
     def close(self) -> None:
         del self.pipe
+
+
+RESOLVED = ("INFERENCE_PRECISION_HINT", "KEY_CACHE_PRECISION", "VALUE_CACHE_PRECISION")
+
+
+def _resolved_precisions(model_dir: str, properties: dict[str, Any]) -> dict[str, str]:
+    """The compute and KV cache precisions the CPU plugin resolves for this IR and these properties
+    (`bf16`, `f16`, `u8`, `f32`...), from a compile of its own that is dropped at once."""
+    import openvino as ov
+
+    compiled = ov.Core().compile_model(Path(model_dir) / "openvino_model.xml", "CPU", properties)
+    try:
+        return {name: compiled.get_property(name).to_string() for name in RESOLVED}
+    finally:
+        del compiled
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ A runner is a script run with its peer's own interpreter (its own virtualenv: th
 with ours and with each other), so this module uses the standard library only and the runners import
 nothing of cbserve but it. The script's folder is on `sys.path` when it runs, which is how they find it.
 
-    runner --model DIR --threads N
+    runner --model DIR --threads N [--precision default|fp32]
       loads its engine, warms it up (untimed), then writes to its protocol stream
     CBSERVE-PEER {"ready": true, "settings": {...}}
       and for each command line read from stdin,
@@ -14,6 +14,13 @@ nothing of cbserve but it. The script's folder is on `sys.path` when it runs, wh
       null: all at once), writes {"outputs": [[ids]]} in workload order to `out`, and answers
     CBSERVE-PEER {"seconds": wall}
       timed from the first request in to the last token out. At end of stdin it exits 0.
+
+`--precision` says which arithmetic to run: `fp32` (what a runner does without the flag) pins the
+engine's compute and KV cache to fp32, for a like-for-like comparison with an fp32 engine; `default`
+leaves the engine's precision settings as they are for a user who installs it, which on a CPU with
+bf16 instructions is usually bf16. The ready message's settings then say what the engine resolved
+them to (`precision`, a short label for the table, and whatever detail the engine offers), not just
+what was asked: a peer's default depends on the CPU and the model files.
 
 The protocol stream is the process's original stdout; everything else (libraries print to stdout
 freely) is sent to stderr, which the harness keeps in a log file.
@@ -30,6 +37,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, TextIO
 
 PREFIX = "CBSERVE-PEER "
+PRECISIONS = ("default", "fp32")
 
 # Token ids below W1's 100..49052 range, so no prefix cache keeps anything a timed run could hit.
 WARMUP_PROMPTS = [[1] + [42] * 63, [1] + [43] * 31]
@@ -72,6 +80,12 @@ def serve(
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True, help="the model: transformers' safetensors directory")
     parser.add_argument("--threads", type=int, required=True, help="cores the engine may use")
+    parser.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="fp32",
+        help="fp32: compute and KV cache pinned to fp32; default: the engine's own choice",
+    )
     if add_arguments is not None:
         add_arguments(parser)
     args = parser.parse_args()

