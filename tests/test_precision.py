@@ -129,3 +129,52 @@ def test_auto_dtype_is_bfloat16_only_where_the_cpu_computes_it(
     assert precision.resolve_dtype("auto", smollm2_dir, "cpu") == torch.float32
     with pytest.raises(ValueError, match="'int4'"):
         precision.resolve_dtype("int4", smollm2_dir, "cpu")
+
+
+_LOWER_PATH_SCRIPT = """
+import json, sys, torch
+from transformers import AutoTokenizer
+from services.bench.agreement import engine_top1, prose_conversations
+from services.worker.engine import Engine
+model_dir, expected = sys.argv[1], json.loads(sys.stdin.read())
+prompts = prose_conversations(AutoTokenizer.from_pretrained(model_dir))[: len(expected)]
+with Engine.from_pretrained(model_dir, dtype=torch.bfloat16, num_blocks=64) as engine:
+    print(json.dumps({"runs": engine.runner.describe(), "top1": engine_top1(engine, prompts)}))
+"""
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_a_cpu_without_avx512_bf16_runs_bf16_on_the_widened_path(
+    isa: str, smollm2_dir: Path, record_property: Any
+) -> None:
+    """Held below AVX512-BF16 (CBSERVE_CPU_ISA, as on a CPU without it), bfloat16 weights run on the
+    panels' widened path: named in what the worker logs at start, and as close to float32."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from services.common.precision import cpu_flags
+    from tests.stack import REPO
+
+    needs = {"avx512": {"avx512f"}, "avx2": {"avx2", "fma"}}[isa]
+    if not needs <= cpu_flags():
+        pytest.skip(f"this CPU has no {isa}")
+    expected = _prose(smollm2_dir)[1][:3]
+    done = subprocess.run(
+        [sys.executable, "-c", _LOWER_PATH_SCRIPT, str(smollm2_dir)],
+        input=json.dumps(expected),
+        cwd=REPO,
+        env={**os.environ, "CBSERVE_CPU_ISA": isa},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    runs = result["runs"]
+    assert runs["forward"] == "native" and runs["weights"] == "bfloat16", runs
+    assert runs["kernel_paths"] == {"paged_attention": isa, "panel_linear": isa}, runs
+    same, total = agreement(expected, result["top1"])
+    record_property("agreement", f"{same}/{total}")
+    assert same / total >= 0.99, (same, total)

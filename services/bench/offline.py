@@ -695,8 +695,8 @@ def _is_engine(name: str) -> bool:
 
 
 def paired_ratios(by_name: Mapping[str, list[SystemResult]], peers: set[str]) -> dict[str, list[float]]:
-    """Round by round, each system's tok/s over the engine's of the same round, and the engine's over
-    the faster peer's. A slow spell of a shared host hits the runs of one round alike, so these
+    """Round by round, each system's tok/s over the engine's of the same round, and each of our engines'
+    (`engine`, `engine:DTYPE`) over the faster peer's. A slow spell of a shared host hits the runs of one round alike, so these
     scatter less than the ratio of the medians in the table (on 2026-12-03 the stack's rounds of W1
     were 0.99, 0.92 and 0.99 of the engine's while the medians gave 0.92). Empty below two rounds."""
     engine = by_name.get("engine", [])
@@ -710,7 +710,9 @@ def paired_ratios(by_name: Mapping[str, list[SystemResult]], peers: set[str]) ->
     present = [name for name in by_name if name in peers]
     if present:
         faster = [max(by_name[p][i].output_tok_s for p in present) for i in range(len(engine))]
-        ratios["engine / faster peer"] = [e.output_tok_s / f for e, f in zip(engine, faster, strict=True)]
+        for name in (n for n in by_name if n == "engine" or n.startswith("engine:")):
+            ours = by_name[name]
+            ratios[f"{name} / faster peer"] = [e.output_tok_s / f for e, f in zip(ours, faster, strict=True)]
     return ratios
 
 
