@@ -695,10 +695,10 @@ def _is_engine(name: str) -> bool:
 
 
 def paired_ratios(by_name: Mapping[str, list[SystemResult]], peers: set[str]) -> dict[str, list[float]]:
-    """Round by round, each system's tok/s over the engine's of the same round, and each of our engines'
-    (`engine`, `engine:DTYPE`) over the faster peer's. A slow spell of a shared host hits the runs of one round alike, so these
-    scatter less than the ratio of the medians in the table (on 2026-12-03 the stack's rounds of W1
-    were 0.99, 0.92 and 0.99 of the engine's while the medians gave 0.92). Empty below two rounds."""
+    """Round by round, each system's tok/s over the engine's of the same round, and each of our
+    engines' (`engine`, `engine:DTYPE`) over the faster peer's. A slow spell of a shared host hits
+    the runs of one round alike, so these scatter less than the ratio of the medians in the table.
+    Empty below two rounds."""
     engine = by_name.get("engine", [])
     if len(engine) < 2:
         return {}
