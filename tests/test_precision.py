@@ -106,13 +106,17 @@ def test_bf16_tokens_do_not_change_with_chunks_prefix_hits_or_offload(
         assert_no_leak(engine)
 
 
-def test_bf16_halves_the_kv_bytes_per_token(smollm2_dir: Path) -> None:
+def test_bf16_halves_the_weight_bytes_and_the_kv_bytes_per_token(smollm2_dir: Path) -> None:
     with (
         Engine.from_pretrained(smollm2_dir, num_blocks=8) as fp32,
         Engine.from_pretrained(smollm2_dir, dtype=torch.bfloat16, num_blocks=8) as bf16,
     ):
         assert bf16.geometry.bytes_per_token * 2 == fp32.geometry.bytes_per_token
         assert bf16.runner.kv_pool.nbytes * 2 == fp32.runner.kv_pool.nbytes
+        # Plain and packed copies alike (what the worker's start-up line states), within the panels'
+        # padding: a pair of k per lane pads an odd K, a panel of columns a partial last one.
+        weights = {e.runner.describe()["weight_bytes"] for e in (fp32, bf16)}
+        assert fp32.runner.weight_bytes() == pytest.approx(2 * bf16.runner.weight_bytes(), rel=1e-3), weights
 
 
 def test_auto_dtype_is_bfloat16_only_where_the_cpu_computes_it(
@@ -178,3 +182,27 @@ def test_a_cpu_without_avx512_bf16_runs_bf16_on_the_widened_path(
     same, total = agreement(expected, result["top1"])
     record_property("agreement", f"{same}/{total}")
     assert same / total >= 0.99, (same, total)
+
+
+def test_a_bf16_stack_streams_the_bf16_engines_tokens(
+    smollm2_dir: Path, smol_chat_prompts: list[list[int]], tmp_path: Path
+) -> None:
+    """`cbserve up --dtype bfloat16`: the cachemgr's pool in bfloat16 shared memory, the worker's own
+    forward on it, the tokens the in-process engine gives, and the start-up lines say so."""
+    from tests.stack import Stack, greedy_request
+
+    expected = _bf16_plain(smollm2_dir, tuple(map(tuple, smol_chat_prompts)))
+    stack = Stack(smollm2_dir, tmp_path, up_args=["--dtype", "bfloat16"], num_blocks=64, page_size=16)
+    try:
+        for prompt, want in zip(smol_chat_prompts, expected, strict=True):
+            assert stack.generate(greedy_request(prompt, NEW_TOKENS))[0] == want
+        stack.assert_idle()
+        (ready,) = stack.events("worker ready")
+        assert (ready["forward"], ready["weights"], ready["kv_dtype"]) == ("native", "bfloat16", "bfloat16")
+        assert ready["activations"] == "float32", ready
+        (sized,) = stack.events("kv cache sized")
+        assert sized["kv_dtype"] == "bfloat16" and sized["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * 2, sized
+        serving = [line for line in stack.log_path.read_text().splitlines() if line.startswith("serving ")]
+        assert len(serving) == 1 and " in bfloat16 on " in serving[0] and "bfloat16)" in serving[0], serving
+    finally:
+        stack.stop()

@@ -400,6 +400,7 @@ def run_engine(
             "stats_before": stats_before,
             "stats": stats_after,
             "step_profile_s": profile,
+            "runs": engine.runner.describe(),
         },
     )
 
@@ -745,6 +746,9 @@ def _print_engine_stats(result: SystemResult) -> None:
             delta = f" ({value - prior:+g} in the timed run)"
         parts.append(f"{key}={value}{delta}")
     print(f"{result.name} stats: " + ", ".join(parts))
+    runs = result.extra.get("runs")
+    if runs:
+        print(f"{result.name} runs: " + ", ".join(f"{key}={value}" for key, value in runs.items()))
     profile: dict[str, float] = result.extra["step_profile_s"]
     steps = after["steps"] - before["steps"]
     total = sum(profile.values()) or 1.0

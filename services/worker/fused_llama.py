@@ -95,6 +95,9 @@ class FusedLlama:
             cos, sin = inner.rotary_emb(self.embed[:1].float().unsqueeze(0), positions)
         self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
 
+    def packed_weights(self) -> list[PackedWeight]:
+        return [self.lm_head, *(w for lay in self.layers for w in (lay.qkv, lay.o, lay.gate_up, lay.down))]
+
     @classmethod
     def build(cls, model: nn.Module) -> FusedLlama | None:
         if not _supported(model):

@@ -18,7 +18,7 @@ from services.worker.cuda_graphs import Capture, CudaGraphs
 from services.worker.fused_llama import FusedLlama
 from services.worker.kernels import paged_decode_kernel, paged_prefill_kernel
 from services.worker.kernels import paths as kernel_paths
-from services.worker.packed_linear import pack_linears
+from services.worker.packed_linear import PackedLinear, pack_linears
 from services.worker.swap_copies import SwapCopies
 
 log = structlog.get_logger(__name__)
@@ -114,8 +114,24 @@ class ModelRunner:
             "weights": _name(next(self.model.parameters()).dtype),
             "activations": _name(self.activation_dtype),
             "kv_dtype": _name(self.kv_pool.dtype),
+            "weight_bytes": self.weight_bytes(),
             "kernel_paths": kernel_paths() if self.device.type == "cpu" else {},
         }
+
+    def weight_bytes(self) -> int:
+        """Bytes the weights hold: the model's parameters and every packed or prepared copy, each
+        storage once (tied and concatenated weights share theirs)."""
+        packed = [m.packed for m in self.model.modules() if isinstance(m, PackedLinear)]
+        packed += self.fused.packed_weights() if self.fused is not None else []
+        tensors = [*self.model.parameters()]
+        tensors += [t for w in packed for t in (w.packed, w.many_rows) if t is not None]
+        storages: dict[int, int] = {}
+        for t in tensors:
+            if t.is_mkldnn:  # oneDNN's opaque copy: no storage to share, its own bytes
+                storages[id(t)] = t.numel() * t.element_size()
+            else:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return sum(storages.values())
 
     def use_graphs(self, capture: Capture | None = None) -> None:
         """Capture the decode graphs (again), with `capture` as the back end (default: CUDA's)."""
