@@ -136,20 +136,18 @@ def causal_reference(
     return torch.matmul(torch.softmax(scores, -1), v).transpose(0, 1)
 
 
-@pytest.mark.parametrize(("softcap", "window"), [(0.0, 0), (20.0, 0), (0.0, 13)])
-@pytest.mark.parametrize(("kv", "group", "d"), [(3, 3, 64), (2, 2, 16), (1, 5, 128), (4, 1, 32)])
-def test_native_prefill_matches_reference(kv: int, group: int, d: int, softcap: float, window: int) -> None:
-    kernel = kernels.paged_prefill_kernel(d)
-    if kernel is None:
-        built(kernels.paged_decode_kernel(), "paged attention")  # a broken build fails here
-        pytest.skip(f"no prefill kernel for head size {d} here (AVX-512: 16-128 by 16, AVX2: 32-128 by 32)")
+def prefill_batch(
+    kv: int, group: int, d: int, window: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
+    """A prefill batch over pools of `dtype`: (k_cache, v_cache, the kernel's arguments after out:
+    q, first_rows, num_queries, slots, lengths). Chunks cross the 16-token query blocks, after earlier
+    context or not, and one is a lone token; rows 0-1 are someone else's (a kernel leaves them alone)."""
     gen = torch.Generator().manual_seed(d + window)
     heads, num_slots = kv * group, 600
-    k_cache = torch.randn(num_slots, kv, d, generator=gen)
-    v_cache = torch.randn(num_slots, kv, d, generator=gen)
-    # Chunks across the 16-token query blocks, after earlier context or not, and a lone token.
+    k_cache = torch.randn(num_slots, kv, d, generator=gen).to(dtype)
+    v_cache = torch.randn(num_slots, kv, d, generator=gen).to(dtype)
     chunks = [(37, 0), (16, 20), (1, 9), (17, 64), (5, 0)]
-    first_rows, lengths, slot_rows, row = [], [], [], 2  # rows 0-1: someone else's (left alone)
+    first_rows, lengths, slot_rows, row = [], [], [], 2
     for n, context in chunks:
         keys = context + n if not window else min(context + n, n + window - 1)
         first_rows.append(row)
@@ -160,14 +158,27 @@ def test_native_prefill_matches_reference(kv: int, group: int, d: int, softcap: 
     slots = torch.stack([F.pad(s, (0, width - len(s)), value=0) for s in slot_rows])
     qkv = torch.randn(row, heads * d + 40, generator=gen)
     q = qkv[:, : heads * d].view(row, heads, d)  # strided rows, as in the fused forward
+    num_queries = torch.tensor([n for n, _ in chunks])
+    return k_cache, v_cache, [q, torch.tensor(first_rows), num_queries, slots, torch.tensor(lengths)]
+
+
+@pytest.mark.parametrize(("softcap", "window"), [(0.0, 0), (20.0, 0), (0.0, 13)])
+@pytest.mark.parametrize(("kv", "group", "d"), [(3, 3, 64), (2, 2, 16), (1, 5, 128), (4, 1, 32)])
+def test_native_prefill_matches_reference(kv: int, group: int, d: int, softcap: float, window: int) -> None:
+    kernel = kernels.paged_prefill_kernel(d)
+    if kernel is None:
+        built(kernels.paged_decode_kernel(), "paged attention")  # a broken build fails here
+        pytest.skip(f"no prefill kernel for head size {d} here (AVX-512: 16-128 by 16, AVX2: 32-128 by 32)")
+    k_cache, v_cache, (q, first_rows, num_queries, slots, lengths) = prefill_batch(
+        kv, group, d, window, torch.float32
+    )
+    heads, row = kv * group, q.shape[0]
     out = torch.full((row, heads, d), 7.0)
-    kernel(
-        q, out, k_cache, v_cache, torch.tensor(first_rows), torch.tensor([n for n, _ in chunks]),
-        slots, torch.tensor(lengths), d**-0.5, softcap, window,
-    )  # fmt: skip
+    kernel(q, out, k_cache, v_cache, first_rows, num_queries, slots, lengths, d**-0.5, softcap, window)
     assert torch.equal(out[:2], torch.full((2, heads, d), 7.0))
-    for (n, _), first, s in zip(chunks, first_rows, slot_rows, strict=True):
-        want = causal_reference(q[first : first + n], k_cache[s], v_cache[s], d**-0.5, softcap, window)
+    for first, n, keys, s in zip(first_rows, num_queries, lengths, slots, strict=True):
+        k, v = k_cache[s[:keys]], v_cache[s[:keys]]
+        want = causal_reference(q[first : first + n], k, v, d**-0.5, softcap, window)
         torch.testing.assert_close(out[first : first + n], want, rtol=1e-5, atol=1e-5)
 
 

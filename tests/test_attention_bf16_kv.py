@@ -14,11 +14,10 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from services.worker import kernels
 from tests.stack import REPO
-from tests.test_attention import built, causal_reference, gather_sdpa
+from tests.test_attention import built, causal_reference, gather_sdpa, prefill_batch
 
 # The vector paths, lowest first, as the module's isa() names them.
 PATHS = ("portable", "avx2", "avx512")
@@ -84,32 +83,6 @@ def test_bf16_decode_is_fp32_decode_on_the_upcast_pool(
     q = packed[rows].view(b, kv, group, d)
     reference = gather_sdpa(q, k_cache.float(), v_cache.float(), slots, lengths, d**-0.5, softcap)
     torch.testing.assert_close(got[rows].view(b, kv, group, d), reference, rtol=1e-5, atol=1e-5)
-
-
-def prefill_batch(
-    kv: int, group: int, d: int, window: int, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
-    """test_attention.py's prefill batch, with `dtype` pools: (k_cache, v_cache, the kernel's other
-    arguments)."""
-    gen = torch.Generator().manual_seed(d + window)
-    heads, num_slots = kv * group, 600
-    k_cache = torch.randn(num_slots, kv, d, generator=gen).to(dtype)
-    v_cache = torch.randn(num_slots, kv, d, generator=gen).to(dtype)
-    # Chunks across the 16-token query blocks, after earlier context or not, and a lone token.
-    chunks = [(37, 0), (16, 20), (1, 9), (17, 64), (5, 0)]
-    first_rows, lengths, slot_rows, row = [], [], [], 2  # rows 0-1: someone else's (left alone)
-    for n, context in chunks:
-        keys = context + n if not window else min(context + n, n + window - 1)
-        first_rows.append(row)
-        lengths.append(keys)
-        slot_rows.append(torch.randperm(num_slots, generator=gen)[:keys])
-        row += n
-    width = max(lengths)
-    slots = torch.stack([F.pad(s, (0, width - len(s)), value=0) for s in slot_rows])
-    qkv = torch.randn(row, heads * d + 40, generator=gen)
-    q = qkv[:, : heads * d].view(row, heads, d)  # strided rows, as in the fused forward
-    num_queries = torch.tensor([n for n, _ in chunks])
-    return k_cache, v_cache, [q, torch.tensor(first_rows), num_queries, slots, torch.tensor(lengths)]
 
 
 @pytest.mark.parametrize(("softcap", "window"), [(0.0, 0), (20.0, 0), (0.0, 13)])

@@ -215,9 +215,9 @@ SMOL_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def smol_chats(smollm2_dir: Path) -> tuple[list[list[int]], list[list[int]]]:
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+def chat_prompts(model_dir: Path) -> list[list[int]]:
+    """CHATS through the model's chat template, each after one shared system prompt."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = []
     for text in CHATS:
         messages = [
@@ -226,6 +226,12 @@ def smol_chats(smollm2_dir: Path) -> tuple[list[list[int]], list[list[int]]]:
         ]
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         prompts.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids))
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def smol_chats(smollm2_dir: Path) -> tuple[list[list[int]], list[list[int]]]:
+    prompts = chat_prompts(smollm2_dir)
     return prompts, reference(smollm2_dir, "sdpa", prompts, eos=True)
 
 

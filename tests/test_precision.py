@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 from services.bench.agreement import agreement, engine_top1, prose_conversations, reference_top1
 from services.common.model_source import load_model
 from services.worker.engine import Engine
-from tests.test_engine_parity import CHATS, SMOL_CONFIGS, assert_no_leak
+from tests.test_engine_parity import SMOL_CONFIGS, assert_no_leak, chat_prompts
 
 NEW_TOKENS = 24
 
@@ -66,16 +66,7 @@ def test_teacher_forced_top1_agreement_with_float32(
 
 @pytest.fixture(scope="module")
 def smol_chat_prompts(smollm2_dir: Path) -> list[list[int]]:
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    prompts = []
-    for text in CHATS:
-        messages = [
-            {"role": "system", "content": "You are a concise assistant."},
-            {"role": "user", "content": text},
-        ]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    return prompts
+    return chat_prompts(smollm2_dir)
 
 
 @cache
