@@ -12,9 +12,12 @@ from pathlib import Path
 import pytest
 
 from services.bench import offline, peers
+from services.bench.agreement import prose_conversations
 from services.bench.offline import SystemResult, _parse_systems, agreement, fp32_reference
+from services.bench.peer_runners import protocol
 from services.bench.peer_runners.protocol import closed_loop
 from services.cli import main
+from tests.tiny_models import tiny_text_model_dir
 
 STANDIN = Path(__file__).parent / "peers" / "standin.py"
 
@@ -315,3 +318,103 @@ def test_each_peer_runs_at_both_precisions_and_the_engine_at_two_dtypes(
     home = tmp_path / "home" / "peers" / "vllm-cpu"
     assert "--precision fp32" in (home / "run.log").read_text()
     assert "--precision default" in (home / "run-default.log").read_text()
+
+
+# ------------------------------------------------------------------- teacher-forced top-1 (--agreement)
+
+
+@pytest.fixture(scope="module")
+def text_model(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model with SmolLM2's tokenizer and chat template: the prose needs both, and a tiny
+    geometry keeps a scoring pass per system to seconds."""
+    return tiny_text_model_dir("llama", tmp_path_factory.mktemp("text_model"), smollm2_dir)
+
+
+def _table_row(printed: str, name: str) -> str:
+    return next(line for line in printed.splitlines() if line.split()[:1] == [name] and "/" in line)
+
+
+def test_agreement_scores_each_engine_dtype_and_a_peer_against_float32(
+    text_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from transformers import AutoTokenizer
+
+    prose = prose_conversations(AutoTokenizer.from_pretrained(text_model))
+    positions = sum(len(p) - 1 for p in prose)
+    code, report = _bench(tmp_path, text_model, "--systems", "engine,engine:bfloat16", "--agreement")
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert report["agreement"]["positions"] == positions > 1000
+    systems = report["systems"]
+    # The stand-in scores with the reference's own code and dtype: every position agrees, which
+    # shows the command's positions line up with the reference's one for one.
+    assert systems["standin"]["top1_agreement_with_fp32"] == {
+        "same": positions, "positions": positions, "share": 1.0
+    }  # fmt: skip
+    # Each engine was scored at its own dtype, its pool sized to the prose (the timed one has 64
+    # blocks, fewer than the prose needs); a random tiny model has near ties, so not all agree.
+    fp32 = systems["engine"]["top1_agreement_with_fp32"]
+    bf16 = systems["engine:bfloat16"]["top1_agreement_with_fp32"]
+    assert fp32["positions"] == bf16["positions"] == positions
+    assert fp32["share"] > 0.99 and 0.5 < bf16["share"] <= 1
+    assert "top-1 = fp32" in next(line for line in printed.splitlines() if line.startswith("system "))
+    assert f"{positions}/{positions} (100.00%)" in _table_row(printed, "standin")
+    same = bf16["same"]
+    assert f"{same}/{positions} ({100 * same / positions:.2f}%)" in _table_row(printed, "engine:bfloat16")
+
+
+def test_a_peer_that_cannot_score_is_na_and_still_runs(
+    text_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("STANDIN_NO_SCORE", "1")
+    code, report = _bench(tmp_path, text_model, "--agreement")
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    error = report["systems"]["standin"]["top1_agreement_with_fp32"]["error"]
+    assert error == "scoring failed: RuntimeError: stand-in peer: no scoring on purpose"
+    assert report["systems"]["standin"]["requests_equal_to_engine"] == 5  # its timed run stands
+    assert " n/a " in _table_row(printed, "standin") + " "
+    assert f"(top-1 = fp32 of standin n/a: {error})" in printed
+    assert report["systems"]["engine"]["top1_agreement_with_fp32"]["share"] > 0.99
+
+
+def test_without_agreement_the_table_and_report_are_as_before(
+    tiny_models: Callable[[str], Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, report = _bench(tmp_path, tiny_models("llama"), standin=False)
+    assert code == 0
+    assert report["agreement"] is None and "top1_agreement_with_fp32" not in report["systems"]["engine"]
+    assert "top-1 = fp32" not in capsys.readouterr().out
+
+
+def test_agreement_needs_a_tokenizer_and_says_so_before_loading(tiny_models: Callable[[str], Path]) -> None:
+    with pytest.raises(SystemExit, match=r"--agreement tokenizes a prose text, and .* has no tokenizer"):
+        main(["bench", "offline", "--model", str(tiny_models("llama")), "--systems", "engine", "--agreement"])
+
+
+class _Scorer:
+    """A peer whose scoring is under the test's control, for the protocol's answers."""
+
+    def __init__(self, score: Callable[[list[list[int]]], list[list[int]]] | None) -> None:
+        if score is not None:
+            self.score = score
+
+
+@pytest.mark.parametrize(
+    ("score", "answer"),
+    [
+        (lambda prompts: [p[1:] for p in prompts], {"scored": 5}),
+        (None, {"error": "_Scorer cannot score prompts (no teacher-forced logits)"}),
+        (lambda prompts: [p for p in prompts], {"error": "scoring failed: ValueError: scored a "
+                                                "different number of positions than the prompts have"}),
+    ],
+)  # fmt: skip
+def test_the_score_command_answers_positions_or_an_error(
+    score: Callable[[list[list[int]]], list[list[int]]] | None, answer: dict, tmp_path: Path
+) -> None:
+    request, out = tmp_path / "score.json", tmp_path / "top1.json"
+    request.write_text(json.dumps({"prompts": [[1, 2, 3], [4, 5, 6, 7]]}))
+    got = protocol._score(_Scorer(score), {"score": str(request), "out": str(out)})  # type: ignore[arg-type]
+    assert got == answer
+    if "scored" in answer:
+        assert json.loads(out.read_text()) == {"top1": [[2, 3], [5, 6, 7]]}

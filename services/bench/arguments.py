@@ -117,6 +117,15 @@ def add_offline_arguments(parser: argparse.ArgumentParser) -> None:
         "choose one to halve the peers' start-up and run time",
     )
     parser.add_argument(
+        "--agreement",
+        action="store_true",
+        help="after the timed rounds, score each engine system and peer on a fixed prose text "
+        "(services/bench/data/prose.txt) teacher-forced, and add a column `top-1 = fp32`: the "
+        "positions whose top-ranked next token equals float32 transformers'. Costs one scoring "
+        "pass per system (an engine built for it at its dtype; a peer in its running process) and "
+        "one float32 reference pass, none of it timed; needs the model's tokenizer",
+    )
+    parser.add_argument(
         "--static-batch",
         type=bounded(int, 1),
         default=None,

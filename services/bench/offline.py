@@ -28,7 +28,11 @@ gets (`vllm-cpu:default`; on a CPU with bf16 instructions, bf16 compute), or bot
 what its settings resolved to, which the table's `precision` column shows. Beside each system's
 speed, `greedy = fp32` counts the requests whose greedy tokens equal the fp32 reference's
 (hf-generate if it ran, else an fp32 engine), so a lower precision's speed is read with its cost in
-agreement.
+agreement. Greedy runs diverge for good at their first differing token, so that count is coarse;
+`--agreement` adds the finer, teacher-forced measure (services/bench/agreement.py): after the timed
+rounds, every engine system and peer scores a fixed prose text, each position seeing the true tokens
+before it, and `top-1 = fp32` counts the positions whose top-ranked next token equals float32
+transformers'. It is the figure cbserve's own precision tests hold the engine to.
 
 Unless a pool size is given, the engine's and the stack's KV pools hold the workload twice over
 (`workload_pool_blocks`) instead of a CPU host's default 4 GiB: every peer stays loaded between rounds,
@@ -138,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
 
     model_path = Path(model_dir(args.model))
     workload = _workload(args, model_path)
+    prose = _prose(model_path) if args.agreement else None
     print(
         f"workload: {workload.num_requests} requests, {workload.total_prompt_tokens} prompt tokens, "
         f"{workload.total_output_tokens} output tokens ({args.workload or f'W1, seed {args.seed}'}); "
@@ -180,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
     # every round.
     in_flight: list[int | None] = list(args.in_flight or [None])
     rounds: dict[int | None, dict[str, list[SystemResult]]] = {c: {} for c in in_flight}
+    top1: dict[str, Top1] | None = None
     status = 0
     try:
         for name, dtype in engine_dtypes.items():
@@ -207,6 +213,8 @@ def run(args: argparse.Namespace) -> int:
                     result.extra.setdefault("precision", precisions.get(name, "-"))
                     rounds[c].setdefault(name, []).append(result)
                     print(f"  {name}: {result.wall_s:.2f} s, {result.output_tok_s:.2f} tok/s", flush=True)
+        if prose is not None:  # after the timed rounds: peers are still up, and nothing timed waits
+            top1 = measure_top1(prose, systems, model_path, hf_model, engine_dtypes, engine_settings, peers)
     finally:
         for engine in engines.values():
             engine.close()
@@ -226,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
         print(
             "\n" + ("all requests at once" if c is None else f"at most {c} requests in flight (closed loop)")
         )
-        _print_table(results, useful_flop, matmul_gflops, c)
+        _print_table(results, useful_flop, matmul_gflops, c, top1)
         _print_paired(paired[c])
         _print_agreement(results)
         for name in engine_dtypes:
@@ -265,11 +273,93 @@ def run(args: argparse.Namespace) -> int:
 
     if args.json is not None:
         report = _report(
-            args, model_path, threads, workload, points, paired, useful_flop, matmul_gflops, check
-        )
+            args, model_path, threads, workload, points, paired, useful_flop, matmul_gflops, check, top1,
+            None if prose is None else sum(len(p) - 1 for p in prose),
+        )  # fmt: skip
         args.json.write_text(json.dumps(report, indent=2) + "\n")
         print(f"\nwrote {args.json}")
     return status
+
+
+# (positions where the system's top-1 equals float32 transformers', positions scored), or the reason
+# it could not be scored.
+Top1 = tuple[int, int] | str
+
+
+def _prose(model_path: Path) -> list[list[int]]:
+    """The agreement text's prompts (services/bench/agreement.py), made before anything is loaded so
+    that a model without a tokenizer is refused at once, not after the timed rounds."""
+    from transformers import AutoTokenizer
+
+    from services.bench.agreement import prose_conversations
+    from services.common.model_source import has_tokenizer
+
+    if not has_tokenizer(model_path):
+        raise SystemExit(f"--agreement tokenizes a prose text, and {model_path} has no tokenizer")
+    return prose_conversations(AutoTokenizer.from_pretrained(model_path, local_files_only=True))
+
+
+def measure_top1(
+    prose: list[list[int]],
+    systems: list[str],
+    model_path: Path,
+    hf_model: PreTrainedModel | None,
+    engine_dtypes: Mapping[str, str],
+    engine_settings: dict[str, Any],
+    peers: Mapping[str, PeerProcess],
+) -> dict[str, Top1]:
+    """Teacher-forced top-1 agreement with float32 transformers on `prose`, for each engine system
+    (a fresh engine at its dtype and settings, its pool sized to the prose) and each running peer
+    (its `score` command). Untimed. A system that cannot be scored gets its reason, not a crash: the
+    timed results beside it are worth keeping."""
+    from services.bench.agreement import agreement as same_top1
+    from services.bench.agreement import engine_top1, reference_top1
+    from services.bench.peers import PeerCannotScore, PeerUnavailable
+    from services.common.model_source import load_model
+    from services.worker.engine import Engine
+
+    positions = sum(len(p) - 1 for p in prose)
+    print(f"\nagreement: float32 transformers' top-1 at {positions} positions of prose ...", flush=True)
+    model = hf_model if hf_model is not None else load_model(model_path, dtype=torch.float32)[0]
+    reference = reference_top1(model, prose)
+    del model  # the hf systems' model stays with them; one loaded here goes
+    out: dict[str, Top1] = {}
+    for name in systems:
+        try:
+            if name in engine_dtypes:
+                dtype = getattr(torch, engine_dtypes[name])
+                settings = _prose_pool(engine_settings, prose)
+                with Engine.from_pretrained(model_path, dtype=dtype, **settings) as engine:
+                    other = engine_top1(engine, prose)
+            elif name in peers:
+                other = peers[name].score(prose)
+            else:
+                continue  # the stack runs the engine's arithmetic; the hf systems are the reference's
+            out[name] = same_top1(reference, other)
+        except (PeerCannotScore, PeerUnavailable, RuntimeError, ValueError) as exc:
+            out[name] = str(exc)
+        reason = f" ({out[name]})" if isinstance(out[name], str) else ""
+        print(f"  {name}: {_top1_cell(out[name])}{reason}", flush=True)
+    return out
+
+
+def _prose_pool(settings: dict[str, Any], prose: list[list[int]]) -> dict[str, Any]:
+    """`settings` with a pool that holds every prose prompt at once, `POOL_HEADROOM` times over: the
+    timed engine's pool is sized to the workload, which may be smaller than the prose."""
+    page_size = settings.get("page_size", CBConfig.page_size)
+    pages = sum(-(-(len(p) + 1) // page_size) for p in prose)
+    return {k: v for k, v in settings.items() if k not in POOL_SIZE_SETTINGS} | {
+        "num_blocks": POOL_HEADROOM * pages
+    }
+
+
+def _top1_cell(value: Top1 | None) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, str):
+        return "n/a"
+    same, total = value
+    return f"{same}/{total} ({100 * same / total:.2f}%)"
 
 
 def _start_peer(
@@ -629,14 +719,20 @@ def check_outputs(results: dict[str, SystemResult]) -> dict[str, Any]:
 
 
 def _print_table(
-    results: dict[str, SystemResult], useful_flop: float, matmul_gflops: float, in_flight: int | None
+    results: dict[str, SystemResult],
+    useful_flop: float,
+    matmul_gflops: float,
+    in_flight: int | None,
+    top1: Mapping[str, Top1] | None = None,
 ) -> None:
     def ratio(result: SystemResult, base: str) -> str:
         return f"{result.output_tok_s / results[base].output_tok_s:.2f}x" if base in results else "-"
 
     reference = fp32_reference(results)
     same = agreement(results, reference) if reference is not None else {}
-    header = ["system", "precision", "wall s", "out tok", "out tok/s", "greedy = fp32", "prompt tok"]
+    header = ["system", "precision", "wall s", "out tok", "out tok/s", "greedy = fp32"]
+    header += [] if top1 is None else ["top-1 = fp32"]
+    header += ["prompt tok"]
     header += ["vs hf-cb", "vs hf-gen", "vs engine"]
     header += ["GFLOP/s", "% mm"] + ([] if in_flight is None else ["ms/tok/stream"])
     with_rss = any("peak_rss_bytes" in r.extra for r in results.values())
@@ -648,7 +744,9 @@ def _print_table(
             "ref" if r.name == reference else f"{same[r.name]}/{len(r.outputs)}" if r.name in same else "-"
         )
         row = [r.name, str(r.extra.get("precision", "-")), f"{r.wall_s:.2f}", str(r.output_tokens)]
-        row += [f"{r.output_tok_s:.2f}", equal, str(r.prompt_tokens)]
+        row += [f"{r.output_tok_s:.2f}", equal]
+        row += [] if top1 is None else [_top1_cell(top1.get(r.name))]
+        row += [str(r.prompt_tokens)]
         row += [ratio(r, "hf-cb"), ratio(r, "hf-generate"), ratio(r, "engine")]
         row += [f"{gflops:.1f}", f"{100 * gflops / matmul_gflops:.1f}"]
         if in_flight is not None:
@@ -668,6 +766,14 @@ def _print_table(
         print("(greedy = fp32: no fp32 reference ran; hf-generate or an engine at float32 would be one)")
     else:
         print(f"(greedy = fp32: requests whose greedy tokens all equal {reference}'s, the fp32 reference)")
+    if top1 is not None:
+        print(
+            "(top-1 = fp32: positions of a prose text, each seeing the true text before it, where the "
+            "system's top-ranked next token equals float32 transformers'; - not scored)"
+        )
+        for name, value in top1.items():
+            if isinstance(value, str) and name in results:
+                print(f"(top-1 = fp32 of {name} n/a: {value})")
 
 
 def agreement(results: dict[str, SystemResult], reference: str = "engine") -> dict[str, int]:
@@ -779,6 +885,8 @@ def _report(
     useful_flop: float,
     matmul_gflops: float,
     check: dict[str, Any] | None,
+    top1: Mapping[str, Top1] | None = None,
+    top1_positions: int | None = None,
 ) -> dict[str, Any]:
     def systems(results: dict[str, SystemResult], in_flight: int | None) -> dict[str, Any]:
         same = agreement(results)
@@ -801,6 +909,14 @@ def _report(
                 out[name]["requests_equal_to_engine"] = same[name]
             if name in same_fp32:
                 out[name]["requests_equal_to_fp32_reference"] = same_fp32[name]
+            value = (top1 or {}).get(name)
+            if isinstance(value, str):
+                out[name]["top1_agreement_with_fp32"] = {"error": value}
+            elif value is not None:
+                same_top1, positions = value
+                out[name]["top1_agreement_with_fp32"] = {
+                    "same": same_top1, "positions": positions, "share": same_top1 / positions
+                }  # fmt: skip
             for base in ("hf-cb", "hf-generate", "engine"):
                 if base in results and base != name:
                     out[name][f"ratio_vs_{base}"] = r.output_tok_s / results[base].output_tok_s
@@ -835,6 +951,13 @@ def _report(
         if args.in_flight
         else None,
         "check": check,
+        "agreement": None
+        if top1_positions is None
+        else {
+            "reference": "transformers, float32",
+            "text": "services/bench/data/prose.txt, through the chat template",
+            "positions": top1_positions,
+        },
     }
 
 

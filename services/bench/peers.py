@@ -65,6 +65,10 @@ class PeerUnavailable(RuntimeError):
     """A peer that is not installed, or could not be installed or started; the message says why."""
 
 
+class PeerCannotScore(RuntimeError):
+    """A running peer that answered a score command with an error; the message is its reason."""
+
+
 def peers_home() -> Path:
     return cbserve_home() / "peers"
 
@@ -405,6 +409,22 @@ class PeerProcess:
             seconds = float(self._answer(START_TIMEOUT_S)["seconds"])
         outputs: list[list[int]] = json.loads(out.read_text())["outputs"]
         return seconds, outputs, peak.bytes
+
+    def score(self, prompts: list[list[int]]) -> list[list[int]]:
+        """Teacher-forced top-1 at every position but the last of each prompt (the protocol's `score`);
+        untimed. PeerCannotScore if the runner says it cannot, PeerUnavailable if it stops."""
+        assert self.process.stdin is not None
+        self._runs += 1
+        request = self.work_dir / f"score-{self._runs}.json"
+        out = self.work_dir / f"top1-{self._runs}.json"
+        request.write_text(json.dumps({"prompts": prompts}))
+        self.process.stdin.write(json.dumps({"score": str(request), "out": str(out)}) + "\n")
+        self.process.stdin.flush()
+        answer = self._answer(START_TIMEOUT_S)
+        if "scored" not in answer:  # an error, or a runner older than the command
+            raise PeerCannotScore(str(answer.get("error", f"answered {answer} to a score command")))
+        top1: list[list[int]] = json.loads(out.read_text())["top1"]
+        return top1
 
     def close(self) -> None:
         if self.process.poll() is None:

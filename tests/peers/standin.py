@@ -4,6 +4,7 @@ peer protocol (services/bench/peer_runners/protocol.py), run as its own process 
 Environment knobs, so the tests can see the harness catch what a real peer might do:
 - STANDIN_CORRUPT=i: request i's last generated token is changed (a peer that disagrees).
 - STANDIN_FAIL=1: the runner dies before it is ready (a peer that cannot start).
+- STANDIN_NO_SCORE=1: scoring fails, the runner stays up (a peer that cannot give prompt logits).
 
 `--precision default` runs the model in bfloat16, as a real peer's default does on a CPU with bf16
 instructions; `fp32` (the protocol's default) in float32.
@@ -53,6 +54,13 @@ class StandIn:
         if self.runs > 1 and 0 <= self.corrupt < len(outputs):  # run 1 is the warm-up
             outputs[self.corrupt][-1] = (outputs[self.corrupt][-1] + 1) % self.model.config.vocab_size
         return outputs
+
+    @torch.inference_mode()
+    def score(self, prompts: list[list[int]]) -> list[list[int]]:
+        """Teacher-forced top-1: one forward over each whole prompt, argmax after every position."""
+        if os.environ.get("STANDIN_NO_SCORE"):
+            raise RuntimeError("stand-in peer: no scoring on purpose")
+        return [self.model(torch.tensor([p])).logits[0, :-1].argmax(-1).tolist() for p in prompts]
 
     def settings(self) -> dict[str, Any]:
         return {

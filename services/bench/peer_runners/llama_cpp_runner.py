@@ -9,6 +9,9 @@ Precision: llama.cpp computes with the GGUF's own weight types, so what it runs 
 conversion, not by a runtime setting; `--precision` changes nothing here and the harness runs this
 peer once whatever `--peer-precision` says. `settings()` labels what ran: the GGUF's type (from the
 harness's file name, `...-f32.gguf`) and the KV cache's.
+
+There is no `score` (the protocol's teacher-forced command): this runner asks llama-server only for
+generated tokens, never for the logits at the prompt's positions, so `--agreement` reports it n/a.
 """
 
 from __future__ import annotations

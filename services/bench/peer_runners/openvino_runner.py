@@ -13,6 +13,14 @@ for f32 compute and an f32 KV cache, so the comparison with an fp32 engine is li
 reads the resolved precisions from the same IR compiled with the same properties: the plugin
 resolves them from the model's runtime options and the properties alone, and the pipeline's KV
 cache takes its element types from its compiled model's cache inputs.
+
+Scoring (the protocol's `score`): the pipeline returns a log-probability only for tokens it samples
+(GenerationConfig's `logprobs` is one value, of the chosen token; `echo` gives the prompt tokens'
+own, not the top-ranked ones), so teacher-forced top-1 cannot come from it. Instead the same IR is
+compiled with the same properties (so the same inference precision) and run directly: one forward
+over each whole prompt, from a reset state, and the argmax of its logits after every position. That
+forward is OpenVINO's stateful attention over the prompt, not the pipeline's paged attention; the
+matmuls, which decide the precision's error, are the same plugin's at the same precision.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ class OpenVinoPeer:
                 "VALUE_CACHE_PRECISION": "f32",
             }
         self.precision: str = args.precision
+        self.model_dir: str = args.model
         self.scheduler = scheduler
         self.pipe = ov_genai.ContinuousBatchingPipeline(args.model, scheduler, "CPU", self.properties)
         self.resolved = _resolved_precisions(args.model, self.properties)
@@ -84,6 +93,30 @@ class OpenVinoPeer:
 
         closed_loop(len(prompts), max_in_flight, submit, step)
         return outputs
+
+    def score(self, prompts: list[list[int]]) -> list[list[int]]:
+        import numpy as np
+        import openvino as ov
+
+        # Compiled for this command only: a second copy of the weights need not stay beside the
+        # pipeline's through the timed rounds.
+        model = Path(self.model_dir) / "openvino_model.xml"
+        compiled = ov.Core().compile_model(model, "CPU", self.properties)
+        request = compiled.create_infer_request()
+        top1 = []
+        for prompt in prompts:
+            request.reset_state()  # the IR is stateful: its KV cache would carry the last prompt over
+            n = len(prompt)
+            request.infer({
+                "input_ids": np.asarray([prompt], dtype=np.int64),
+                "attention_mask": np.ones((1, n), dtype=np.int64),
+                "position_ids": np.arange(n, dtype=np.int64)[None],
+                "beam_idx": np.zeros(1, dtype=np.int32),
+            })  # fmt: skip
+            logits = request.get_tensor("logits").data[0, :-1]
+            top1.append(logits.argmax(-1).tolist())  # the lowest id among equals, as the reference's
+        del request, compiled
+        return top1
 
     def settings(self) -> dict[str, Any]:
         import openvino as ov

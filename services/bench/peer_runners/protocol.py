@@ -13,7 +13,16 @@ nothing of cbserve but it. The script's folder is on `sys.path` when it runs, wh
       ignored, with at most C requests in flight (a closed loop: a request starts when another ends;
       null: all at once), writes {"outputs": [[ids]]} in workload order to `out`, and answers
     CBSERVE-PEER {"seconds": wall}
-      timed from the first request in to the last token out. At end of stdin it exits 0.
+      timed from the first request in to the last token out. A second command, untimed,
+    {"score": FILE, "out": FILE}
+      scores FILE's prompts (JSON: {"prompts": [[ids]]}) teacher-forced: for each prompt, the token
+      the engine ranks first after each of its positions but the last, having seen the true prompt up
+      to there (never its own guesses), so the list of a prompt of n tokens has n - 1 ids, entry i
+      the guess for token i + 1. It writes {"top1": [[ids]]} in prompt order to `out` and answers
+    CBSERVE-PEER {"scored": positions}
+      or, when the runner cannot score (it has no `score`, or scoring failed), it answers
+    CBSERVE-PEER {"error": reason}
+      and stays up: the harness reports that peer's agreement as n/a. At end of stdin it exits 0.
 
 `--precision` says which arithmetic to run: `fp32` (what a runner does without the flag) pins the
 engine's compute and KV cache to fp32, for a like-for-like comparison with an fp32 engine; `default`
@@ -50,6 +59,9 @@ class Peer(Protocol):
         ...
 
     def settings(self) -> dict[str, Any]: ...
+
+    # Optional: `score(prompts) -> [[top-1 id per position 1..len-1]]`, teacher-forced (see above).
+    # A runner without it answers every score command with an error.
 
     def close(self) -> None: ...
 
@@ -104,6 +116,9 @@ def serve(
         if not line.strip():
             continue
         command = json.loads(line)
+        if "score" in command:
+            say(_score(peer, command))
+            continue
         with open(command["workload"]) as f:
             workload = json.load(f)
         prompts, limits = workload["prompts"], workload["max_new_tokens"]
@@ -116,3 +131,22 @@ def serve(
         say({"seconds": seconds})
     peer.close()
     return 0
+
+
+def _score(peer: Peer, command: dict[str, Any]) -> dict[str, Any]:
+    """One score command: the answer to send. A failure is answered, not raised: scoring is an extra
+    beside the timed runs, and a peer that cannot do it must still serve them."""
+    score = getattr(peer, "score", None)
+    if score is None:
+        return {"error": f"{type(peer).__name__} cannot score prompts (no teacher-forced logits)"}
+    try:
+        with open(command["score"]) as f:
+            prompts = json.load(f)["prompts"]
+        top1 = score(prompts)
+        if [len(t) for t in top1] != [len(p) - 1 for p in prompts]:
+            raise ValueError("scored a different number of positions than the prompts have")
+        with open(command["out"], "w") as f:
+            json.dump({"top1": [[int(t) for t in row] for row in top1]}, f)
+    except Exception as exc:  # whatever the peer's scoring raises is reported, never fatal
+        return {"error": f"scoring failed: {type(exc).__name__}: {exc}"}
+    return {"scored": sum(len(t) for t in top1)}

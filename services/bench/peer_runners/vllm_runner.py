@@ -10,6 +10,10 @@ Precision: `--precision fp32` asks for `dtype="float32"`; `default` passes vLLM'
 dtypes (on x86 and aarch64 CPUs, bfloat16) and so downcasts it. The KV cache follows the model's
 dtype unless `kv_cache_dtype` is set, which it is not here. `settings()` reports the dtypes the
 engine resolved, not the ones asked for.
+
+Scoring (the protocol's `score`): vLLM's own prompt logprobs, one generated token per prompt, through
+the same engine and settings as the timed runs. With `prompt_logprobs=1` each position's dict holds
+the true next token and the top-ranked one, each with its rank.
 """
 
 from __future__ import annotations
@@ -64,6 +68,32 @@ class VllmPeer:
 
         closed_loop(len(prompts), max_in_flight, submit, step)
         return outputs
+
+    def score(self, prompts: list[list[int]]) -> list[list[int]]:
+        engine = self.llm.llm_engine
+        top1: list[list[int]] = [[] for _ in prompts]
+        index: dict[str, int] = {}
+
+        def submit(i: int) -> None:
+            self._ids += 1
+            rid = f"s{self._ids}"
+            index[rid] = i
+            params = self._params(temperature=0, max_tokens=1, prompt_logprobs=1, ignore_eos=True)
+            engine.add_request(rid, {"prompt_token_ids": prompts[i]}, params)
+
+        def step() -> int:
+            finished = [out for out in engine.step() if out.finished]
+            for out in finished:
+                # Entry 0 is None (nothing precedes the first token); entry k ranks token k's candidates.
+                positions = out.prompt_logprobs[1:]
+                # Ties share rank 1; the lowest id is what an argmax (the reference's) picks.
+                top1[index.pop(out.request_id)] = [
+                    min(t for t, lp in p.items() if lp.rank == 1) for p in positions
+                ]
+            return len(finished)
+
+        closed_loop(len(prompts), len(prompts), submit, step)
+        return top1
 
     def settings(self) -> dict[str, Any]:
         import vllm
