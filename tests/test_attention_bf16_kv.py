@@ -135,8 +135,9 @@ def test_other_pool_dtypes_are_refused(k_dtype: torch.dtype, v_dtype: torch.dtyp
 
 
 # Every test above, again on each vector path below this CPU's best (a build of its own, cached in
-# $CBSERVE_HOME like any other, so only a first run compiles it). The portable path has no prefill kernel.
-@pytest.mark.parametrize("path", ["avx2", "portable"])
+# $CBSERVE_HOME like any other, so only a first run compiles it). The portable path has no prefill
+# kernel, and its compile and scalar loops are left to the slow run.
+@pytest.mark.parametrize("path", ["avx2", pytest.param("portable", marks=pytest.mark.slow)])
 def test_lower_path_agrees(path: str) -> None:
     if os.environ.get(kernels.ISA_SWITCH, "native") != "native":
         pytest.skip(f"this run is the {os.environ[kernels.ISA_SWITCH]} path's")

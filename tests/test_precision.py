@@ -138,7 +138,9 @@ with Engine.from_pretrained(model_dir, dtype=torch.bfloat16, num_blocks=64) as e
 """
 
 
-@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+# AVX-512 without BF16 compiles all three kernels once more: the slow run's (its panels are checked
+# by tests/test_panel_linear_bf16.py in the default run).
+@pytest.mark.parametrize("isa", [pytest.param("avx512", marks=pytest.mark.slow), "avx2"])
 def test_a_cpu_without_avx512_bf16_runs_bf16_on_the_widened_path(
     isa: str, smollm2_dir: Path, record_property: Any
 ) -> None:
