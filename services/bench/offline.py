@@ -817,7 +817,7 @@ def paired_ratios(by_name: Mapping[str, list[SystemResult]], peers: set[str]) ->
     present = [name for name in by_name if name in peers]
     if present:
         faster = [max(by_name[p][i].output_tok_s for p in present) for i in range(len(engine))]
-        for name in (n for n in by_name if n == "engine" or n.startswith("engine:")):
+        for name in filter(_is_engine, by_name):
             ours = by_name[name]
             ratios[f"{name} / faster peer"] = [e.output_tok_s / f for e, f in zip(ours, faster, strict=True)]
     return ratios

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from typing import Any
 
 from protocol import closed_loop, serve
@@ -49,51 +50,49 @@ class VllmPeer:
         self._ids = 0
 
     def run(self, prompts: list[list[int]], max_new_tokens: list[int], max_in_flight: int) -> list[list[int]]:
+        return self._drive(
+            prompts,
+            [self._params(temperature=0, max_tokens=n, ignore_eos=True) for n in max_new_tokens],
+            max_in_flight,
+            lambda out: list(out.outputs[0].token_ids),
+        )
+
+    def score(self, prompts: list[list[int]]) -> list[list[int]]:
+        params = self._params(temperature=0, max_tokens=1, prompt_logprobs=1, ignore_eos=True)
+
+        def top1(out: Any) -> list[int]:
+            # Entry 0 is None (nothing precedes the first token); entry k ranks token k's candidates.
+            # Ties share rank 1; the lowest id is what an argmax (the reference's) picks.
+            return [min(t for t, lp in p.items() if lp.rank == 1) for p in out.prompt_logprobs[1:]]
+
+        return self._drive(prompts, [params] * len(prompts), len(prompts), top1)
+
+    def _drive(
+        self,
+        prompts: list[list[int]],
+        params: list[Any],
+        max_in_flight: int,
+        take: Callable[[Any], list[int]],
+    ) -> list[list[int]]:
+        """Prompt i with `params[i]`, at most `max_in_flight` at once; `take(output)` of each, in order."""
         engine = self.llm.llm_engine
-        outputs: list[list[int]] = [[] for _ in prompts]
+        results: list[list[int]] = [[] for _ in prompts]
         index: dict[str, int] = {}
 
         def submit(i: int) -> None:
             self._ids += 1
             rid = f"r{self._ids}"
             index[rid] = i
-            params = self._params(temperature=0, max_tokens=max_new_tokens[i], ignore_eos=True)
-            engine.add_request(rid, {"prompt_token_ids": prompts[i]}, params)
+            engine.add_request(rid, {"prompt_token_ids": prompts[i]}, params[i])
 
         def step() -> int:
             finished = [out for out in engine.step() if out.finished]
             for out in finished:
-                outputs[index.pop(out.request_id)] = list(out.outputs[0].token_ids)
+                results[index.pop(out.request_id)] = take(out)
             return len(finished)
 
         closed_loop(len(prompts), max_in_flight, submit, step)
-        return outputs
-
-    def score(self, prompts: list[list[int]]) -> list[list[int]]:
-        engine = self.llm.llm_engine
-        top1: list[list[int]] = [[] for _ in prompts]
-        index: dict[str, int] = {}
-
-        def submit(i: int) -> None:
-            self._ids += 1
-            rid = f"s{self._ids}"
-            index[rid] = i
-            params = self._params(temperature=0, max_tokens=1, prompt_logprobs=1, ignore_eos=True)
-            engine.add_request(rid, {"prompt_token_ids": prompts[i]}, params)
-
-        def step() -> int:
-            finished = [out for out in engine.step() if out.finished]
-            for out in finished:
-                # Entry 0 is None (nothing precedes the first token); entry k ranks token k's candidates.
-                positions = out.prompt_logprobs[1:]
-                # Ties share rank 1; the lowest id is what an argmax (the reference's) picks.
-                top1[index.pop(out.request_id)] = [
-                    min(t for t, lp in p.items() if lp.rank == 1) for p in positions
-                ]
-            return len(finished)
-
-        closed_loop(len(prompts), len(prompts), submit, step)
-        return top1
+        return results
 
     def settings(self) -> dict[str, Any]:
         import vllm
