@@ -19,13 +19,9 @@ from services.cachemgr.sizing import CacheSizing, meminfo_bytes, size_cache
 from services.common.config import CBConfig
 from services.common.kv_geometry import RESERVED_CHUNKS, KVGeometry
 from services.common.messages import Flushed, KvEvents, StepGrant, StepPlan
+from services.common.precision import dtype_name
 
 log = structlog.get_logger(__name__)
-
-
-def kv_cache_dtype(config: CBConfig, weights: torch.dtype) -> torch.dtype:
-    """The KV pool's dtype for a model whose weights are `weights` (`config.kv_cache_dtype`)."""
-    return getattr(torch, config.kv_dtype_name(str(weights).removeprefix("torch.")))
 
 
 class KVCache:
@@ -67,7 +63,7 @@ class KVCache:
         log.info(
             "kv cache sized",
             **self.sizing.as_dict(),
-            kv_dtype=str(dtype).removeprefix("torch."),
+            kv_dtype=dtype_name(dtype),
             kv_bytes_per_token=self.geometry.bytes_per_token,
             kv_tokens=self.geometry.tokens_held(self.sizing.num_chunks),
             layers_per_chunk=self.geometry.layers_per_chunk,

@@ -18,7 +18,7 @@ import structlog
 import torch
 import zmq
 
-from services.cachemgr.kv_cache import KVCache, kv_cache_dtype
+from services.cachemgr.kv_cache import KVCache
 from services.common.config import CBConfig
 from services.common.messages import (
     PROTOCOL_VERSION,
@@ -34,6 +34,7 @@ from services.common.messages import (
     StepPlan,
     ToCachemgr,
 )
+from services.common.precision import kv_cache_dtype
 from services.common.tensor_handles import remove_stale_shm
 from services.common.wire import internal_key, key_matches
 

@@ -115,10 +115,6 @@ class CBConfig:
             )
         return self.use_cuda_graph
 
-    def kv_dtype_name(self, weights: str) -> str:
-        """The KV pool's dtype name for weights of dtype `weights` ("float32", "bfloat16", ...)."""
-        return weights if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
-
     @property
     def effective_safety_margin(self) -> float:
         if self.safety_margin is not None:

@@ -17,10 +17,17 @@ from pathlib import Path
 
 import torch
 
-from services.common.config import DTYPES
+from services.common.config import DTYPES, CBConfig
 
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
-_HELD_BELOW_BF16 = frozenset({"avx512", "avx2", "portable"})  # kernels.ISA_FLAGS' lower paths
+# Holds the native kernels' build to a path below this CPU's best (worker/kernels.py): every such path
+# is below AVX512-BF16.
+ISA_SWITCH = "CBSERVE_CPU_ISA"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name `--dtype`, the logs and the tensor handles use: "float32", "bfloat16", ..."""
+    return str(dtype).removeprefix("torch.")
 
 
 def cpu_flags() -> frozenset[str]:
@@ -34,7 +41,7 @@ def cpu_flags() -> frozenset[str]:
 
 def cpu_computes_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 natively and the native kernels may use it."""
-    if os.environ.get("CBSERVE_CPU_ISA", "") in _HELD_BELOW_BF16:
+    if os.environ.get(ISA_SWITCH, "native") not in ("", "native"):
         return False
     return bool(NATIVE_BF16_FLAGS & cpu_flags())
 
@@ -60,3 +67,9 @@ def resolve_dtype(name: str, model_dir: Path, device: str) -> torch.dtype:
     if device.split(":")[0] == "cuda":
         return stored if stored in (torch.bfloat16, torch.float16) else torch.bfloat16
     return torch.bfloat16 if cpu_computes_bf16() else torch.float32
+
+
+def kv_cache_dtype(config: CBConfig, weights: torch.dtype) -> torch.dtype:
+    """The KV pool's dtype for a model whose weights are `weights` (`config.kv_cache_dtype`; `auto`:
+    the weights')."""
+    return weights if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)

@@ -23,6 +23,8 @@ from typing import Literal
 import msgspec
 import torch
 
+from services.common.precision import dtype_name
+
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "cbserve-"
 
@@ -77,7 +79,7 @@ def create_shm_tensor(shape: tuple[int, ...], dtype: torch.dtype, tag: str) -> S
     tensor = torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(shape)
     fd = os.open(path, os.O_RDONLY)
     fcntl.flock(fd, fcntl.LOCK_SH)
-    handle = TensorHandle("shm", list(shape), str(dtype).removeprefix("torch."), path=str(path))
+    handle = TensorHandle("shm", list(shape), dtype_name(dtype), path=str(path))
     return SharedTensor(tensor, handle, fd)
 
 
@@ -108,7 +110,7 @@ def share_cuda_tensor(tensor: torch.Tensor) -> TensorHandle:
     #  requires_grad, refcount_handle, refcount_offset, event_handle, event_sync_required)
     ipc = [int(args[3]), int(args[6]), args[7], int(args[8]), int(args[9]), args[11], int(args[12]),
            args[13], bool(args[14])]  # fmt: skip
-    return TensorHandle("cuda_ipc", list(tensor.shape), str(tensor.dtype).removeprefix("torch."), ipc=ipc)
+    return TensorHandle("cuda_ipc", list(tensor.shape), dtype_name(tensor.dtype), ipc=ipc)
 
 
 def open_tensor(handle: TensorHandle) -> torch.Tensor:

@@ -23,11 +23,12 @@ import structlog
 import torch
 from transformers import PreTrainedModel
 
-from services.cachemgr.kv_cache import KVCache, kv_cache_dtype
+from services.cachemgr.kv_cache import KVCache
 from services.common.config import CBConfig
 from services.common.kv_geometry import KVGeometry
 from services.common.messages import KvEvents, StepGrant
 from services.common.model_source import load_model
+from services.common.precision import kv_cache_dtype
 from services.common.sampling_params import SamplingParams
 from services.worker.batch import BatchItem, ForwardBatch
 from services.worker.cache_client import CacheClient

@@ -44,6 +44,7 @@ from typing import Any
 import structlog
 import torch
 
+from services.common.precision import dtype_name
 from services.worker import torch_gemm
 
 log = structlog.get_logger(__name__)
@@ -179,7 +180,7 @@ def torch_from_rows(
     """This machine's crossover for this version of the panel kernel and weights of `dtype`: read from
     `cache_dir`, or measured and written there once a measurement is quiet."""
     threads = torch.get_num_threads()
-    of = "" if dtype == torch.float32 else f"-{str(dtype).removeprefix('torch.')}"
+    of = "" if dtype == torch.float32 else f"-{dtype_name(dtype)}"
     path = cache_dir / f"gemm-crossover{of}-{kernel_version}-torch{torch.__version__}-{threads}threads.json"
     try:
         return int(json.loads(path.read_text())["torch_from_rows"])
@@ -202,7 +203,7 @@ def torch_from_rows(
         if measured.quiet
         else "a GEMM crossover for this start only",
         torch_from_rows=None if chosen == NEVER else chosen,
-        weights=str(dtype).removeprefix("torch."),
+        weights=dtype_name(dtype),
         gflops=gflops,
         cpu_share=round(measured.cpu_share, 2),
         threads=threads,

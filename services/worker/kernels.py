@@ -29,13 +29,13 @@ import structlog
 import torch
 
 from services.common.model_source import cbserve_home
+from services.common.precision import ISA_SWITCH
 from services.worker import gemm_crossover, torch_gemm
 
 log = structlog.get_logger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 SWITCH = "CBSERVE_NATIVE_KERNELS"
-ISA_SWITCH = "CBSERVE_CPU_ISA"
 # The compiler flags of each path a build may be held to, after -march=native: GCC drops every feature
 # that needs one it is told to drop (-mno-avx512f takes all AVX-512 subsets with it).
 ISA_FLAGS: dict[str, tuple[str, ...]] = {
@@ -182,10 +182,10 @@ class PanelLinear:
         self._module = module
         self.torch_from_rows = torch_from_rows
         self.dtype = dtype
-        self._bf16 = dtype == torch.bfloat16
 
     def pack_weight(self, weight: torch.Tensor) -> torch.Tensor:
-        return self._module.pack_weight_bf16(weight) if self._bf16 else self._module.pack_weight(weight)
+        module = self._module
+        return module.pack_weight_bf16(weight) if self.dtype == torch.bfloat16 else module.pack_weight(weight)
 
     def packed_linear(
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
@@ -194,7 +194,8 @@ class PanelLinear:
 
     def pack_weight_gated(self, weight: torch.Tensor) -> torch.Tensor:
         module = self._module
-        return module.pack_weight_gated_bf16(weight) if self._bf16 else module.pack_weight_gated(weight)
+        bf16 = self.dtype == torch.bfloat16
+        return module.pack_weight_gated_bf16(weight) if bf16 else module.pack_weight_gated(weight)
 
     def packed_linear_gated(self, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
         return self._module.panel_linear_gated(x, packed, out_features)
@@ -226,10 +227,10 @@ def _packed_linear_ops(dtype: torch.dtype) -> PanelLinear | None:
         for path in (*_source_files("panel_linear"), Path(gemm_crossover.__file__), Path(torch_gemm.__file__))
     )
     source_hash = hashlib.sha1(sources).hexdigest()[:10]
-    crossover = gemm_crossover.torch_from_rows(
+    ops.torch_from_rows = gemm_crossover.torch_from_rows(
         _build_dir("panel_linear"), source_hash, ops.pack_weight, ops.packed_linear, dtype
     )
-    return PanelLinear(module, crossover, dtype)
+    return ops
 
 
 def paths() -> dict[str, str]:

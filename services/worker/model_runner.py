@@ -11,6 +11,7 @@ from transformers import PreTrainedModel
 
 from services.common.config import CBConfig
 from services.common.kv_geometry import KVGeometry
+from services.common.precision import dtype_name
 from services.worker.attention import ATTENTION_NAME
 from services.worker.batch import BatchBuilder, BatchItem, ForwardBatch
 from services.worker.buckets import Shape
@@ -23,18 +24,14 @@ from services.worker.swap_copies import SwapCopies
 
 log = structlog.get_logger(__name__)
 
+NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16)  # the pages the native attention kernels read
+
 # SDPA without cuDNN: on an H200 torch 2.11 picks cuDNN's attention for the row groups' masked calls,
 # and cuDNN builds a plan for every new shape (45-60 ms each, scripts/gpu_check.py --sections profile).
 # A prefill step brings new (requests, queries, keys) shapes in most layers' groups: eager steps took
 # 0.37-2.8 s where the same shapes, planned, took 43-60 ms. The memory-efficient kernel takes the same
 # masks with no plan (0.1 ms a first call there).
-NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16)
-
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 class ModelRunner:
@@ -111,9 +108,9 @@ class ModelRunner:
         """What runs, for the start-up log: whose forward, its dtypes, the native kernels' vector paths."""
         return {
             "forward": "native" if self.fused is not None else "transformers",
-            "weights": _name(next(self.model.parameters()).dtype),
-            "activations": _name(self.activation_dtype),
-            "kv_dtype": _name(self.kv_pool.dtype),
+            "weights": dtype_name(next(self.model.parameters()).dtype),
+            "activations": dtype_name(self.activation_dtype),
+            "kv_dtype": dtype_name(self.kv_pool.dtype),
             "weight_bytes": self.weight_bytes(),
             "kernel_paths": kernel_paths() if self.device.type == "cpu" else {},
         }

@@ -204,6 +204,7 @@ class WorkerServer:
             raise
         model_config = self.model.config
         text = getattr(model_config, "text_config", None) or model_config
+        runs = self.engine.runner.describe()
         max_positions = int(getattr(text, "max_position_embeddings", 2**31 - 1))
         self.facts = WorkerFacts(
             vocab_size=self.engine.vocab_size,
@@ -216,11 +217,11 @@ class WorkerServer:
             page_size=self.config.page_size,
             total_blocks=cache.sizing.num_chunks - RESERVED_CHUNKS,  # what requests can be given
             prefix_caching=cache.prefix_caching,
-            dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."),
+            dtype=runs["weights"],
             device=str(self.model.device),
             max_logprobs=SamplingParams.MAX_LOGPROBS,
             kv_bytes=cache.sizing.kv_bytes,
-            kv_dtype=str(self.engine.runner.kv_pool.dtype).removeprefix("torch."),
+            kv_dtype=runs["kv_dtype"],
         )
         self._last_status = 0.0  # announce readiness at once
         log.info(
@@ -229,7 +230,7 @@ class WorkerServer:
             async_batching=self.engine.config.use_async_batching,
             huge_page_bytes=huge_page_bytes(),
             **msgspec.to_builtins(self.facts),
-            **{k: v for k, v in self.engine.runner.describe().items() if k != "kv_dtype"},
+            **{k: v for k, v in runs.items() if k != "kv_dtype"},  # the facts carry it
         )
         ready_file.mark(self.ready_path, True)
 
