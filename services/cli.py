@@ -85,6 +85,12 @@ def _bench_offline(args: argparse.Namespace) -> int:
     return offline.run(args)
 
 
+def _bench_roofline(args: argparse.Namespace) -> int:
+    from services.bench import roofline
+
+    return roofline.run(args)
+
+
 def _setup_peers(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -625,6 +631,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", default=None, help="model to convert for them (default: embedded SmolLM2)"
     )
     setup_peers.set_defaults(handler=_setup_peers)
+    from services.bench.roofline import add_roofline_arguments
+
+    roofline = benchmarks.add_parser(
+        "roofline", help="decode steps against the machine's memory read rate (the bytes a step must read)"
+    )
+    add_roofline_arguments(roofline)
+    roofline.set_defaults(handler=_bench_roofline)
     from services.bench.serve import add_serve_arguments  # light: grpc is imported when it runs
     from services.bench.serve import run as run_serve
 

@@ -22,6 +22,14 @@ TIMEOUT_S = 10.0
 _BUSY_FIELDS = (0, 1, 2, 5, 6)  # user, nice, system, irq, softirq of /proc/stat's "cpu" line
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: the affinity mask, not os.cpu_count(), since containers and
+    taskset restrict them."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def busy_ticks(stat_text: str) -> int:
     """The busy clock ticks of all CPUs together, from the text of `/proc/stat`."""
     for line in stat_text.splitlines():

@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
 import time
 import uuid
@@ -62,7 +61,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from services.bench.arguments import ENGINE_DTYPES, PEER_NAMES, SYSTEMS, engine_system, peer_system
-from services.bench.host_quiet import wait_quiet
+from services.bench.host_quiet import usable_cores, wait_quiet
 from services.bench.peer_runners.protocol import closed_loop
 from services.bench.workload import Workload, jsonl_workload, reference_workload
 from services.common.cli_args import cb_config, cb_settings, model_dir
@@ -133,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     if engine_dtypes:
         cb_config(args)  # validate before minutes of model loading and baseline runs, not after
 
-    threads = args.threads or _usable_cores()
+    threads = args.threads or usable_cores()
     torch.set_num_threads(threads)
     keep_freed_memory()  # as the worker process does: the engine here runs as it would there
     ask_huge_pages()
@@ -1014,13 +1013,6 @@ def _parse_systems(
     if static_batch is not None and "hf-static" not in systems:
         systems.append("hf-static")
     return list(dict.fromkeys(systems))  # drop repeats, keep order
-
-
-def _usable_cores() -> int:
-    # The affinity mask, not os.cpu_count(): containers and taskset restrict the cores a process may use.
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def _pad_token_id(model: PreTrainedModel, tokenizer: Any) -> int:

@@ -244,3 +244,11 @@ def fused_ops() -> Any:
     """`rms_norm`, `add_rms_norm`, `rotary_store_kv_` and `argmax_rows` (csrc/fused_ops.cpp), or None:
     then the model runs transformers' own forward."""
     return _built()["fused_ops"]
+
+
+@functools.cache
+def memory_probe() -> Any:
+    """`read_all(buffer) -> int` (csrc/memory_probe.cpp): reads a buffer with every thread at the
+    machine's read rate, or None (not built). Built on first use only: the benchmarks need it, the
+    serving processes do not."""
+    return _build("memory_probe")

@@ -115,6 +115,23 @@ class ModelRunner:
             "kernel_paths": kernel_paths() if self.device.type == "cpu" else {},
         }
 
+    def decode_weight_bytes(self) -> int:
+        """Bytes of weights a step of few rows must read: each packed linear's panels (the copy such
+        steps multiply by), else the parameters themselves, and the vectors (norms, biases). The input
+        embedding is read one row a token and counts only where the LM head shares it."""
+        packed = [m.packed for m in self.model.modules() if isinstance(m, PackedLinear)]
+        packed += self.fused.packed_weights() if self.fused is not None else []
+        if packed:
+            vectors = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.dim() == 1)
+            return sum(w.packed.numel() * w.packed.element_size() for w in packed) + vectors
+        embedding = self.model.get_input_embeddings().weight
+        head = self.model.get_output_embeddings().weight
+        return sum(
+            p.numel() * p.element_size()
+            for p in self.model.parameters()
+            if p is not embedding or embedding.data_ptr() == head.data_ptr()
+        )
+
     def weight_bytes(self) -> int:
         """Bytes the weights hold: the model's parameters and every packed or prepared copy, each
         storage once (tied and concatenated weights share theirs)."""

@@ -1,0 +1,53 @@
+"""`cbserve bench roofline`: the read probe reads what it is given, and a decode point counts the
+bytes its steps must read from the engine it runs (no timing is asserted)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.bench.roofline import decode_point
+from services.worker.engine import Engine
+from services.worker.kernels import memory_probe
+from tests.test_engine_parity import assert_no_leak
+
+
+def test_read_probe_reads_every_word() -> None:
+    probe = memory_probe()
+    if probe is None:
+        pytest.skip("native kernels unavailable")
+    words = torch.arange(1, 1001, dtype=torch.int64)
+    expected = 0
+    for w in words.tolist():
+        expected ^= w
+    assert probe.read_all(words) == expected
+    words[777] = 0  # one word changed anywhere changes the answer: none is skipped
+    assert probe.read_all(words) != expected
+    with pytest.raises(RuntimeError, match="multiple of 8 bytes"):
+        probe.read_all(torch.zeros(5, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_point_counts_weights_and_kv(tiny_models: Callable[[str], Path], dtype: torch.dtype) -> None:
+    with Engine.from_pretrained(tiny_models("llama"), dtype=dtype, num_blocks=32, page_size=8) as engine:
+        point = decode_point(engine, in_flight=3, context=20, steps=5, read_rate=1e10)
+        model = engine.model
+        embedding = model.get_input_embeddings().weight
+        tied = embedding.data_ptr() == model.get_output_embeddings().weight.data_ptr()
+        # Every matrix is read whole by each step but the input embedding (a row a token), unless the
+        # LM head shares it.
+        matrices = sum(
+            p.numel() * p.element_size()
+            for p in model.parameters()
+            if p.dim() == 2 and (p is not embedding or tied)
+        )
+        # Panels pad the last panel's columns and may add their scales, never drop a weight.
+        assert matrices <= point.weight_bytes <= 1.25 * matrices
+        per_token = engine.geometry.bytes_per_token
+        # Each request read its 20 prompt tokens, the 4 warm-up ones and, on average, half the timed ones.
+        assert point.kv_bytes == round(3 * (20 + 4 + 5 / 2) * per_token)
+        assert point.step_s > 0 and point.fraction > 0
+        assert_no_leak(engine)  # the point's requests ran to their end
