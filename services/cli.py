@@ -638,8 +638,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_roofline_arguments(roofline)
     roofline.set_defaults(handler=_bench_roofline)
-    from services.bench.serve import add_serve_arguments  # light: grpc is imported when it runs
-    from services.bench.serve import run as run_serve
+    from services.bench.serve.arguments import add_serve_arguments  # light: grpc is imported when it runs
+    from services.bench.serve.runner import run as run_serve
 
     serve = benchmarks.add_parser(
         "serve", help="serving load generator: a cbserve gateway (gRPC) or an OpenAI server"

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 
-from services.bench.serve_metrics import parse_histogram
-from services.bench.serve_report import (
+from services.bench.serve.metrics import parse_histogram
+from services.bench.serve.report import (
     PhaseData,
     RequestRecord,
     format_phase,
@@ -23,7 +23,7 @@ from services.bench.serve_report import (
     summarize,
     summarize_phase,
 )
-from services.bench.serve_workloads import (
+from services.bench.serve.workloads import (
     arrivals_for,
     jsonl_requests,
     length_bounds,

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 from prometheus_client import generate_latest
 
-from services.bench.serve_metrics import parse_load
-from services.bench.serve_text import PromptText
-from services.bench.serve_workloads import phase_rng, random_requests
+from services.bench.serve.metrics import parse_load
+from services.bench.serve.text import PromptText
+from services.bench.serve.workloads import phase_rng, random_requests
 from services.cli import main
 from services.common.gateway_messages import Load
 from services.gateway.metrics import GatewayMetrics

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from services.bench.serve_metrics import parse_histogram, scrape
+from services.bench.serve.metrics import parse_histogram, scrape
 from services.gateway.api import pb
 from tests.stack import Stack, greedy_request, hf_greedy
 

@@ -32,8 +32,8 @@ from typing import Any
 import grpc
 
 from services.bench.memory import PeakRss
-from services.bench.serve_metrics import parse_histogram, scrape
-from services.bench.serve_report import step_profile
+from services.bench.serve.metrics import parse_histogram, scrape
+from services.bench.serve.report import step_profile
 from services.bench.workload import Workload
 from services.common.cli_args import settings_env
 from services.supervisor import cbserve_argv, die_with_parent, stop_process
@@ -53,7 +53,7 @@ class StackRun:
     outputs: list[list[int]]  # in workload order
     load: Any  # GetLoad afterwards
     peak_rss_bytes: int  # of the three processes, KV pool excluded
-    step_profile: list[dict[str, Any]]  # serve_report.step_profile rows of the timed part
+    step_profile: list[dict[str, Any]]  # serve.report.step_profile rows of the timed part
 
 
 class StackSystem:

@@ -70,7 +70,7 @@ def jsonl_workload(path: Path, num_requests: int, model_path: Path) -> Workload:
     """The first `num_requests` requests of a JSONL file (`cbserve bench serve`'s format): `token_ids`
     or `prompt` text (tokenized with the model's tokenizer, no special tokens added), and `max_tokens`,
     which an offline run needs on every line."""
-    from services.bench.serve_workloads import jsonl_requests
+    from services.bench.serve.workloads import jsonl_requests
 
     requests = jsonl_requests(path, num_requests, None)
     missing = [r.index for r in requests if r.max_tokens is None]

@@ -6,7 +6,7 @@ Each request is one streaming POST to `/v1/completions` (`stream_options.include
 `ignore_eos`, which smg forwards to its workers) on a pool of HTTP/1.1 connections of httpx2 (already
 in the environment: huggingface_hub's and openai's client), with no limit on connections so that the
 client never queues a request the schedule sends. Prompts go as text, since smg takes no token-id
-prompts: token ids (drawn, or a dataset's `token_ids`) as `--tokenizer`'s word tokens (serve_text.py,
+prompts: token ids (drawn, or a dataset's `token_ids`) as `--tokenizer`'s word tokens (text.py,
 exact lengths), a dataset's `prompt` text as it is. The model is the one `/v1/models` lists.
 
 Timing is the gRPC backend's: a chunk's time is taken when its server-sent event is complete, and each
@@ -20,7 +20,7 @@ stream of JSON events (BAD_STREAM), an error event in the stream (STREAM_ERROR) 
 connection, which is how an HTTP client goes away: smg and vLLM then abort it.
 
 The server's load (KV usage, running and waiting requests, prefix-cache hits, preemptions) comes from
-`--metrics-url` (serve_metrics.py: cbserve's or vLLM's names); without it the report says unknown.
+`--metrics-url` (metrics.py: cbserve's or vLLM's names); without it the report says unknown.
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
-from services.bench.serve_backends import BackendError, RequestFailed, ServerInfo, request_seed
-from services.bench.serve_metrics import parse_load, scrape
-from services.bench.serve_report import RequestRecord
-from services.bench.serve_text import PromptText
-from services.bench.serve_workloads import BenchRequest
+from services.bench.serve.backends import BackendError, RequestFailed, ServerInfo, request_seed
+from services.bench.serve.metrics import parse_load, scrape
+from services.bench.serve.report import RequestRecord
+from services.bench.serve.text import PromptText
+from services.bench.serve.workloads import BenchRequest
 
 if TYPE_CHECKING:
     import httpx2

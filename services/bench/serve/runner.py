@@ -1,66 +1,5 @@
-"""`cbserve bench serve`: a load generator driving a running server (one process, one asyncio loop; a
-coroutine per request, no thread), over cbserve's gRPC API (`--backend cbserve`, the default: one
-channel to a gateway) or OpenAI's HTTP API (`--backend openai`: any OpenAI-compatible server, smg in
-front of cbserve or vLLM's own server; see serve_openai.py). Workloads, schedule and report are the
-same for both (serve_backends.py says what a backend does).
-
-    cbserve bench serve --target 127.0.0.1:50051 --workload random --num-requests 64 \\
-        --request-rate 4 --input-len 128 --output-len 64 --metrics-url http://127.0.0.1:9090/metrics
-    cbserve bench serve --request-rates 1,2,4,8 --json sweep.json --plot sweep.png    # a sweep
-    cbserve bench serve --concurrency 8 --duration 60                                 # closed loop
-    cbserve bench serve --workload shared-prefix --num-groups 4 --prefix-len 512 --input-len 32
-    cbserve bench serve --workload jsonl --dataset prompts.jsonl --no-ignore-eos
-    cbserve bench serve --backend openai --target http://127.0.0.1:30080 --tokenizer MODEL_DIR \\
-        --metrics-url http://127.0.0.1:9090/metrics                                   # over HTTP
-    cbserve bench serve --backend openai --target http://127.0.0.1:30080 --tokenizer MODEL_DIR \\
-        --baseline http://127.0.0.1:8000 --repeat 3          # two servers side by side (serve_compare.py)
-
-Load: open loop with Poisson arrivals at `--request-rate` (`inf`: all at once), or one phase per rate
-of `--request-rates`; `--concurrency C` caps the requests in flight (closed loop with rate `inf`). A
-phase ends after `--num-requests` or at `--duration` seconds: then no more requests are sent, and those
-in flight are cancelled (the server frees their blocks) and counted as cancelled. Each phase starts
-once the server is idle (when its load is known), with fresh prompts (a repeat would be served from
-the prefix cache). For the same reason every run salts its requests' prefix cache with a new random
-value (gRPC: `cache_salt`; HTTP: the words the prompts are written in): the same command run twice
-against one stack sends the same requests, and the second run must not be served from the first
-run's blocks (`--cache-salt ""` lets it).
-
-Workloads: `random` (token-id prompts of random ids below the vocabulary size, GetModelInfo's or
-`--tokenizer`'s model's; lengths uniform within ±`--range-ratio` of `--input-len` / `--output-len`;
-EOS ignored so lengths are exact), `shared-prefix` (`--num-groups` long prefixes of `--prefix-len`,
-each request one prefix plus a unique suffix of about `--input-len`; the prefix-cache hit rate comes
-from the load's deltas and from the requests' cached prompt tokens (usage) against the shared tokens
-after each group's first request),
-`long-prompt` (short random requests plus ONE `--long-prompt-len` prompt, sent once the first
-`--long-prompt-after` of them, a quarter by default, have their first token: a warm period, so that
-its prefill meets decoding streams), and `jsonl` (`--dataset`, one object a line with `prompt` text
-or `token_ids`, optional `max_tokens`).
-
-long-prompt, with and without chunked prefill: the report gives the short requests' inter-token
-latency while the long prompt is prefilled (from its send to its first token) and otherwise, median
-and p99, and the ratio of the p99 during the prefill to the median otherwise (the issue's target: at
-most 2 with chunking). Chunking is a server setting, so the contrast takes two stacks and two runs of
-the same command (same seed, so the same requests):
-
-    cbserve up --port 50777 --metrics-port 9777 --max-batch-tokens 32     # small steps: decodes + a chunk
-    cbserve bench serve --target 127.0.0.1:50777 --workload long-prompt --request-rate 2 \\
-        --num-requests 24 --input-len 64 --output-len 64 --long-prompt-len 4000
-    cbserve up --port 50777 --metrics-port 9777 --max-batch-tokens 4096   # the long prompt in one step
-    (the same bench command)
-
-On a 2-core CPU a step's time follows its tokens, so the budget is the latency knob: 32 tokens (about
-18 decodes plus a 14-token chunk) keep a chunked step within 2x a decode step. Adding
-`--long-prefill-token-threshold` lets prompts that arrive behind the long one start sooner.
-
-Reported per phase: request, output-token and total-token throughput; TTFT, ITL and E2E latency (mean,
-p50, p90, p99); completed, failed (by status code) and cancelled counts; peak KV usage (the load sampled
-every `--load-interval` s); prefix-cache hits, offloads and soft resets (load deltas); with
-`--metrics-url`, the step profile (`cbserve:step_time_seconds` by phase, _sum/_count deltas of the
-gateway's Prometheus endpoint around the phase). The load is GetLoad's over gRPC; over HTTP it is read
-from `--metrics-url` (cbserve's or vLLM's metrics), and unknown without it. Definitions are in
-`serve_report`. Exit status 1 when a request failed or a completed one did not get exactly its
-max_tokens (with EOS ignored).
-"""
+"""`cbserve bench serve`'s driver: phases of requests against one server (or two, side by side), the
+load sampled meanwhile, and the report (the package's docstring says what it measures)."""
 
 from __future__ import annotations
 
@@ -70,21 +9,21 @@ import math
 import secrets
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from services.bench.serve_backends import (
-    DEFAULT_GRPC_TARGET,
+from services.bench.serve.arguments import validate
+from services.bench.serve.backends import (
     Backend,
     BackendError,
+    GrpcBackend,
     RequestFailed,
     ServerInfo,
-    open_backend,
 )
-from services.bench.serve_metrics import parse_histogram, scrape
-from services.bench.serve_report import (
+from services.bench.serve.metrics import parse_histogram, scrape
+from services.bench.serve.report import (
     LoadSample,
     PhaseData,
     RequestRecord,
@@ -93,13 +32,14 @@ from services.bench.serve_report import (
     plot_report,
     summarize_phase,
 )
-from services.bench.serve_workloads import (
-    WORKLOADS,
+from services.bench.serve.workloads import (
     BenchRequest,
+    Phase,
     arrivals_for,
     jsonl_requests,
     long_prompt_requests,
     phase_rng,
+    plan_phases,
     random_requests,
     shared_prefix_requests,
 )
@@ -109,129 +49,6 @@ if TYPE_CHECKING:
 
 IDLE_TIMEOUT_S = 120.0
 _WARMUP_PROMPT_LEN, _WARMUP_TOKENS = 16, 2
-
-
-# -------------------------------------------------------------------------------------- arguments
-
-
-def _rates(text: str) -> list[float]:
-    rates = [float(x) for x in text.split(",") if x.strip()]
-    if not rates or any(not r > 0 for r in rates):
-        raise argparse.ArgumentTypeError(f"rates must be positive numbers (or inf), got {text!r}")
-    return rates
-
-
-def _labels(text: str) -> tuple[str, str]:
-    labels = tuple(x.strip() for x in text.split(","))
-    if len(labels) != 2 or not all(labels):
-        raise argparse.ArgumentTypeError(f"two names, TARGET,BASELINE, got {text!r}")
-    return labels[0], labels[1]
-
-
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", choices=("cbserve", "openai"), default="cbserve",
-                        help="cbserve: the gateway's gRPC API; openai: an OpenAI-compatible "
-                             "HTTP server's streaming /v1/completions (smg, vLLM)")  # fmt: skip
-    parser.add_argument("--target", default=None,
-                        help=f"cbserve: the gateway's host:port (default {DEFAULT_GRPC_TARGET}); "
-                             "openai: the server's URL, http://HOST:PORT")  # fmt: skip
-    parser.add_argument("--tokenizer", type=Path, default=None, metavar="MODEL_DIR",
-                        help="openai: the served model's directory, whose tokenizer writes token-id "
-                             "prompts as text of exact length (required)")  # fmt: skip
-    parser.add_argument("--served-model-name", default=None, metavar="NAME",
-                        help="openai: the model to request (default: the one /v1/models lists)")  # fmt: skip
-    parser.add_argument("--workload", choices=WORKLOADS, default="random")
-    parser.add_argument("--num-requests", type=int, default=64, help="requests per phase")
-    load = parser.add_mutually_exclusive_group()
-    load.add_argument("--request-rate", type=float, default=math.inf,
-                      help="Poisson arrivals per second (inf: all at once; default)")  # fmt: skip
-    load.add_argument("--request-rates", type=_rates, default=None, metavar="R1,R2,...",
-                      help="a sweep: one phase per rate, reported separately")  # fmt: skip
-    parser.add_argument("--concurrency", type=int, default=None, help="most requests in flight (closed loop)")
-    parser.add_argument("--duration", type=float, default=None, metavar="S",
-                        help="end each phase after S seconds, cancelling requests in flight")  # fmt: skip
-    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens (shared-prefix: suffix)")
-    parser.add_argument("--output-len", type=int, default=64, help="tokens to generate (max_tokens)")
-    parser.add_argument("--range-ratio", type=float, default=0.0,
-                        help="lengths uniform within ±ratio of --input-len and --output-len")  # fmt: skip
-    parser.add_argument("--num-groups", type=int, default=4, help="shared-prefix: groups")
-    parser.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: shared prompt tokens")
-    parser.add_argument("--long-prompt-len", type=int, default=4000, help="long-prompt: its prompt tokens")
-    parser.add_argument("--long-output-len", type=int, default=8, help="long-prompt: its max_tokens")
-    parser.add_argument("--long-prompt-after", type=int, default=None, metavar="K",
-                        help="long-prompt: send it once K short requests decode (default n/4)")  # fmt: skip
-    parser.add_argument("--dataset", type=Path, default=None, help="jsonl: the prompts file")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                        help="generate exactly max_tokens (default on)")  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths and arrivals")
-    parser.add_argument("--cache-salt", default=None,
-                        help="prefix-cache salt of all requests (default: new each run)")  # fmt: skip
-    parser.add_argument("--request-timeout", type=float, default=600.0, help="deadline of each call (s)")
-    parser.add_argument("--load-interval", type=float, default=0.5, help="seconds between load samples")
-    parser.add_argument("--metrics-url", default=None,
-                        help="the server's Prometheus endpoint: the step profile (cbserve) and, for "
-                             "openai, the load (cbserve's or vLLM's metrics)")  # fmt: skip
-    parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
-                        help="one short untimed request first (default on)")  # fmt: skip
-    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
-                        help="live progress bar on stderr (default on)")  # fmt: skip
-    compare = parser.add_argument_group("side by side (serve_compare.py)")
-    compare.add_argument("--baseline", default=None, metavar="TARGET",
-                         help="a second server of the same model and backend: both run every phase, "
-                              "alternating, and the report compares them")  # fmt: skip
-    compare.add_argument("--baseline-metrics-url", default=None, metavar="URL",
-                         help="the baseline's Prometheus endpoint (as --metrics-url)")  # fmt: skip
-    compare.add_argument("--repeat", type=int, default=1, metavar="N",
-                         help="with --baseline: rounds; medians and rounds ahead are reported")  # fmt: skip
-    compare.add_argument("--labels", type=_labels, default=("target", "baseline"), metavar="TARGET,BASELINE",
-                         help="the two servers' names in the report")  # fmt: skip
-    parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the full report here")
-    parser.add_argument("--plot", type=Path, default=None, metavar="FILE", help="latency CDFs (png)")
-
-
-@dataclass(frozen=True)
-class Phase:
-    index: int
-    name: str
-    rate: float
-
-
-def plan_phases(args: argparse.Namespace) -> list[Phase]:
-    rates = args.request_rates or [args.request_rate]
-    conc = f", concurrency {args.concurrency}" if args.concurrency else ""
-    return [Phase(i, f"rate {r:g} req/s{conc}", r) for i, r in enumerate(rates)]
-
-
-def validate(args: argparse.Namespace) -> None:
-    """Refuse bad settings before connecting; the target defaults to the local gateway's."""
-    openai = args.backend == "openai"
-    if args.target is None and not openai:
-        args.target = DEFAULT_GRPC_TARGET
-    problems = [
-        (openai and not str(args.target).startswith(("http://", "https://")),
-         f"--backend openai needs --target http://HOST:PORT, got {args.target}"),
-        (openai and args.baseline is not None and not args.baseline.startswith(("http://", "https://")),
-         f"--backend openai needs --baseline http://HOST:PORT, got {args.baseline}"),
-        (args.repeat < 1, "--repeat must be at least 1"),
-        (args.repeat > 1 and args.baseline is None, "--repeat compares rounds: it needs --baseline"),
-        (args.baseline is not None and args.plot is not None, "--plot draws one server: not with --baseline"),
-        (openai and args.tokenizer is None, "--backend openai needs --tokenizer MODEL_DIR"),
-        (args.num_requests < 1, "--num-requests must be at least 1"),
-        (args.concurrency is not None and args.concurrency < 1, "--concurrency must be at least 1"),
-        (args.duration is not None and args.duration <= 0, "--duration must be positive"),
-        (not args.request_rate > 0, "--request-rate must be positive"),
-        (not 0.0 <= args.range_ratio < 1.0, "--range-ratio must be in [0, 1)"),
-        (min(args.input_len, args.output_len, args.long_prompt_len, args.long_output_len) < 1,
-         "lengths must be at least 1"),
-        (args.workload == "jsonl" and args.dataset is None, "--workload jsonl needs --dataset"),
-        (args.load_interval <= 0, "--load-interval must be positive"),
-        (args.long_prompt_after is not None and not 0 <= args.long_prompt_after <= args.num_requests,
-         "--long-prompt-after must be in [0, --num-requests]"),
-    ]  # fmt: skip
-    for bad, message in problems:
-        if bad:
-            raise SystemExit(f"cbserve bench serve: {message}")
 
 
 # -------------------------------------------------------------------------------------- workloads
@@ -263,6 +80,23 @@ def check_fits(requests: list[BenchRequest], max_model_len: int | None) -> None:
                 f"cbserve bench serve: request {r.index} ({r.kind}) needs {r.prompt_len} prompt + "
                 f"{r.max_tokens} output tokens; the server's max_model_len is {max_model_len}"
             )
+
+
+@asynccontextmanager
+async def open_backend(args: argparse.Namespace) -> AsyncIterator[Backend]:
+    if args.backend == "openai":
+        from services.bench.serve.openai_backend import OpenAIBackend
+
+        async with OpenAIBackend.open(args) as backend:
+            yield backend
+        return
+    import grpc
+
+    from services.gateway.api import pb_grpc
+
+    options = [("grpc.max_receive_message_length", 16 << 20)]
+    async with grpc.aio.insecure_channel(args.target, options=options) as channel:
+        yield GrpcBackend(pb_grpc.TextGenerationStub(channel), args)
 
 
 # ----------------------------------------------------------------------------------------- driver
@@ -476,7 +310,7 @@ def print_phase(data: PhaseData) -> None:
 def run_side_by_side(args: argparse.Namespace) -> int:
     import asyncio
 
-    from services.bench.serve_compare import (
+    from services.bench.serve.compare import (
         by_round,
         compare_phase,
         comparison_json,

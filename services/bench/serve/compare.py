@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from services.bench.host_quiet import wait_quiet
-from services.bench.serve_backends import BackendError, ServerInfo
-from services.bench.serve_report import PhaseData, ms, summarize_phase
+from services.bench.serve.backends import BackendError, ServerInfo
+from services.bench.serve.report import PhaseData, ms, summarize_phase
 
 if TYPE_CHECKING:
-    from services.bench.serve import Phase
+    from services.bench.serve.workloads import Phase
 
     RunPhases = Callable[
         [argparse.Namespace, list[Phase], bool, Callable[[PhaseData], None]],
@@ -146,7 +146,7 @@ class Run:
 async def run_comparison(
     args: argparse.Namespace, phases: list[Phase], run_phases: RunPhases
 ) -> tuple[dict[str, Any], list[list[Run]]]:
-    """Every round's phases on both sides, one phase at a time (serve.py's `run_phases(side's args,
+    """Every round's phases on both sides, one phase at a time (runner.py's `run_phases(side's args,
     [phase], warm up first, when done)`). Returns the target's model facts and, per phase, its runs
     in the order they ran."""
     runs: list[list[Run]] = [[] for _ in phases]
@@ -188,7 +188,7 @@ def comparison_json(
     labels: tuple[str, str],
     phase_json: Callable[[PhaseData, dict[str, Any]], dict[str, Any]],
 ) -> list[dict[str, Any]]:
-    """Per phase: its comparison table and every run (serve.py's `phase_json` of it), in running order."""
+    """Per phase: its comparison table and every run (runner.py's `phase_json` of it), in running order."""
     return [
         {
             "name": phase_runs[0].summary["name"],

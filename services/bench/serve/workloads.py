@@ -8,6 +8,7 @@ Arrival times come from a separate generator, so the requests do not change with
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import random
@@ -174,3 +175,16 @@ def phase_rng(seed: int, phase: int, purpose: str) -> random.Random:
     """A generator per (seed, phase, purpose): each phase of a sweep gets fresh prompts (a repeat
     would be served from the prefix cache) and arrival times independent of the prompts."""
     return random.Random(f"{purpose}:{seed}:{phase}")
+
+
+@dataclass(frozen=True)
+class Phase:
+    index: int
+    name: str
+    rate: float
+
+
+def plan_phases(args: argparse.Namespace) -> list[Phase]:
+    rates = args.request_rates or [args.request_rate]
+    conc = f", concurrency {args.concurrency}" if args.concurrency else ""
+    return [Phase(i, f"rate {r:g} req/s{conc}", r) for i, r in enumerate(rates)]

@@ -1,6 +1,6 @@
 """The servers `cbserve bench serve` drives: what a backend does for the driver (`Backend`), cbserve's
 own gRPC API (`--backend cbserve`, here) and OpenAI-compatible HTTP (`--backend openai`,
-serve_openai.py). The driver, the workloads and the report are the same for both.
+openai_backend.py). The driver, the workloads and the report are the same for both.
 
 A backend sends one request and records what its stream does in the request's `RequestRecord`: the
 client time of each chunk carrying tokens and their count, then what the server says at the end
@@ -11,13 +11,12 @@ client time of each chunk carrying tokens and their count, then what the server 
 from __future__ import annotations
 
 import argparse
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from services.bench.serve_report import RequestRecord
-from services.bench.serve_workloads import BenchRequest
+from services.bench.serve.report import RequestRecord
+from services.bench.serve.workloads import BenchRequest
 
 DEFAULT_GRPC_TARGET = "127.0.0.1:50051"
 
@@ -55,29 +54,12 @@ class Backend(Protocol):
         """Sends `req` and records its stream in `record` (times from `now`); RequestFailed."""
 
     async def load(self, timeout_s: float) -> dict[str, int] | None:
-        """GetLoad's figures now (see serve_metrics), or None when they cannot be had this time."""
+        """GetLoad's figures now (see metrics.py), or None when they cannot be had this time."""
 
 
 def request_seed(args: argparse.Namespace, req: BenchRequest) -> int:
     """A sampled request's seed, so that its output is reproducible (below 2**63: OpenAI's is signed)."""
     return (args.seed * 1_000_003 + req.index) % 2**63
-
-
-@asynccontextmanager
-async def open_backend(args: argparse.Namespace) -> AsyncIterator[Backend]:
-    if args.backend == "openai":
-        from services.bench.serve_openai import OpenAIBackend
-
-        async with OpenAIBackend.open(args) as backend:
-            yield backend
-        return
-    import grpc
-
-    from services.gateway.api import pb_grpc
-
-    options = [("grpc.max_receive_message_length", 16 << 20)]
-    async with grpc.aio.insecure_channel(args.target, options=options) as channel:
-        yield GrpcBackend(pb_grpc.TextGenerationStub(channel), args)
 
 
 # ----------------------------------------------------------------------------------- cbserve gRPC

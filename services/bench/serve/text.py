@@ -2,7 +2,7 @@
 refuses a list of token ids (its `prompt` is a string or a list of strings), and a comparison must
 send every server the same thing.
 
-The workloads draw token ids (serve_workloads); here each id stands for one of the tokenizer's word
+The workloads draw token ids (workloads.py); here each id stands for one of the tokenizer's word
 tokens, those that decode to a space and lowercase ASCII letters and encode back to themselves alone
 ("the", " house"). Byte-level BPE tokenizers (GPT-2's, SmolLM2's, Llama 3's, Qwen's) split text
 before each such word, so a prompt of N words is read back as exactly those N tokens: lengths stay

@@ -1,6 +1,6 @@
 """Measurements of `cbserve bench serve` and what is computed from them: per-request records, latency
 statistics, the phase summary (a JSON-able dict), the printed tables, the step profile (from two
-scrapes of the gateway's step histogram, serve_metrics) and the plot. Nothing here talks to a server.
+scrapes of the gateway's step histogram, metrics.py) and the plot. Nothing here talks to a server.
 
 Conventions:
 - Times are seconds from the phase start, taken on the client (`time.perf_counter`).
@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.bench.serve_metrics import STEP_METRIC
+from services.bench.serve.metrics import STEP_METRIC
 
 STEP_PHASE_ORDER = ("schedule", "cache", "build", "forward", "sample", "wait", "emit", "total")
 
