@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
     from services.gateway.client import Credentials
     from services.gateway.security import Access, TlsFiles
-    from services.gateway.server import GatewaySettings
+    from services.gateway.settings import GatewaySettings
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -203,7 +203,7 @@ def _public_port(args: argparse.Namespace) -> tuple[TlsFiles | None, Access]:
 
 def _gateway_settings(args: argparse.Namespace) -> GatewaySettings:
     from services.gateway.inputs import Limits
-    from services.gateway.server import GatewaySettings
+    from services.gateway.settings import GatewaySettings
 
     tls, access = _public_port(args)
     return GatewaySettings(

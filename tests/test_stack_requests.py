@@ -29,7 +29,7 @@ from transformers import AutoTokenizer
 from services.cachemgr.sizing import meminfo_bytes
 from services.common.kv_geometry import RESERVED_CHUNKS, KVGeometry
 from services.gateway.api import pb
-from services.gateway.server import LOGPROBS_PER_CHUNK
+from services.gateway.text_generation import LOGPROBS_PER_CHUNK
 from tests.stack import Stack, greedy_request
 from tests.test_engine import reference_prompt_logprobs
 from tests.tiny_models import tiny_config

@@ -45,19 +45,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from google.protobuf.message_factory import GetMessageClass
 from smg_grpc_proto import vllm_engine_pb2 as vllm
 from smg_grpc_proto import vllm_engine_pb2_grpc as vllm_grpc
 from smg_grpc_proto.generated import common_pb2
 
 from services.common.messages import StoredBlock
 from services.gateway.api import pb
+from services.gateway.handlers import register
 from services.gateway.inputs import InvalidRequest
 from services.gateway.kv_event_log import KvBatch
 from services.gateway.vllm_requests import to_cbserve, vllm_field_names
 
 if TYPE_CHECKING:
-    from services.gateway.server import TextGenerationService
+    from services.gateway.text_generation import TextGenerationService
 
 SERVICE_NAME: str = vllm.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 GENERATE_METHOD = f"/{SERVICE_NAME}/Generate"
@@ -457,21 +457,7 @@ def _not_served(method: str) -> Any:
 
 
 def add_vllm_service(service: VllmEngineService, server: grpc.aio.Server) -> None:
-    """Register `service` as the generated stubs would, with the same request parsing as `cbserve.v1`
-    (a request that does not parse is INVALID_ARGUMENT, not UNKNOWN)."""
-    from services.gateway.server import _parse_or_none, _refuse_unparsed
+    def impl(name: str) -> Any:
+        return _not_served(name) if name in NOT_SERVED else getattr(service, name)
 
-    handlers = {}
-    for method in vllm.DESCRIPTOR.services_by_name["VllmEngine"].methods:
-        impl = getattr(service, method.name) if method.name not in NOT_SERVED else _not_served(method.name)
-        streaming = method.server_streaming
-        if streaming:  # Generate checks for an unparsed request itself (it is a generator)
-            kind, handler = grpc.unary_stream_rpc_method_handler, impl
-        else:
-            kind, handler = grpc.unary_unary_rpc_method_handler, _refuse_unparsed(impl)
-        handlers[method.name] = kind(
-            handler,
-            request_deserializer=_parse_or_none(GetMessageClass(method.input_type)),
-            response_serializer=GetMessageClass(method.output_type).SerializeToString,
-        )
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    register(server, vllm.DESCRIPTOR.services_by_name["VllmEngine"], impl)
