@@ -40,9 +40,9 @@ def no_cbserve_variables(monkeypatch: pytest.MonkeyPatch) -> None:
 def parsers(
     parser: argparse.ArgumentParser, path: tuple[str, ...] = ("cbserve",)
 ) -> Iterator[tuple[str, argparse.ArgumentParser]]:
-    """(command, parser) of every command that runs something: the leaves of the subcommand tree."""
+    """(command, parser) of every command that takes flags or runs something."""
     subcommands = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    if not subcommands:
+    if not subcommands or flags(parser):
         yield " ".join(path), parser
     for action in subcommands:
         for name, child in action.choices.items():
@@ -52,7 +52,7 @@ def parsers(
 def flags(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     """Every argument a user can give, less --help and the hidden ones (help=SUPPRESS: old names)."""
     shown = [a for a in parser._actions if a.help != argparse.SUPPRESS]
-    return [a for a in shown if not isinstance(a, argparse._HelpAction)]
+    return [a for a in shown if not isinstance(a, argparse._HelpAction | argparse._SubParsersAction)]
 
 
 def sections(text: str) -> tuple[dict[str, str], dict[str, str]]:
@@ -84,11 +84,13 @@ def command_text(command: str, page: str) -> str:
     return "\n".join([own, *linked])
 
 
-def row(action: argparse.Action, text: str) -> list[str]:
+def row(command: str, action: argparse.Action, text: str) -> list[str]:
     """The table row of `action`, as its cells (Flag, Type, Default, Environment, Meaning)."""
     first = action.option_strings[0] if action.option_strings else (action.metavar or action.dest)
     lines = [line for line in text.splitlines() if line.startswith(f"| `{first}`")]
-    assert len(lines) == 1, f"{first}: {len(lines)} rows"
+    assert len(lines) == 1, (
+        f"{command} {first}: {len(lines)} rows on docs/configuration.md, not 1 (regenerate: make docs)"
+    )
     return [cell.strip() for cell in _CELL.split(lines[0])[1:-1]]
 
 
@@ -110,8 +112,8 @@ def test_the_page_is_what_the_parsers_write_now() -> None:
         lines = difflib.unified_diff(committed.splitlines(True), fresh.splitlines(True), "committed", "fresh")
         diff = "".join(list(lines)[:60])
         pytest.fail(
-            f"docs/configuration.md is out of date with the parsers: regenerate it with "
-            f"`{config_reference.REGENERATE}` and commit it.\n{diff}"
+            "docs/configuration.md is out of date with the parsers: regenerate it with `make docs` "
+            f"(or `python -m services.config_reference`) and commit it.\n{diff}"
         )
 
 
@@ -122,7 +124,7 @@ def test_every_flag_of_every_command_is_on_the_page_with_its_default() -> None:
     for command, parser in parsers(build_parser()):
         text = command_text(command, page)
         for action in flags(parser):
-            default = row(action, text)[2]
+            default = row(command, action, text)[2]
             name = (action.option_strings or [action.dest])[0]
             assert default, f"{command} {name}: no default shown"
             if action.default is not None and action.default != []:
@@ -165,7 +167,7 @@ def test_every_variable_on_the_page_is_read(monkeypatch: pytest.MonkeyPatch) -> 
     # reads itself, as `env_name("api_keys")`).
     for command, parser in parsers(build_parser()):
         for action in flags(parser):
-            env_cell = row(action, command_text(command, page))[3]
+            env_cell = row(command, action, command_text(command, page))[3]
             for variable in re.findall(r"`([A-Z][A-Z0-9_]+)`", env_cell):
                 given = probe(action) if variable == env_name(action.dest) else None
                 if given is not None:
@@ -199,4 +201,7 @@ def test_every_cbserve_variable_the_services_name_is_on_the_page() -> None:
                     named.add(node.value)
     assert named, "no CBSERVE_ variable found in services/"
     missing = sorted(name for name in named if f"`{name}`" not in page)
-    assert not missing, f"read in services/ but not on docs/configuration.md: {missing}"
+    assert not missing, (
+        f"read in services/ but not on docs/configuration.md: {missing}; a flag's variable comes with "
+        "the flag, any other goes into OTHER_VARIABLES in services/config_reference.py (then make docs)"
+    )
