@@ -284,6 +284,8 @@ def describe(action: argparse.Action) -> Flag:
             shown = stated.group(1).strip()
             if re.fullmatch(r"[\w.-]+", shown):  # one value, not a phrase
                 shown = with_unit(shown, unit(action, help_text))
+        elif action.required:
+            shown = "required"
         else:
             shown = "unset" if default is None else "none"
     elif default == "":

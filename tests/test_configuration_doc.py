@@ -137,6 +137,20 @@ def test_every_flag_of_every_command_is_on_the_page_with_its_default() -> None:
     assert checked > 100  # the walk reached the subcommands
 
 
+def test_a_default_the_help_states_is_the_parsers() -> None:
+    """The page shows the parser's default and drops the help's `(default X)`: the two must agree,
+    or the page would hide a help text that tells users a default the flag does not have."""
+    for command, parser in parsers(build_parser()):
+        for action in flags(parser):
+            stated = re.search(r"\(default:? ([^()]*)\)\s*(\[[^]]*\])?$", action.help or "")
+            if stated is None or action.default is None or action.default == []:
+                continue
+            assert stated.group(1) == shown(action.default), (
+                f"{command} {action.option_strings[0]}: the help says (default {stated.group(1)}), "
+                f"the parser holds {shown(action.default)}"
+            )
+
+
 def probe(action: argparse.Action) -> tuple[str, Any] | None:
     """A variable's text that its flag accepts and that differs from the default, with its value."""
     if isinstance(action, argparse.BooleanOptionalAction):
