@@ -11,6 +11,7 @@ import ast
 import dataclasses
 import difflib
 import math
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,8 +32,6 @@ _CELL = re.compile(r"(?<!\\)\|")
 @pytest.fixture(autouse=True)
 def no_cbserve_variables(monkeypatch: pytest.MonkeyPatch) -> None:
     """The parsers take a set `CBSERVE_*` variable as a flag's default; the page holds the unset ones."""
-    import os
-
     for name in [k for k in os.environ if k.startswith(config_reference.ENV_PREFIX)]:
         monkeypatch.delenv(name)
 
