@@ -35,7 +35,7 @@ TORCH_REQUIREMENT = variant='$(TORCH_VARIANT)'; \
 	esac
 
 .PHONY: serve test test-slow soak soak-memory bench bench-peers lint model torch-requirement clean \
-	gpu-wheels gpu-check
+	gpu-wheels gpu-check docs
 
 torch-requirement:
 	@$(TORCH_REQUIREMENT)
@@ -136,6 +136,11 @@ gpu-check:
 	$(PY) -m pip install --quiet --no-index --no-deps --target $(GPU_SITE) $(GPU_WHEELS)/*.whl
 	PYTHONPATH=$(GPU_SITE):. PYTHONUNBUFFERED=1 $(PY) scripts/gpu_check.py $(GPU_CHECK_ARGS) \
 		$(if $(OUT),--out-dir $(OUT) 2>$(OUT)/gpu_check.log || { tail -n 40 $(OUT)/gpu_check.log; exit 1; })
+
+# docs/configuration.md from the command-line parsers (services/config_reference.py): after adding or
+# changing a flag, a default or an environment variable. The test suite fails while the page is stale.
+docs: $(RUNTIME_STAMP)
+	$(BIN)/python -m services.config_reference
 
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check services tests scripts
