@@ -1,4 +1,4 @@
-"""The reference workload must reproduce the totals PERFORMANCE.md quotes, or baselines are not comparable."""
+"""The reference workload must reproduce its published totals, or baselines are not comparable."""
 
 from __future__ import annotations
 

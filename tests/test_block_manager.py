@@ -11,7 +11,7 @@ It plays the async batching protocol too: each plan leaves while the previous st
 that forward's KV writes and samples land only after the grant (before its swap copies), and the tokens
 it samples travel as placeholders.
 
-Protocol reminders (DESIGN.md, "Memory ownership and the step protocol"):
+Protocol reminders (docs/architecture.md, the step protocol):
 - the worker sends each request's tokens once: the whole prompt on first sight, then each sampled token;
 - tokens granted at step N count as computed when step N+1's plan arrives (with async batching, N+2's);
 - a grant computes `[start, start + num_tokens)`; `start` differs from the worker's count only on admission

@@ -1,6 +1,6 @@
 """`cbserve bench offline`: one workload through several systems, side by side in one process.
 
-Machines here are shared and noisy (PERFORMANCE.md), so absolute figures from different runs do not
+Benchmark machines are often shared and noisy, so absolute figures from different runs do not
 compare; this command runs the cbserve engine and the transformers baselines on the same requests in the
 same process, one after the other, and prints ratios. Each system gets an untimed warm-up first so that
 one-off costs (allocator growth, lazy kernel selection, cache allocation) do not land on whoever runs
@@ -12,7 +12,7 @@ Systems:
   no round hits what an earlier one cached. (Built afresh per round, the first touches of its pool
   fell inside the timed part: about 7,000 page faults in a W1 round, against about 400 once built.)
 - `hf-cb`: transformers' own continuous batching (`init_continuous_batching` + `add_request`), with
-  the settings PERFORMANCE.md quotes its baseline for (sdpa, page 32, 512 blocks, max_batch_tokens 512).
+  fixed baseline settings (sdpa, page 32, 512 blocks, max_batch_tokens 512).
 - `hf-generate`: `model.generate`, one request at a time.
 - `hf-static`: `model.generate` in static left-padded batches of `--static-batch` requests.
 - `stack`: the three-process service (`cbserve up`, same engine settings) driven over gRPC, all
@@ -77,8 +77,8 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-# The configuration PERFORMANCE.md measured transformers' continuous batching with (26.9 tok/s on W1);
-# it is the baseline, so it stays fixed whatever engine settings are benchmarked.
+# transformers' continuous batching, configured as when it was first measured as the baseline
+# (docs/performance.md); fixed whatever engine settings are benchmarked.
 HF_CB_SETTINGS: dict[str, int] = {"page_size": 32, "num_blocks": 512, "max_batch_tokens": 512}
 
 # Token ids for the warm-up requests: fewer than one page, so a prefix cache cannot keep anything from

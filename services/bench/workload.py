@@ -1,4 +1,4 @@
-"""The reference benchmark workload (W1 in PERFORMANCE.md).
+"""The reference benchmark workload, W1 (docs/benchmarking.md).
 
 Every system under comparison must see exactly the same requests, so the workload is a pure function of
 its parameters and a seed. The drawing procedure is part of the contract: the published baseline figures

@@ -5,7 +5,7 @@ The pool's bytes, first match wins:
 - `kv_cache_space` GiB;
 - free memory x `max_memory_percent`, less what one step of the model needs besides the KV pool
   (activations for `max_batch_tokens`, attention workspace, logits for `max_requests_per_batch` rows):
-  DESIGN.md's rule, and the default on a GPU (90%), whose memory the server owns;
+  the default on a GPU (90%), whose memory the server owns;
 - on a CPU host, a fixed `DEFAULT_CPU_KV_CACHE` capped at a quarter of RAM. Host memory is shared
   with everything else on the machine, and sizing from what happens to be free made the pool 19 to
   22 GB on a 24 GiB machine, differently on every start. 4 GiB is the size vLLM-CPU's recipe sets

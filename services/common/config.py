@@ -1,7 +1,8 @@
 """Continuous-batching settings shared by every process.
 
-One dataclass holds every setting DESIGN.md names; each process reads the fields it needs. The CLI
-exposes each field as a kebab-case flag and a `CBSERVE_<NAME>` environment variable.
+One dataclass holds every continuous-batching setting (docs/configuration.md lists them); each
+process reads the fields it needs. The CLI exposes each field as a kebab-case flag and a
+`CBSERVE_<NAME>` environment variable.
 """
 
 from __future__ import annotations
