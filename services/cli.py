@@ -422,7 +422,7 @@ def _add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     add_env_argument(parser, "--resubmit-timeout", type=bounded(float, 0), default=60.0,
                      help="seconds streams of a lost worker wait for a new one")  # fmt: skip
 
-    access = parser.add_argument_group("the public port's security (README: Security)")
+    access = parser.add_argument_group("the public port's security (docs/deployment.md)")
     add_env_argument(access, "--tls-cert", help="PEM certificate (chain): the gRPC port speaks TLS")
     add_env_argument(access, "--tls-key", help="PEM private key of --tls-cert")
     add_env_argument(

@@ -22,7 +22,7 @@ class InvalidRequest(ValueError):
 
 @dataclass(frozen=True)
 class Limits:
-    """Explicit per-request limits (documented in the README)."""
+    """Explicit per-request limits (documented in docs/deployment.md: Limits)."""
 
     max_input_chars: int = 1 << 20  # text or all chat contents together, before tokenizing
     max_stop_strings: int = 16
