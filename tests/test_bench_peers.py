@@ -1,6 +1,6 @@
 """`cbserve bench offline` against peers: the harness (subprocess protocol, alternating rounds, the
 closed-loop sweep, agreement with the engine, setup) with a stand-in peer, since the real peers are too
-heavy for CI (`cbserve bench setup-peers` installs them; README has their figures)."""
+heavy for CI (`cbserve bench setup-peers` installs them; docs/performance.md has their figures)."""
 
 from __future__ import annotations
 
