@@ -4,8 +4,9 @@ Each turn: drain every gateway message (new requests, aborts, load queries, hear
 engine step, and send each gateway one `WorkerMessage` with all of its requests' news. A step's
 news leaves once the cachemgr has committed that step's KV (the next step's plan does), so what
 clients have seen of a worker that dies is in the prefix cache, but for the last partial page.
-Gateways are peers of a ROUTER socket, so several may share one worker; a gateway silent for
-`gateway_timeout_s` is presumed dead and its requests are aborted (their blocks return).
+Gateways are peers of a ROUTER socket, so several may share one worker; which requests each owns and
+the news each is owed are in gateway_sessions.py. A gateway silent for `gateway_timeout_s` is presumed
+dead and its requests are aborted (their blocks return).
 
 The KV memory belongs to the cachemgr. When it stops answering, every request fails with
 UNAVAILABLE and the worker attaches again (a fresh attach id makes the cachemgr drop whatever an
@@ -17,7 +18,6 @@ from __future__ import annotations
 import signal
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
@@ -34,75 +34,23 @@ from services.common.gateway_messages import (
     GatewayMessage,
     Load,
     NewRequest,
-    RequestOutput,
     StepTimes,
-    TokenLogprob,
     WorkerFacts,
     WorkerMessage,
     WorkerStatus,
 )
 from services.common.heap import huge_page_bytes
 from services.common.kv_geometry import RESERVED_CHUNKS
-from services.common.messages import KvEvents
 from services.common.sampling_params import SamplingParams
 from services.common.wire import decode_or_drop, internal_key, key_matches
 from services.worker.cache_client import CacheUnavailable, RemoteCache
 from services.worker.engine import Engine
-from services.worker.request import FinishReason, Request
+from services.worker.gateway_sessions import Gateway, GatewaySessions, request_key
 
 log = structlog.get_logger(__name__)
 
 STATUS_INTERVAL_S = 0.5
 IDLE_POLL_MS = 50
-
-
-@dataclass
-class Gateway:
-    routing_id: bytes
-    gateway_id: str
-    last_seen: float
-    requests: set[str] = field(default_factory=set)  # engine request ids
-    # This turn's news, sent as one message by `_flush`.
-    outputs: list[RequestOutput] = field(default_factory=list)
-    status: WorkerStatus | None = None
-    kv_events: list[KvEvents] = field(default_factory=list)
-    flushed: list[tuple[int, int]] = field(default_factory=list)
-
-
-def _key(gateway: Gateway, request_id: str) -> str:
-    """Engine request id: keyed by the ZMQ routing id, which a peer cannot forge (a gateway id it
-    can claim), so no other peer can reach a gateway's requests."""
-    return f"{gateway.routing_id.hex()}/{request_id}"
-
-
-@dataclass
-class Tracked:
-    """Worker-side bookkeeping of one request: whose it is and what it has been sent."""
-
-    gateway: Gateway
-    request_id: str  # the gateway's id
-    trace_id: str
-    emitted: int = 0
-    started: bool = False
-
-
-def _logprobs(req: Request, start: int, end: int) -> list[TokenLogprob] | None:
-    if req.params.logprobs is None:
-        return None
-    return [
-        TokenLogprob(req.output_ids[i], lp.token_logprob, lp.top)
-        for i, lp in enumerate(req.logprobs[start:end], start)
-        if lp is not None
-    ]
-
-
-def _prompt_logprobs(req: Request) -> list[TokenLogprob] | None:
-    if req.params.prompt_logprobs is None:
-        return None
-    return [
-        TokenLogprob(token, lp.token_logprob, lp.top)
-        for token, lp in zip(req.prompt_ids[1:], req.prompt_logprobs, strict=True)
-    ]
 
 
 class WorkerServer:
@@ -125,12 +73,10 @@ class WorkerServer:
         self.address = address
         self.cachemgr_address = cachemgr_address
         self.cachemgr_timeout_s = cachemgr_timeout_s
-        self.gateway_timeout_s = gateway_timeout_s
         self.worker_id = uuid.uuid4().hex[:12]
         self.engine: Engine | None = None
         self.facts: WorkerFacts | None = None
-        self.gateways: dict[bytes, Gateway] = {}
-        self.tracked: dict[str, Tracked] = {}
+        self.sessions = GatewaySessions(gateway_timeout_s)
         self.stopping = False
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(GatewayMessage)
@@ -193,8 +139,8 @@ class WorkerServer:
         try:
             self.engine = Engine(self.model, self.config, cache=cache)
             self._warm_up(self.engine)
-            self.engine.on_kv_events = self._queue_kv_events
-            self._send_kv_snapshot(list(self.gateways.values()))  # a cache they did not know
+            self.engine.on_kv_events = self.sessions.queue_kv_events
+            self._send_kv_snapshot(list(self.sessions))  # a cache they did not know
         except CacheUnavailable as exc:
             log.warning("cachemgr lost during warm-up", error=str(exc))
             self._detach()
@@ -260,9 +206,7 @@ class WorkerServer:
             try:
                 self._step(self.engine)
             except CacheUnavailable as exc:
-                log.error("cachemgr unavailable; failing requests", error=str(exc))
-                self._fail_all(f"KV cache manager unavailable: {exc}", "UNAVAILABLE")
-                self._detach()
+                self._lose_cachemgr(exc)
         # Drain again first: a long step (or a wait for the cachemgr) must not make the heartbeats
         # that arrived meanwhile look missing.
         self._drain()
@@ -317,13 +261,10 @@ class WorkerServer:
             self._handle(routing_id, message)
 
     def _handle(self, routing_id: bytes, message: GatewayMessage) -> None:
-        gateway = self.gateways.get(routing_id)
-        if gateway is None or gateway.gateway_id != message.gateway_id:
-            gateway = self.gateways[routing_id] = Gateway(routing_id, message.gateway_id, self._clock.now())
-            log.info("gateway connected", gateway_id=message.gateway_id)
+        gateway, new = self.sessions.seen(routing_id, message.gateway_id, self._clock.now())
+        if new:
             self._last_status = 0.0
             self._send_kv_snapshot([gateway])
-        gateway.last_seen = self._clock.now()
         for rid in message.aborts:
             self._abort(gateway, rid)
         for new in message.adds:
@@ -334,14 +275,13 @@ class WorkerServer:
             self._pending_flushes[routing_id] = message.flush_cache
 
     def _add(self, gateway: Gateway, new: NewRequest) -> None:
-        key = _key(gateway, new.request_id)
+        key = request_key(gateway, new.request_id)
         engine, facts = self.engine, self.facts
         if engine is None or facts is None:
-            gateway.outputs.append(RequestOutput(new.request_id, [], finish="error", error="worker not ready",
-                                                 code="UNAVAILABLE"))  # fmt: skip
+            gateway.refuse(new.request_id, "worker not ready", "UNAVAILABLE")
             return
         try:
-            if key in self.tracked:
+            if key in self.sessions.tracked:
                 raise ValueError(f"duplicate request_id {new.request_id!r}")
             total = len(new.prompt_ids) + new.params.max_new_tokens
             if total > facts.max_request_tokens:
@@ -351,25 +291,19 @@ class WorkerServer:
                 new.prompt_ids, new.params, request_id=key, priority=new.priority, cache_salt=new.cache_salt
             )
         except (ValueError, TypeError) as exc:
-            gateway.outputs.append(
-                RequestOutput(new.request_id, [], finish="error", error=str(exc), code="INVALID_ARGUMENT")
-            )
+            gateway.refuse(new.request_id, str(exc), "INVALID_ARGUMENT")
             return
         self._awaited -= 1
-        self.tracked[key] = Tracked(gateway, new.request_id, new.trace_id)
-        gateway.requests.add(key)
+        self.sessions.track(gateway, new)
         log.info("request added", request_id=new.trace_id, prompt_tokens=len(new.prompt_ids),
                  max_tokens=new.params.max_new_tokens, priority=new.priority)  # fmt: skip
 
     def _abort(self, gateway: Gateway, request_id: str) -> None:
-        key = _key(gateway, request_id)
-        tracked = self.tracked.get(key)
-        if tracked is None or tracked.gateway is not gateway:
-            return  # finished already, or never known: aborts race with completions
-        del self.tracked[key]
-        gateway.requests.discard(key)
+        tracked = self.sessions.untrack(gateway, request_id)
+        if tracked is None:
+            return
         if self.engine is not None:
-            self.engine.abort(key)
+            self.engine.abort(request_key(gateway, request_id))
         log.info("request aborted by gateway", request_id=tracked.trace_id, internal_id=tracked.request_id)
 
     def _step(self, engine: Engine) -> None:
@@ -385,7 +319,7 @@ class WorkerServer:
         updated = engine.step(on_committed=flush)
         t_emit = time.perf_counter()
         for req in updated:
-            self._emit(req)
+            self._awaited += self.sessions.emit(req)
         times = engine.last_step_times
         if times.num_requests:
             t_end = time.perf_counter()
@@ -398,66 +332,25 @@ class WorkerServer:
                 t_end - t_emit + flush_s, times.num_tokens, times.num_requests, times.wait, t_end - t_step,
             )  # fmt: skip
 
-    def _emit(self, req: Request) -> None:
-        tracked = self.tracked.get(req.request_id)
-        if tracked is None:
-            return
-        start, end = tracked.emitted, len(req.output_ids)
-        tracked.emitted = end
-        first = not tracked.started and req.scheduled_at is not None
-        tracked.started = tracked.started or first
-        finish, error, code = "", "", ""
-        if req.finished:
-            assert req.finish_reason is not None
-            finish = req.finish_reason.value
-            if req.finish_reason is FinishReason.ERROR:
-                error, code = req.error, "INVALID_ARGUMENT"
-            del self.tracked[req.request_id]
-            tracked.gateway.requests.discard(req.request_id)
-            self._awaited += 1
-            log.info("request finished", request_id=tracked.trace_id, reason=finish, error=error or None,
-                     completion_tokens=len(req.output_ids), cached_tokens=req.num_cached_tokens)  # fmt: skip
-        tracked.gateway.outputs.append(
-            RequestOutput(
-                tracked.request_id,
-                req.output_ids[start:end],
-                _logprobs(req, start, end),
-                finish=finish,
-                error=error,
-                code=code,
-                cached_tokens=req.num_cached_tokens if first else -1,
-                queue_seconds=req.scheduled_at - req.arrived_at if first and req.scheduled_at else -1.0,
-                prompt_logprobs=_prompt_logprobs(req) if start == 0 < end else None,
-            )
-        )
-
     def _fail_all(self, reason: str, code: str) -> None:
-        for key, tracked in list(self.tracked.items()):
+        for key in self.sessions.fail_all(reason, code):
             if self.engine is not None:
                 self.engine.abort(key)
-            tracked.gateway.outputs.append(
-                RequestOutput(tracked.request_id, [], finish="error", error=reason, code=code)
-            )
-            tracked.gateway.requests.discard(key)
-        self.tracked.clear()
+
+    def _lose_cachemgr(self, exc: CacheUnavailable) -> None:
+        """The KV memory's owner stopped answering: every request fails, and the next turns attach again."""
+        log.error("cachemgr unavailable; failing requests", error=str(exc))
+        self._fail_all(f"KV cache manager unavailable: {exc}", "UNAVAILABLE")
+        self._detach()
 
     def _expire_gateways(self) -> None:
-        """A gateway silent for `gateway_timeout_s` (of awake time: see AwakeClock) is presumed dead.
-        It is told its requests are gone, in case it lives after all, so no stream waits forever."""
-        now = self._clock.now()
-        for routing_id, gateway in list(self.gateways.items()):
-            if now - gateway.last_seen <= self.gateway_timeout_s:
-                continue
-            for key in list(gateway.requests):
-                request_id = self.tracked[key].request_id
-                self._abort(gateway, request_id)
-                gateway.outputs.append(RequestOutput(
-                    request_id, [], finish="error", error="the worker presumed this gateway dead",
-                    code="UNAVAILABLE",
-                ))  # fmt: skip
+        """A gateway silent for `gateway_timeout_s` (of awake time: see AwakeClock) is presumed dead;
+        it is told at once, not with the turn's news, since it is no longer in the book."""
+        for gateway, keys in self.sessions.expire(self._clock.now()):
+            if self.engine is not None:
+                for key in keys:
+                    self.engine.abort(key)
             self._send(gateway, WorkerMessage(self.worker_id, gateway.outputs, None, None))
-            del self.gateways[routing_id]
-            log.warning("gateway timed out; its requests were aborted", gateway_id=gateway.gateway_id)
 
     # -------------------------------------------------------------------------------------- status
 
@@ -483,7 +376,7 @@ class WorkerServer:
             kv_pool_committed_bytes=stats["kv_pool_committed_bytes"],
             host_available_bytes=stats["host_available_bytes"],
             steps=stats["steps"],
-            worker_streams=len(self.tracked),
+            worker_streams=len(self.sessions.tracked),
             cache_requests=stats["requests_known"],
         )
 
@@ -495,14 +388,10 @@ class WorkerServer:
         try:
             load = self.load()
         except CacheUnavailable as exc:
-            log.error("cachemgr unavailable; failing requests", error=str(exc))
-            self._fail_all(f"KV cache manager unavailable: {exc}", "UNAVAILABLE")
-            self._detach()
+            self._lose_cachemgr(exc)
             load = Load()
         ready = self.engine is not None and not self.stopping
-        targets = self.gateways.values() if periodic else [
-            g for g in self.gateways.values() if g.routing_id in self._pending_queries
-        ]  # fmt: skip
+        targets = [g for g in self.sessions if periodic or g.routing_id in self._pending_queries]
         for gateway in targets:
             query = self._pending_queries.get(gateway.routing_id, 0)
             gateway.status = WorkerStatus(self.worker_id, ready, self.facts, load, query)
@@ -523,11 +412,11 @@ class WorkerServer:
             else:
                 blocks = flushed.blocks
                 if flushed.kv_events is not None:
-                    self._queue_kv_events(flushed.kv_events)
+                    self.sessions.queue_kv_events(flushed.kv_events)
                 log.info("prefix cache flushed", blocks=blocks)
         for routing_id, query in self._pending_flushes.items():
-            if routing_id in self.gateways:
-                self.gateways[routing_id].flushed.append((query, blocks))
+            if routing_id in self.sessions.gateways:
+                self.sessions.gateways[routing_id].flushed.append((query, blocks))
         self._pending_flushes.clear()
 
     def _send_kv_snapshot(self, gateways: list[Gateway]) -> None:
@@ -543,22 +432,11 @@ class WorkerServer:
         for gateway in gateways:
             gateway.kv_events = [snapshot]  # supersedes whatever older news was queued
 
-    def _queue_kv_events(self, events: KvEvents) -> None:
-        for gateway in self.gateways.values():  # every gateway: each may have routers subscribed
-            gateway.kv_events.append(events)
-
     def _flush(self) -> None:
-        """One message per gateway per turn: its outputs, its status if due, the step profile, the
-        prefix cache's changes."""
+        """One message per gateway per turn (GatewaySessions.messages)."""
         profile, self._profile = self._profile, None
-        for gateway in self.gateways.values():
-            if gateway.outputs or gateway.status is not None or gateway.kv_events or gateway.flushed:
-                step = profile if gateway.outputs else None
-                message = WorkerMessage(
-                    self.worker_id, gateway.outputs, gateway.status, step, gateway.kv_events, gateway.flushed
-                )
-                self._send(gateway, message)
-                gateway.outputs, gateway.status, gateway.kv_events, gateway.flushed = [], None, [], []
+        for gateway, message in self.sessions.messages(self.worker_id, profile):
+            self._send(gateway, message)
 
     def _send(self, gateway: Gateway, message: WorkerMessage) -> None:
         try:
