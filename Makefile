@@ -80,6 +80,7 @@ FRESH := --hypothesis-profile=fresh --hypothesis-seed=$(SEED)
 
 test: $(TEST_STAMP) model
 	$(BIN)/ruff check services tests scripts
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/pytest -q
 	@$(MAKE) --no-print-directory fuzz SEED=$(SEED)
 
