@@ -9,11 +9,14 @@ files, and sends the gateway token ids. The supervisor runs it as a fourth child
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
 import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+from services.common.cli_args import PORT, add_env_argument
 
 INSTALL_HINT = "pip install 'cbserve[router]'"
 # Where smg's own Prometheus metrics go unless told otherwise (its default).
@@ -99,3 +102,12 @@ def router_argv(
         )
     return smg_command(host=host, http_port=http_port, metrics_port=metrics_port, model_dir=model_dir,
                        worker_urls=[gateway_url(host, gateway_port)])  # fmt: skip
+
+
+def add_router_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(f"OpenAI-compatible HTTP through the smg router ({INSTALL_HINT})")
+    add_env_argument(group, "--http-port", type=PORT, default=0,
+                     help="serve /v1/chat/completions, /v1/completions and /v1/models on this port: smg runs "
+                          "in front of the gateway as a fourth child (0: off)")  # fmt: skip
+    add_env_argument(group, "--router-metrics-port", type=PORT, default=DEFAULT_METRICS_PORT,
+                     help="smg's Prometheus port (with --http-port)")  # fmt: skip

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from services.cli import build_parser, generate_request, main
+from services.cli import build_parser, main
 from services.common import ready_file
 from services.common.gateway_messages import Load, WorkerFacts
 from services.gateway.api import pb
+from services.gateway.client_command import generate_request
 from services.gateway.inputs import InvalidRequest, Limits, prepare
 from services.gateway.metrics import GatewayMetrics
 from services.supervisor import Child, Supervisor, cbserve_argv, die_with_parent, unavailable_port

@@ -26,9 +26,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from services.bench.stack import free_port
-from services.cli import _public_port, build_parser, main
+from services.cli import build_parser, main
 from services.common.wire import INTERNAL_KEY_ENV
 from services.gateway.api import SERVICE_NAME, pb, pb_grpc
+from services.gateway.command import public_port
 from services.gateway.security import ApiKeys, split_keys
 from services.supervisor import cbserve_argv, die_with_parent, stop_process
 from tests.certs import Pki, make_pki
@@ -192,7 +193,7 @@ def test_api_key_flags_replace_the_variable_and_the_file_adds_to_either(
     monkeypatch.setenv("CBSERVE_API_KEYS", f"{ALPHA}, {WRONG}")
 
     def labels(*argv: str) -> list[str | None]:
-        _, access = _public_port(build_parser().parse_args(["gateway", *argv]))
+        _, access = public_port(build_parser().parse_args(["gateway", *argv]))
         assert access.keys is not None
         return [access.keys.identify(key) for key in (ALPHA, BETA, WRONG)]
 

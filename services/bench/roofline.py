@@ -19,8 +19,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from services.bench.arguments import ENGINE_DTYPES, in_flight_list
 from services.bench.host_quiet import usable_cores
 from services.common.cli_args import add_cb_arguments, bounded, cb_config, cb_settings, model_dir
@@ -58,6 +56,8 @@ class RooflinePoint:
 
 def measure_read_rate(repeats: int = 7) -> float:
     """Bytes per second that every thread of this process together reads memory at (best of `repeats`)."""
+    import torch
+
     from services.worker.kernels import memory_probe
 
     probe = memory_probe()
@@ -133,6 +133,8 @@ def add_roofline_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from services.worker.engine import Engine
 
     cb_config(args)  # a bad setting is a usage error before the model loads

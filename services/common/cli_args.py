@@ -173,3 +173,43 @@ def cb_config(args: argparse.Namespace) -> CBConfig:
         return config
     except (TypeError, ValueError) as exc:
         raise usage_error(str(exc)) from None
+
+
+# The internal sockets' defaults: where a cachemgr binds and a worker connects, where a worker binds
+# and a gateway connects.
+DEFAULT_CACHEMGR_ADDRESS = "tcp://127.0.0.1:5557"
+DEFAULT_WORKER_ADDRESS = "tcp://127.0.0.1:5556"
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--model`, `--device`, `--dtype`: what every process that holds the model or its KV reads."""
+    from services.common.config import DTYPES
+
+    add_env_argument(parser, "--model", help="local model directory (default: the embedded SmolLM2-135M)")
+    add_env_argument(parser, "--device", default="cpu", help="cpu, cuda or cuda:N")
+    add_env_argument(
+        parser,
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help="the weights' dtype (and the KV pages', unless --kv-cache-dtype says): auto is bfloat16 "
+        "where the device computes it natively, else float32; float32 is exact",
+    )
+
+
+def model_dtype(args: argparse.Namespace, model: str) -> Any:
+    """`--dtype` (a torch.dtype) for the model in directory `model` on `--device`; `auto` resolved as
+    precision.py says."""
+    from pathlib import Path
+
+    from services.common.precision import resolve_dtype
+
+    return resolve_dtype(args.dtype, Path(model), args.device)
+
+
+def add_max_tokens(parser: argparse.ArgumentParser, default: int | None, help: str) -> None:
+    """`--max-tokens`, the API's name, in every command; `--max-new-tokens` (chat's old name) is still
+    read but no longer shown."""
+    parser.add_argument("--max-tokens", type=bounded(int, 1), default=default, help=help)
+    parser.add_argument("--max-new-tokens", dest="max_tokens", type=bounded(int, 1),
+                        default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # fmt: skip
