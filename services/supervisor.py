@@ -197,3 +197,61 @@ def run_up(
         return Supervisor(children, env, stop_timeout_s=drain_grace_s + 10).run()
     finally:
         shutil.rmtree(runtime, ignore_errors=True)
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LocalStack:
+    """`cbserve up` as a child process on loopback ports of its own (gRPC and metrics), its settings in
+    `env`, its logs in `log_path`: the stack the benchmarks and the integration tests drive. It dies
+    with this process, and `stop` ends it as Ctrl-C would."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        log_path: Path,
+        env: dict[str, str],
+        up_args: Sequence[str] = (),
+        cwd: Path | None = None,
+    ) -> None:
+        self.model_dir = model_dir
+        self.port, self.metrics_port = free_port(), free_port()
+        self.target = f"127.0.0.1:{self.port}"
+        self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        self.log_path = log_path
+        self._log = log_path.open("wb")
+        argv = cbserve_argv("up", "--model", str(model_dir), "--port", str(self.port),
+                            "--metrics-port", str(self.metrics_port), *up_args)  # fmt: skip
+        self.process = subprocess.Popen(
+            argv, env=env, cwd=cwd, stdout=self._log, stderr=self._log, preexec_fn=die_with_parent
+        )
+
+    def health_status(self) -> str:
+        """The health service's answer (SERVING, NOT_SERVING, or the status code of a failed call);
+        each driver asks it over its own channel."""
+        raise NotImplementedError
+
+    def wait_serving(self, timeout_s: float = 240.0) -> None:
+        """Until the health service says SERVING; an error, with the log's end, if the stack exits
+        first or takes longer than `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while self.health_status() != "SERVING":
+            if self.process.poll() is not None:
+                raise RuntimeError(f"stack exited with {self.process.returncode}:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"stack not SERVING after {timeout_s} s:\n{self.log_tail()}")
+            time.sleep(0.25)
+
+    def log_tail(self, lines: int = 60) -> str:
+        self._log.flush()
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> int:
+        code = stop_process(self.process, 60)
+        self._log.close()
+        return code

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import secrets
-import subprocess
 import time
 from collections.abc import Iterator, Sequence
 from functools import cache
@@ -25,19 +24,18 @@ import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoModelForCausalLM
 
-from services.bench.stack import free_port
 from services.common.cli_args import settings_env
 from services.common.gateway_messages import GatewayMessage, WorkerMessage
 from services.common.wire import INTERNAL_KEY_ENV
 from services.gateway.api import pb, pb_grpc
-from services.supervisor import cbserve_argv, die_with_parent, stop_process
+from services.supervisor import LocalStack
 
 Metadata = tuple[tuple[str, str], ...]
 START_TIMEOUT_S = 240  # three processes importing torch on two busy cores
 REPO = Path(__file__).resolve().parents[1]
 
 
-class Stack:
+class Stack(LocalStack):
     def __init__(
         self,
         model_dir: Path,
@@ -51,19 +49,11 @@ class Stack:
     ) -> None:
         """`up_args`: more `cbserve up` flags; `credentials` (TLS) and `metadata` (an API key): what
         the stack's own calls present to a gateway that asks for them."""
-        self.model_dir = model_dir
-        self.port, self.metrics_port = free_port(), free_port()
-        self.target = f"127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"stack-{self.port}.log"
         self.internal_key = secrets.token_hex(16)  # tests that pose as one of the stack's peers need it
         env = os.environ | settings_env({"worker_timeout": 30, "threads": 2} | settings)
         env[INTERNAL_KEY_ENV] = self.internal_key
-        self._log = self.log_path.open("wb")
-        argv = cbserve_argv("up", "--model", str(model_dir), "--port", str(self.port),
-                       "--metrics-port", str(self.metrics_port), *up_args)  # fmt: skip
-        self.process = subprocess.Popen(
-            argv, env=env, cwd=REPO, stdout=self._log, stderr=self._log, preexec_fn=die_with_parent
-        )
+        log_path = log_dir / f"stack-{secrets.token_hex(4)}.log"
+        super().__init__(model_dir, log_path, env, up_args, cwd=REPO)
         self.metadata = metadata
         if credentials is None:
             self.channel = grpc.insecure_channel(self.target)
@@ -88,24 +78,9 @@ class Stack:
             return exc.code().name
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
-    def wait_serving(self, timeout_s: float = START_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout_s
-        while self.health_status() != "SERVING":
-            if self.process.poll() is not None:
-                raise RuntimeError(f"stack exited with {self.process.returncode}:\n{self.log_tail()}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"stack not SERVING after {timeout_s} s:\n{self.log_tail()}")
-            time.sleep(0.25)
-
     def stop(self) -> int:
         self.channel.close()
-        code = stop_process(self.process, 60)
-        self._log.close()
-        return code
-
-    def log_tail(self, lines: int = 60) -> str:
-        self._log.flush()
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return super().stop()
 
     def log_events(self) -> Iterator[dict[str, Any]]:
         self._log.flush()

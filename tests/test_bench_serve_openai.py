@@ -25,7 +25,8 @@ from services.bench.serve.workloads import phase_rng, random_requests
 from services.cli import main
 from services.common.gateway_messages import Load
 from services.gateway.metrics import GatewayMetrics
-from tests.stack import Stack, free_port
+from services.supervisor import free_port
+from tests.stack import Stack
 from tests.tiny_models import tiny_text_model_dir
 
 # ------------------------------------------------------------------------------- a tokenizer of ours

@@ -24,8 +24,8 @@ from services.gateway.api import pb
 from services.gateway.client_command import generate_request
 from services.gateway.inputs import InvalidRequest, Limits, prepare
 from services.gateway.metrics import GatewayMetrics
-from services.supervisor import Child, Supervisor, cbserve_argv, die_with_parent, unavailable_port
-from tests.stack import REPO, free_port
+from services.supervisor import Child, Supervisor, cbserve_argv, die_with_parent, free_port, unavailable_port
+from tests.stack import REPO
 
 
 def run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:

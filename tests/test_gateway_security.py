@@ -25,13 +25,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from services.bench.stack import free_port
 from services.cli import build_parser, main
 from services.common.wire import INTERNAL_KEY_ENV
 from services.gateway.api import SERVICE_NAME, pb, pb_grpc
 from services.gateway.command import public_port
 from services.gateway.security import ApiKeys, split_keys
-from services.supervisor import cbserve_argv, die_with_parent, stop_process
+from services.supervisor import cbserve_argv, die_with_parent, free_port, stop_process
 from tests.certs import Pki, make_pki
 from tests.interop.node_runner import greedy_request as node_request
 from tests.interop.node_runner import needs_node, node_client

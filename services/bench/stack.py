@@ -20,8 +20,6 @@ import os
 # The stack is started with a plain fork (preexec_fn) while gRPC channels may be open in this
 # process; gRPC's fork handlers would race with its pollers, and the child execs at once anyway.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
-import socket
-import subprocess
 import tempfile
 import time
 import uuid
@@ -36,15 +34,9 @@ from services.bench.serve.metrics import parse_histogram, scrape
 from services.bench.serve.report import step_profile
 from services.bench.workload import Workload
 from services.common.cli_args import settings_env
-from services.supervisor import cbserve_argv, die_with_parent, stop_process
+from services.supervisor import LocalStack
 
 START_TIMEOUT_S = 300
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -56,37 +48,24 @@ class StackRun:
     step_profile: list[dict[str, Any]]  # serve.report.step_profile rows of the timed part
 
 
-class StackSystem:
+class StackSystem(LocalStack):
     def __init__(self, model_path: Path, settings: dict[str, Any], threads: int) -> None:
-        self.port = free_port()
-        self.target = f"127.0.0.1:{self.port}"
-        metrics_port = free_port()
-        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         env = os.environ | settings_env(settings | {"threads": threads})
-        self.log_path = Path(tempfile.mkstemp(prefix="cbserve-bench-stack-", suffix=".log")[1])
-        self._log = self.log_path.open("wb")
-        argv = cbserve_argv(
-            "up", "--model", str(model_path), "--port", str(self.port), "--metrics-port", str(metrics_port)
-        )
-        self.process = subprocess.Popen(
-            argv, env=env, stdout=self._log, stderr=self._log, preexec_fn=die_with_parent
-        )
-        self._wait_serving()
+        log_path = Path(tempfile.mkstemp(prefix="cbserve-bench-stack-", suffix=".log")[1])
+        super().__init__(model_path, log_path, env)
+        try:
+            self.wait_serving(START_TIMEOUT_S)
+        except BaseException:
+            self.stop()
+            raise
 
-    def _wait_serving(self) -> None:
+    def health_status(self) -> str:
         from services.gateway.client import health_status
 
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            try:
-                if health_status(self.target, timeout_s=2) == "SERVING":
-                    return
-            except grpc.RpcError:
-                pass
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError(f"the stack did not come up; see {self.log_path}")
-            time.sleep(0.5)
+        try:
+            return health_status(self.target, timeout_s=2)
+        except grpc.RpcError as exc:
+            return exc.code().name
 
     def run(
         self,
@@ -145,5 +124,4 @@ class StackSystem:
         return wall, list(outputs), load, profile
 
     def close(self) -> None:
-        stop_process(self.process, 60)
-        self._log.close()
+        self.stop()
