@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import uuid
 from collections.abc import Callable
@@ -64,7 +63,7 @@ def resubmission(request: NewRequest, generated: list[int]) -> NewRequest:
     logprobs came with the first token: asked for again only if none was streamed."""
     n = len(generated)
     p = request.params
-    params = dataclasses.replace(
+    params = msgspec.structs.replace(
         p,
         max_new_tokens=p.max_new_tokens - n,
         min_new_tokens=max(0, p.min_new_tokens - n),
