@@ -15,13 +15,14 @@ from typing import Any
 import pytest
 import torch
 from msgspec.structs import replace
-from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+from transformers import AutoModelForCausalLM
 
 from services.common.sampling_params import SamplingParams
 from services.worker.batch import BatchItem
 from services.worker.engine import Engine
 from services.worker.request import FinishReason, Request, RequestStatus
 from services.worker.scheduler import StepBatch
+from tests.openai_penalties import openai_greedy
 from tests.test_engine_parity import assert_no_leak, make_prompts, reference
 from tests.tiny_models import tiny_looping_model_dir
 
@@ -382,50 +383,6 @@ def test_an_abort_while_its_next_token_computes_streams_no_more(tiny_models: Cal
 # -------------------------------------------------------------- presence/frequency penalties, logit bias
 
 
-class OpenAIPenalties(LogitsProcessor):
-    """OpenAI's logit_bias, presence and frequency penalties for `model.generate`, from their
-    definitions: over the tokens generated after the first `prompt_len` (the prompt does not count)."""
-
-    def __init__(
-        self, prompt_len: int, presence: float, frequency: float, logit_bias: tuple[tuple[int, float], ...]
-    ) -> None:
-        self.prompt_len, self.presence, self.frequency, self.logit_bias = (
-            prompt_len,
-            presence,
-            frequency,
-            logit_bias,
-        )
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        scores = scores.clone()
-        for token, bias in self.logit_bias:
-            scores[:, token] += bias
-        for row, ids in enumerate(input_ids[:, self.prompt_len :]):
-            counts = torch.bincount(ids, minlength=scores.shape[1]).to(scores.dtype)
-            scores[row] -= self.frequency * counts + self.presence * (counts > 0).to(scores.dtype)
-        return scores
-
-
-def openai_reference(
-    model_dir: Path, prompt: list[int], max_new_tokens: int, params: SamplingParams
-) -> list[int]:
-    """Greedy fp32 `model.generate` with `OpenAIPenalties`, no EOS."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
-    model.generation_config.eos_token_id = None
-    processor = OpenAIPenalties(
-        len(prompt), params.presence_penalty, params.frequency_penalty, params.logit_bias
-    )
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-            logits_processor=LogitsProcessorList([processor]),
-        )
-    return out[0, len(prompt) :].tolist()
-
-
 @pytest.fixture(scope="module")
 def looping_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_looping_model_dir(tmp_path_factory.mktemp("looping"))
@@ -453,7 +410,7 @@ def test_frequency_penalty_breaks_a_greedy_loop_as_the_reference_does(
         e.run_until_done()
         assert_no_leak(e)
     for i, (prompt, req) in enumerate(zip(prompts, reqs, strict=True)):
-        assert req.output_ids == openai_reference(looping_model, prompt, new_tokens, req.params), i
+        assert req.output_ids == openai_greedy(looping_model, prompt, new_tokens, req.params), i
         if i % 2:
             assert longest_run(req.output_ids) <= 3, req.output_ids
         else:
@@ -486,6 +443,6 @@ def test_penalties_and_logit_bias_match_the_reference_in_a_mixed_batch(
         e.run_until_done()
         assert_no_leak(e)
     for i, (prompt, req) in enumerate(zip(prompts, reqs, strict=True)):
-        assert req.output_ids == openai_reference(looping_model, prompt, new_tokens, req.params), i
+        assert req.output_ids == openai_greedy(looping_model, prompt, new_tokens, req.params), i
     assert looped[0] not in reqs[2].output_ids
     assert reqs[3].output_ids == [17] * new_tokens
