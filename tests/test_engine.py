@@ -446,3 +446,20 @@ def test_penalties_and_logit_bias_match_the_reference_in_a_mixed_batch(
         assert req.output_ids == openai_greedy(looping_model, prompt, new_tokens, req.params), i
     assert looped[0] not in reqs[2].output_ids
     assert reqs[3].output_ids == [17] * new_tokens
+
+
+def test_a_resubmitted_request_counts_the_output_in_its_prompt(looping_model: Path) -> None:
+    """A request re-submitted after a worker loss carries its output so far at the end of its prompt
+    (`generated_in_prompt`): the penalties count it, and the continuation is the uninterrupted run's."""
+    prompt = make_prompts(seed=42, count=1)[0]
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True, frequency_penalty=1.0, presence_penalty=0.5)
+    with Engine.from_pretrained(looping_model, num_blocks=48, page_size=8) as e:
+        whole = e.generate([prompt], 20, ignore_eos=True, frequency_penalty=1.0, presence_penalty=0.5)[0]
+        head = whole[:8]
+        resumed = e.add_request(prompt + head, replace(params, max_new_tokens=12, generated_in_prompt=8))
+        forgetful = e.add_request(prompt + head, replace(params, max_new_tokens=12))
+        e.run_until_done()
+        with pytest.raises(ValueError, match="generated_in_prompt must be at most the prompt's 3 ids, got 4"):
+            e.add_request([5, 6, 7], replace(params, generated_in_prompt=4))
+    assert head + resumed.output_ids == whole
+    assert head + forgetful.output_ids != whole  # the test tells counting from not counting

@@ -25,7 +25,9 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     `presence_penalty` and `frequency_penalty` are OpenAI's: over the tokens generated so far (the
     prompt does not count), token t's logit loses `presence_penalty * [count_t > 0] +
     frequency_penalty * count_t`; 0 switches each off. `logit_bias` holds (token id, bias) pairs,
-    each bias added to that token's logit every step; ids are distinct.
+    each bias added to that token's logit every step; ids are distinct. `generated_in_prompt` says
+    that the prompt's last n ids are output the request had generated before it was re-submitted
+    (a worker lost it): the penalties count them as generated.
     """
 
     temperature: float = 0.0
@@ -43,6 +45,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    generated_in_prompt: int = 0
 
     MAX_LOGPROBS: ClassVar[int] = 20
     MAX_PENALTY: ClassVar[float] = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
@@ -98,6 +101,10 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
             if not -self.MAX_PENALTY <= value <= self.MAX_PENALTY:
                 raise ValueError(f"{n(name)} must be in [-2, 2], got {value!r}")
         self._validate_logit_bias(vocab_size, n("logit_bias"))
+        if not 0 <= self.generated_in_prompt <= MAX_TOKENS:
+            raise ValueError(
+                f"{n('generated_in_prompt')} must be in [0, {MAX_TOKENS}], got {self.generated_in_prompt!r}"
+            )
 
     def _validate_logit_bias(self, vocab_size: int, name: str) -> None:
         if len(self.logit_bias) > self.MAX_LOGIT_BIAS:

@@ -197,6 +197,11 @@ class Engine:
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt ids out of vocabulary (size {self.vocab_size}): {bad[:8]}")
+        if params.generated_in_prompt > len(prompt):
+            raise ValueError(
+                f"generated_in_prompt must be at most the prompt's {len(prompt)} ids, "
+                f"got {params.generated_in_prompt}"
+            )
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if params.prompt_logprobs is not None:
             # Prompt logprobs need every prompt row computed, so the request may read no cached block
@@ -328,7 +333,8 @@ class Engine:
     def _output_counts(self, req: Request) -> torch.Tensor | None:
         """A request's generated-token counts for presence/frequency penalties (None without them).
 
-        Made at its first sampling step, from the tokens known then; from there on only the sampler
+        Made at its first sampling step, from the tokens known then (a re-submitted request's
+        include the output at the end of its prompt); from there on only the sampler
         changes them, in the step order of the forward thread, so that each step reads the counts of
         every token sampled before it, known to the host or not."""
         if not req.params.penalizes_output:
@@ -339,7 +345,10 @@ class Engine:
                     f"{req.request_id}: first penalized sampling step with {req.num_placeholders} tokens "
                     "still sampling: their counts would be lost"
                 )
-            req.output_counts = Sampler.make_output_counts(self.vocab_size, req.output_ids, self.device)
+            generated = (
+                req.prompt_ids[len(req.prompt_ids) - req.params.generated_in_prompt :] + req.output_ids
+            )
+            req.output_counts = Sampler.make_output_counts(self.vocab_size, generated, self.device)
         return req.output_counts
 
     def _launch(self, step: _Built, before: _Running | None) -> None:
