@@ -273,24 +273,30 @@ def _add_logit_bias_(scores: torch.Tensor, plan: _Plan) -> None:
     """Add each biased row's (token id, bias) pairs to its scores; ids are in the vocabulary and
     distinct within a row (`SamplingParams.validate`)."""
     device = scores.device
-    counts = torch.tensor([len(b) for b in plan.biases], dtype=torch.long, device=device)
-    rows = torch.repeat_interleave(_index(plan.bias_rows, device), counts)
-    pairs = [pair for b in plan.biases for pair in b]
-    ids = torch.tensor([t for t, _ in pairs], dtype=torch.long, device=device)
-    bias = torch.tensor([v for _, v in pairs], dtype=scores.dtype, device=device)
-    scores.index_put_((rows, ids), bias, accumulate=True)
+    rows = [i for i, b in zip(plan.bias_rows, plan.biases, strict=True) for _ in b]
+    ids = [t for b in plan.biases for t, _ in b]
+    bias = [v for b in plan.biases for _, v in b]
+    scores.index_put_(
+        (_index(rows, device), _index(ids, device)),
+        torch.tensor(bias, dtype=scores.dtype, device=device),
+        accumulate=True,
+    )
 
 
 def _penalize_output_(scores: torch.Tensor, plan: _Plan) -> None:
     """OpenAI's presence and frequency penalties over each counted row's generated tokens:
-    `score -= presence * [count > 0] + frequency * count`."""
-    sub, idx = _on_subset(scores, plan.counted_rows)
-    counts = torch.stack(plan.counts)
-    presence = torch.tensor(plan.presence, dtype=sub.dtype, device=sub.device).unsqueeze(1)
-    frequency = torch.tensor(plan.frequency, dtype=sub.dtype, device=sub.device).unsqueeze(1)
-    sub -= frequency * counts + presence * (counts > 0)
-    if idx is not None:
-        scores[idx] = sub
+    `score -= presence * [count > 0] + frequency * count`.
+
+    Row by row, in place: stacking the rows' counts would allocate and copy a [rows, V] block each
+    step, more than the penalties themselves cost."""
+    for i, counts, presence, frequency in zip(
+        plan.counted_rows, plan.counts, plan.presence, plan.frequency, strict=True
+    ):
+        row = scores[i]
+        if frequency != 0.0:
+            row.add_(counts, alpha=-frequency)
+        if presence != 0.0:
+            row.add_(counts.clamp(max=1.0), alpha=-presence)  # counts are whole: clamped, [count > 0]
 
 
 def _count_picks(tokens: torch.Tensor, plan: _Plan) -> None:
@@ -380,12 +386,12 @@ def _sample_general(logits: torch.Tensor, plan: _Plan) -> torch.Tensor:
     device = logits.device
     x = _process_logits(logits, plan)
     if not plan.random_rows:
-        return x.argmax(dim=-1)
+        return _argmax_rows(x)
 
     tokens = torch.empty(logits.shape[0], dtype=torch.long, device=device)
     if plan.greedy_rows:
         g_idx = _index(plan.greedy_rows, device)
-        tokens[g_idx] = x[g_idx].argmax(dim=-1)
+        tokens[g_idx] = _argmax_rows(x[g_idx])
 
     r_sub, r_idx = _on_subset(x, plan.random_rows)
     temps = torch.tensor(plan.temperatures, dtype=torch.float32, device=device).unsqueeze(1)
