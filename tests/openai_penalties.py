@@ -1,16 +1,17 @@
 """OpenAI's logit_bias, presence and frequency penalties written from their definitions as a
 transformers `LogitsProcessor` (transformers has none): the reference cbserve's are compared with,
-token for token, under greedy `model.generate` in fp32."""
+token for token, under greedy `model.generate` in fp32; and the cbserve request that asks for them."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from services.common.sampling_params import SamplingParams
-from tests.stack import hf_model
+from tests.stack import greedy_request, hf_model
 
 
 class OpenAIPenalties(LogitsProcessor):
@@ -48,3 +49,14 @@ def openai_greedy(
             logits_processor=processors,
         )
     return out[0, len(prompt) :].tolist()
+
+
+def penalized_request(prompt: list[int], max_tokens: int, params: SamplingParams) -> Any:
+    """A greedy cbserve.v1 request with `params`' presence/frequency penalties and logit bias."""
+    request = greedy_request(prompt, max_tokens)
+    if params.presence_penalty:
+        request.sampling.presence_penalty = params.presence_penalty
+    if params.frequency_penalty:
+        request.sampling.frequency_penalty = params.frequency_penalty
+    request.sampling.logit_bias.update(dict(params.logit_bias))
+    return request

@@ -32,7 +32,7 @@ from services.common.kv_geometry import RESERVED_CHUNKS, KVGeometry
 from services.common.sampling_params import SamplingParams
 from services.gateway.api import pb
 from services.gateway.text_generation import LOGPROBS_PER_CHUNK
-from tests.openai_penalties import openai_greedy
+from tests.openai_penalties import openai_greedy, penalized_request
 from tests.stack import Stack, greedy_request
 from tests.test_engine import reference_prompt_logprobs
 from tests.tiny_models import tiny_config
@@ -223,17 +223,6 @@ def test_bad_penalty_or_bias_is_invalid_argument_naming_field_and_value(tiny_sta
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in (info.value.details() or "")
     assert_serves_exactly(tiny_stack, tiny_prompt(3))
-
-
-def penalized_request(prompt: list[int], max_tokens: int, params: SamplingParams) -> Any:
-    """A greedy cbserve request with `params`' presence/frequency penalties and logit bias."""
-    request = greedy_request(prompt, max_tokens)
-    if params.presence_penalty:
-        request.sampling.presence_penalty = params.presence_penalty
-    if params.frequency_penalty:
-        request.sampling.frequency_penalty = params.frequency_penalty
-    request.sampling.logit_bias.update(dict(params.logit_bias))
-    return request
 
 
 def test_penalties_and_logit_bias_equal_the_reference(tiny_stack: Stack) -> None:
