@@ -163,7 +163,8 @@ def greedy_request(prompt: list[int], max_tokens: int, **stopping: Any) -> Any:
 
 
 @cache
-def _hf_model(model_dir: Path) -> Any:
+def hf_model(model_dir: Path) -> Any:
+    """The model in `model_dir` under transformers, fp32, loaded once."""
     attn = "eager" if "gemma2" in model_dir.name else "sdpa"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn)
     return model.eval()
@@ -171,7 +172,7 @@ def _hf_model(model_dir: Path) -> Any:
 
 @cache
 def _hf_greedy(model_dir: Path, prompt: tuple[int, ...], max_new_tokens: int, eos: bool) -> tuple[int, ...]:
-    model = _hf_model(model_dir)
+    model = hf_model(model_dir)
     kwargs: dict[str, Any] = {} if eos else {"eos_token_id": None}
     out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
                          pad_token_id=0, **kwargs)  # fmt: skip

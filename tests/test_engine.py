@@ -1,7 +1,8 @@
 """Engine behaviour beyond greedy parity: sampling, seeds, logprobs (of samples and of prompts), stops,
-cancellation, bad input; each with async batching off and on, and what async batching adds: a step
-starts before the host has the tokens of the one before (unless a repetition penalty needs them), a
-request that stops wastes at most one computed token, and one aborted meanwhile gets no more."""
+cancellation, bad input, presence/frequency penalties and logit bias; each with async batching off
+and on, and what async batching adds: a step starts before the host has the tokens of the one before
+(unless a repetition penalty needs them), a request that stops wastes at most one computed token, and
+one aborted meanwhile gets no more."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from msgspec.structs import replace
 from transformers import AutoModelForCausalLM
 
 from services.common.sampling_params import SamplingParams
@@ -20,7 +22,9 @@ from services.worker.batch import BatchItem
 from services.worker.engine import Engine
 from services.worker.request import FinishReason, Request, RequestStatus
 from services.worker.scheduler import StepBatch
+from tests.openai_penalties import openai_greedy
 from tests.test_engine_parity import assert_no_leak, make_prompts, reference
+from tests.tiny_models import tiny_looping_model_dir
 
 
 @pytest.fixture(params=[False, True], ids=["sync", "async"])
@@ -232,6 +236,12 @@ def test_cancel_in_any_state_releases_everything(engine: Engine, target: str) ->
         ([5], SamplingParams(stop_token_ids=(999,)), "stop_token_ids"),
         ([5], SamplingParams(logprobs=100), "logprobs"),
         ([5], SamplingParams(prompt_logprobs=21), "prompt_logprobs must be in \\[0, 20\\], got 21"),
+        ([5], SamplingParams(frequency_penalty=2.5), "frequency_penalty must be in \\[-2, 2\\], got 2.5"),
+        (
+            [5],
+            SamplingParams(logit_bias=((256, 1.0),)),
+            "logit_bias token ids out of vocabulary .*: \\[256\\]",
+        ),
     ],
 )
 def test_bad_input_is_refused_and_changes_nothing(
@@ -299,21 +309,31 @@ def generate_counting_steps_ahead(
     return engine.generate(prompts, 10, ignore_eos=True, **sampling), ahead
 
 
-@pytest.mark.parametrize("repetition_penalty", [1.0, 1.3])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {},
+        {"repetition_penalty": 1.3},
+        {"frequency_penalty": 1.5, "presence_penalty": 0.5},
+        {"logit_bias": ((7, 3.0), (200, -2.0))},
+    ],
+    ids=["plain", "repetition", "frequency-presence", "logit-bias"],
+)
 def test_async_batching_starts_a_step_before_the_host_has_the_tokens_it_reads(
-    repetition_penalty: float, tiny_models: Callable[[str], Path]
+    sampling: dict[str, Any], tiny_models: Callable[[str], Path]
 ) -> None:
     """The next step is launched before the host takes the tokens of the one computing (its
     placeholders are filled on the device), unless a repetition penalty reads them on the host:
-    then it waits. The outputs are those of sync batching either way."""
+    then it waits. Presence and frequency penalties read counts kept on the device, and a logit bias
+    reads no history: neither waits. The outputs are those of sync batching either way."""
     prompts = make_prompts(seed=8, count=3)
     outputs = []
     for async_batching in (False, True):
         with Engine.from_pretrained(
             tiny_models("llama"), num_blocks=24, page_size=8, use_async_batching=async_batching
         ) as e:
-            out, ahead = generate_counting_steps_ahead(e, prompts, repetition_penalty=repetition_penalty)
-            assert any(ahead) == (async_batching and repetition_penalty == 1.0), ahead
+            out, ahead = generate_counting_steps_ahead(e, prompts, **sampling)
+            assert any(ahead) == (async_batching and "repetition_penalty" not in sampling), ahead
             assert_no_leak(e)
         outputs.append(out)
     assert outputs[0] == outputs[1]
@@ -358,3 +378,88 @@ def test_an_abort_while_its_next_token_computes_streams_no_more(tiny_models: Cal
         assert aborted.output_ids == seen and aborted.finish_reason is FinishReason.ABORTED
         assert len(other.output_ids) == 12
         assert_no_leak(e)
+
+
+# -------------------------------------------------------------- presence/frequency penalties, logit bias
+
+
+@pytest.fixture(scope="module")
+def looping_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_looping_model_dir(tmp_path_factory.mktemp("looping"))
+
+
+def longest_run(tokens: list[int]) -> int:
+    return max(len(list(run)) for _, run in itertools.groupby(tokens))
+
+
+@pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
+def test_frequency_penalty_breaks_a_greedy_loop_as_the_reference_does(
+    async_batching: bool, looping_model: Path
+) -> None:
+    """The looping model repeats its last token under greedy; frequency_penalty=2 ends that, token for
+    token as transformers' generate does with OpenAI's formula. Requests without the penalty, batched
+    with penalized ones, still loop: counts belong to their request."""
+    prompts = make_prompts(seed=40, count=4)
+    new_tokens = 24
+    penalized = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, frequency_penalty=2.0)
+    plain = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    with Engine.from_pretrained(
+        looping_model, num_blocks=48, page_size=8, max_batch_tokens=64, use_async_batching=async_batching
+    ) as e:
+        reqs = [e.add_request(p, penalized if i % 2 else plain) for i, p in enumerate(prompts)]
+        e.run_until_done()
+        assert_no_leak(e)
+    for i, (prompt, req) in enumerate(zip(prompts, reqs, strict=True)):
+        assert req.output_ids == openai_greedy(looping_model, prompt, new_tokens, req.params), i
+        if i % 2:
+            assert longest_run(req.output_ids) <= 3, req.output_ids
+        else:
+            assert longest_run(req.output_ids) >= new_tokens // 2, req.output_ids
+
+
+@pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
+def test_penalties_and_logit_bias_match_the_reference_in_a_mixed_batch(
+    async_batching: bool, looping_model: Path
+) -> None:
+    """Presence, frequency (negative too) and logit bias, alone and together, beside plain rows: each
+    request's greedy output is the reference's; a +100 bias forces its token, -100 bans the loop's."""
+    prompts = make_prompts(seed=41, count=6)
+    new_tokens = 16
+    with Engine.from_pretrained(looping_model, num_blocks=48, page_size=8) as e:
+        looped = e.generate(prompts[:1], new_tokens, ignore_eos=True)[0]
+    cases = [
+        SamplingParams(presence_penalty=1.5),
+        SamplingParams(),
+        SamplingParams(frequency_penalty=0.75, presence_penalty=-0.5, logit_bias=((looped[0], -100.0),)),
+        SamplingParams(logit_bias=((17, 100.0),)),
+        SamplingParams(frequency_penalty=-2.0, logit_bias=((5, 3.0), (250, 1.5))),
+        SamplingParams(presence_penalty=2.0, frequency_penalty=2.0, logit_bias=((9, 4.0),)),
+    ]
+    cases = [replace(p, max_new_tokens=new_tokens, ignore_eos=True) for p in cases]
+    with Engine.from_pretrained(
+        looping_model, num_blocks=48, page_size=8, max_batch_tokens=64, use_async_batching=async_batching
+    ) as e:
+        reqs = [e.add_request(p, params) for p, params in zip(prompts, cases, strict=True)]
+        e.run_until_done()
+        assert_no_leak(e)
+    for i, (prompt, req) in enumerate(zip(prompts, reqs, strict=True)):
+        assert req.output_ids == openai_greedy(looping_model, prompt, new_tokens, req.params), i
+    assert looped[0] not in reqs[2].output_ids
+    assert reqs[3].output_ids == [17] * new_tokens
+
+
+def test_a_resubmitted_request_counts_the_output_in_its_prompt(looping_model: Path) -> None:
+    """A request re-submitted after a worker loss carries its output so far at the end of its prompt
+    (`generated_in_prompt`): the penalties count it, and the continuation is the uninterrupted run's."""
+    prompt = make_prompts(seed=42, count=1)[0]
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True, frequency_penalty=1.0, presence_penalty=0.5)
+    with Engine.from_pretrained(looping_model, num_blocks=48, page_size=8) as e:
+        whole = e.generate([prompt], 20, ignore_eos=True, frequency_penalty=1.0, presence_penalty=0.5)[0]
+        head = whole[:8]
+        resumed = e.add_request(prompt + head, replace(params, max_new_tokens=12, generated_in_prompt=8))
+        forgetful = e.add_request(prompt + head, replace(params, max_new_tokens=12))
+        e.run_until_done()
+        with pytest.raises(ValueError, match="generated_in_prompt must be at most the prompt's 3 ids, got 4"):
+            e.add_request([5, 6, 7], replace(params, generated_in_prompt=4))
+    assert head + resumed.output_ids == whole
+    assert head + forgetful.output_ids != whole  # the test tells counting from not counting

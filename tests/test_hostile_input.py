@@ -175,6 +175,8 @@ VALID_SAMPLING: dict[str, st.SearchStrategy[Any]] = {
     ),
     "top_k": st.integers(0, 2**31 - 1),
     "seed": st.integers(0, 2**63 - 1),
+    "presence_penalty": st.one_of(st.sampled_from([-2.0, -0.0, 2.0]), st.floats(-2, 2, width=32)),
+    "frequency_penalty": st.one_of(st.sampled_from([-2.0, -0.0, 2.0]), st.floats(-2, 2, width=32)),
 }
 INVALID_SAMPLING: dict[str, st.SearchStrategy[Any]] = {
     "temperature": st.sampled_from([math.nan, math.inf, -math.inf, -1e-45, -1.0, 100.01, 1e30, -1e30]),
@@ -183,6 +185,8 @@ INVALID_SAMPLING: dict[str, st.SearchStrategy[Any]] = {
     "repetition_penalty": st.sampled_from([math.nan, math.inf, -math.inf, 0.0, -0.0, -1.0, 10.001, 1e30]),
     "top_k": st.integers(-(2**31), -1),
     "seed": st.integers(2**63, 2**64 - 1),
+    "presence_penalty": st.sampled_from([math.nan, math.inf, -math.inf, -2.0001, 2.0001, 1e30]),
+    "frequency_penalty": st.sampled_from([math.nan, math.inf, -math.inf, -2.0001, 2.0001, -1e30]),
 }
 
 
@@ -313,6 +317,7 @@ def _draw_output_and_rest(draw: st.DrawFn, case: Case, wild: bool, info: Any) ->
         elif mode == "invalid":
             setattr(request.sampling, name, draw(INVALID_SAMPLING[name]))
             case.invalid.append(f"{name} {getattr(request.sampling, name)!r}")
+    _draw_logit_bias(draw, case, wild, info)
     request.priority = draw(
         st.one_of(st.sampled_from([-(2**31), 2**31 - 1, 0]), st.integers(-(2**31), 2**31 - 1))
     )
@@ -322,6 +327,26 @@ def _draw_output_and_rest(draw: st.DrawFn, case: Case, wild: bool, info: Any) ->
     # A request_id is echoed as a response header: printable ASCII here (anything else is the bug in
     # test_a_request_id_that_is_no_header_value_is_refused_not_internal).
     request.request_id = draw(st.one_of(st.just(""), st.text(PRINTABLE, max_size=64)))
+
+
+def _draw_logit_bias(draw: st.DrawFn, case: Case, wild: bool, info: Any) -> None:
+    bias, vocab = case.request.sampling.logit_bias, int(info.vocab_size)
+    valid_bias = st.one_of(st.sampled_from([-100.0, 100.0]), st.floats(-100, 100, width=32))
+    mode = _mode(draw, wild)
+    if mode == "valid":
+        bias.update(draw(st.dictionaries(st.integers(0, vocab - 1), valid_bias, max_size=300)))
+    elif mode == "invalid":
+        how = draw(st.sampled_from(["many", "out_of_vocab", "bias"]))
+        bias.update(draw(st.dictionaries(st.integers(0, vocab - 1), valid_bias, max_size=8)))
+        if how == "many":
+            bias.update(dict.fromkeys(range(-400, -99), 1.0))  # 301 more ids than fit, none valid
+        elif how == "out_of_vocab":
+            wrong = draw(st.one_of(st.integers(-(2**31), -1), st.integers(vocab, 2**31 - 1)))
+            bias[wrong] = draw(valid_bias)
+        else:
+            wrong_bias = [math.nan, math.inf, -math.inf, 100.01, -101.0, 1e30]
+            bias[draw(st.integers(0, vocab - 1))] = draw(st.sampled_from(wrong_bias))
+        case.invalid.append(f"logit_bias {how}")
 
 
 @st.composite
@@ -635,6 +660,12 @@ def fake_requests(draw: st.DrawFn, vocab: int) -> NewRequest:
         ignore_eos=draw(st.booleans()),
         stop_token_ids=tuple(draw(st.lists(st.one_of(st.integers(0, vocab - 1), I64), max_size=4))),
         logprobs=draw(st.one_of(st.none(), st.integers(0, 20), I64)),
+        presence_penalty=draw(st.one_of(ANY_FLOAT, st.just(0.0))),
+        frequency_penalty=draw(st.one_of(ANY_FLOAT, st.just(0.0))),
+        logit_bias=tuple(
+            draw(st.lists(st.tuples(st.one_of(st.integers(0, vocab - 1), I64), ANY_FLOAT), max_size=4))
+        ),
+        generated_in_prompt=draw(st.one_of(st.integers(0, 3), I64)),
     )
     prompt = draw(
         st.one_of(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=16), st.lists(I64, max_size=6))

@@ -25,6 +25,8 @@ from services.worker.sampler import (
     Sampler,
     SamplingRow,
     _min_p_,
+    _Plan,
+    _process_logits,
     _top_k_,
     _top_p_,
 )
@@ -390,3 +392,202 @@ def test_a_vanishing_temperature_samples_greedily_and_keeps_suppression() -> Non
     row = SamplingRow(params, None, (), suppress_ids=(0,))
     out = Sampler().sample(logits, [row])
     assert out.token_ids == [int(logits[0, 1:].argmax()) + 1]
+
+
+# --- presence / frequency penalties and logit bias ------------------------------------------------
+
+
+def _openai_reference(
+    logits: torch.Tensor,
+    generated: Sequence[int],
+    presence: float = 0.0,
+    frequency: float = 0.0,
+    logit_bias: Sequence[tuple[int, float]] = (),
+) -> torch.Tensor:
+    """One row's logits under OpenAI's definitions, in plain torch: the bias added, then each token
+    generated so far (the prompt does not count) penalized by presence * [count > 0] + frequency * count."""
+    x = logits.clone()
+    for token, bias in logit_bias:
+        x[token] += bias
+    counts = torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=x.shape[0]).float()
+    return x - frequency * counts - presence * (counts > 0).float()
+
+
+def _counted_row(
+    generated: Sequence[int], vocab: int, prompt: Sequence[int] = (), **params: object
+) -> SamplingRow:
+    """A row as the engine builds it: `token_ids` is prompt + generated, the counts hold only the
+    generated tokens."""
+    return SamplingRow(
+        params=SamplingParams(**params),  # type: ignore[arg-type]
+        generator=None,
+        token_ids=[*prompt, *generated],
+        output_counts=Sampler.make_output_counts(vocab, generated),
+    )
+
+
+def test_output_penalties_match_openai_formula_per_row() -> None:
+    vocab = 96
+    logits = _logits(10, vocab, seed=21, scale=2.0)
+    gen = torch.Generator().manual_seed(8)
+    cases = [(0.0, 0.0), (2.0, 0.0), (0.0, 2.0), (0.5, 1.5), (-2.0, 0.0), (0.0, -1.0), (1.0, 0.3)]
+    rows, refs = [], []
+    for i in range(10):
+        presence, frequency = cases[i % len(cases)]
+        # Repeats, so that frequency and presence differ; the history's top tokens are the likely ones.
+        generated = torch.randint(0, 12, (3 + 4 * i,), generator=gen).tolist()
+        prompt = list(range(vocab - 8, vocab))  # never generated: must not be penalized
+        rows.append(
+            _counted_row(generated, vocab, prompt, presence_penalty=presence, frequency_penalty=frequency)
+        )
+        refs.append(_openai_reference(logits[i], generated, presence, frequency))
+    plan = _Plan.build(rows, vocab)
+    processed = _process_logits(logits, plan)
+    torch.testing.assert_close(processed, torch.stack(refs), rtol=0, atol=1e-5)
+    assert _sample(logits, rows).token_ids == [int(r.argmax()) for r in refs]
+
+
+def test_frequency_penalty_flips_greedy_choice_and_presence_counts_once() -> None:
+    logits = torch.tensor([[5.0, 4.5, 0.0, -1.0]])
+    assert _sample(logits, [_counted_row([0, 0], 4, frequency_penalty=0.2)]).token_ids == [0]  # 5 - 0.4 > 4.5
+    assert _sample(logits, [_counted_row([0, 0], 4, frequency_penalty=0.3)]).token_ids == [1]  # 5 - 0.6 < 4.5
+    # Presence does not grow with the count: three zeros cost what one does.
+    assert _sample(logits, [_counted_row([0, 0, 0], 4, presence_penalty=0.4)]).token_ids == [0]
+    assert _sample(logits, [_counted_row([0], 4, presence_penalty=0.6)]).token_ids == [1]
+    # Negative penalties favour what was generated.
+    assert _sample(
+        logits, [_counted_row([2], 4, presence_penalty=-2.0, frequency_penalty=-2.0)]
+    ).token_ids == [0]
+    assert _sample(logits, [_counted_row([2, 2, 2], 4, frequency_penalty=-2.0)]).token_ids == [2]
+
+
+def test_sample_counts_its_picks_in_the_rows_counts() -> None:
+    """The counts are the request's state between steps: each pick is counted by the sampler, on the
+    device, and the next step reads them; every step equals the formula over the history so far."""
+    vocab = 32
+    gen = torch.Generator().manual_seed(3)
+    penalized = [
+        SamplingParams(frequency_penalty=0.7),
+        SamplingParams(presence_penalty=1.5, frequency_penalty=0.1),
+    ]
+    counts = [Sampler.make_output_counts(vocab) for _ in penalized]
+    histories: list[list[int]] = [[] for _ in penalized]
+    for _ in range(12):
+        logits = torch.randn(3, vocab, generator=gen)
+        logits[:, 5] += 4.0  # a favourite, which the penalties push away once it repeats
+        rows = [SamplingRow(p, None, (), output_counts=c) for p, c in zip(penalized, counts, strict=True)]
+        rows.append(_row())  # not penalized: no counts
+        picked = _sample(logits, rows).token_ids
+        for i, p in enumerate(penalized):
+            ref = _openai_reference(logits[i], histories[i], p.presence_penalty, p.frequency_penalty)
+            assert picked[i] == int(ref.argmax())
+            histories[i].append(picked[i])
+        assert picked[2] == int(logits[2].argmax())
+    for c, h in zip(counts, histories, strict=True):
+        assert torch.equal(c, torch.bincount(torch.tensor(h), minlength=vocab).float())
+    assert all(len(set(h)) > 1 for h in histories), "the penalties never moved greedy off its favourite"
+
+
+def test_penalized_row_without_counts_is_refused() -> None:
+    with pytest.raises(ValueError, match="row 1 has presence/frequency penalties and no output_counts"):
+        _sample(_logits(2, 16), [_row(), _row(frequency_penalty=1.0)])
+
+
+def test_logit_bias_forces_and_bans_tokens_under_greedy() -> None:
+    vocab = 128
+    logits = _logits(4, vocab, seed=31)
+    top = logits.argmax(dim=-1).tolist()
+    low = logits.argmin(dim=-1).tolist()
+    rows = [
+        _row(logit_bias=((low[0], 100.0),)),  # the least likely token forced
+        _row(logit_bias=((top[1], -100.0),)),  # the most likely banned: the runner-up wins
+        _row(),
+        _row(logit_bias=((top[3], -100.0), (low[3], 100.0), (7, 0.5))),
+    ]
+    out = _sample(logits, rows)
+    assert out.token_ids[0] == low[0]
+    assert out.token_ids[1] == int(logits[1].topk(2).indices[1])
+    assert out.token_ids[2] == top[2]
+    assert out.token_ids[3] == low[3]
+
+
+def test_logit_bias_matches_the_reference_and_keeps_logprobs_raw() -> None:
+    vocab = 64
+    logits = _logits(3, vocab, seed=32)
+    bias = ((3, 2.5), (10, -1.25), (63, 7.0))
+    rows = [_row(logit_bias=bias, logprobs=1), _row(), _row(logit_bias=((0, -0.5),))]
+    processed = _process_logits(logits, _Plan.build(rows, vocab))
+    torch.testing.assert_close(
+        processed[0], _openai_reference(logits[0], [], logit_bias=bias), rtol=0, atol=0
+    )
+    assert torch.equal(processed[1], logits[1])
+    torch.testing.assert_close(processed[2], _openai_reference(logits[2], [], logit_bias=((0, -0.5),)))
+    out = _sample(logits, rows)
+    raw = torch.log_softmax(logits[0], dim=-1)
+    assert out.logprobs[0] is not None
+    assert out.logprobs[0].token_logprob == pytest.approx(float(raw[out.token_ids[0]]))
+
+
+def test_logit_bias_applies_before_temperature_and_filters() -> None:
+    """A +100 bias wins under any temperature and top-k/top-p/min-p: it is added to the logits first."""
+    vocab = 200
+    logits = _logits(3, vocab, seed=33)
+    forced = int(logits[0].argmin())
+    rows = [
+        _row(temperature=1.5, top_k=5, logit_bias=((forced, 100.0),), generator=Sampler.make_generator(1)),
+        _row(temperature=0.8, top_p=0.5, logit_bias=((forced, 100.0),), generator=Sampler.make_generator(2)),
+        _row(temperature=2.0, min_p=0.3, logit_bias=((forced, 100.0),), generator=Sampler.make_generator(3)),
+    ]
+    assert _sample(logits[[0, 0, 0]], rows).token_ids == [forced] * 3
+
+
+def test_order_is_vllms_bias_then_repetition_then_frequency_and_presence() -> None:
+    """vLLM adds the bias before its penalties, so the repetition penalty scales the biased logit."""
+    logits = torch.tensor([[1.0, -1.0, 0.5, 0.0]])
+    row = _counted_row(
+        [0, 0, 1],
+        4,
+        repetition_penalty=2.0,
+        frequency_penalty=0.25,
+        presence_penalty=0.125,
+        logit_bias=((0, 1.0), (1, -1.0)),
+    )
+    processed = _process_logits(logits, _Plan.build([row], 4))
+    # token 0: (1 + 1) / 2 - 2 * 0.25 - 0.125; token 1: (-1 - 1) * 2 - 0.25 - 0.125; 2, 3: untouched.
+    assert processed.tolist() == [[0.375, -4.375, 0.5, 0.0]]
+
+
+def test_mixed_batch_with_penalties_and_biases() -> None:
+    """Only some rows have them: the others are sampled as if alone (greedy ones by argmax, seeded
+    ones exactly as in a batch of their own)."""
+    vocab = 160
+    logits = _logits(6, vocab, seed=34)
+    generated = [int(logits[1].argmax())] * 3 + [4]
+
+    def rows() -> list[SamplingRow]:
+        return [
+            _row(),
+            _counted_row(generated, vocab, frequency_penalty=1.5, presence_penalty=0.5),
+            _row(temperature=0.9, top_k=20, generator=Sampler.make_generator(11)),
+            _row(logit_bias=((9, 100.0),)),
+            _row(repetition_penalty=1.3, token_ids=[1, 2, 3]),
+            _row(temperature=1.0, generator=Sampler.make_generator(12), logit_bias=((2, -100.0),)),
+        ]
+
+    out = _sample(logits, rows()).token_ids
+    assert out[0] == int(logits[0].argmax())
+    assert out[1] == int(_openai_reference(logits[1], generated, 0.5, 1.5).argmax())
+    assert out[1] != int(logits[1].argmax())
+    alone = _sample(logits[2:3], [rows()[2]]).token_ids
+    assert out[2] == alone[0]
+    assert out[3] == 9
+    penalized = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([[1, 2, 3]]), logits[4:5].clone())
+    assert out[4] == int(penalized.argmax())
+    assert out[5] == _sample(logits[5:6], [rows()[5]]).token_ids[0] != 2
+
+
+def test_rows_without_penalties_or_bias_keep_the_greedy_fast_path() -> None:
+    rows = [_row(), _row(logprobs=1), _row(presence_penalty=0.0, frequency_penalty=0.0, logit_bias=())]
+    assert _Plan.build(rows, 10).all_plain_greedy
+    assert not _Plan.build([_row(logit_bias=((1, 0.5),))], 10).all_plain_greedy
+    assert not _Plan.build([_counted_row([], 10, presence_penalty=0.1)], 10).all_plain_greedy

@@ -28,6 +28,7 @@ from services.common.sampling_params import SamplingParams
 from services.common.tensor_handles import SHM_PREFIX, shm_dir
 from services.gateway.api import SERVICE_NAME, pb, pb_grpc
 from services.supervisor import cbserve_argv, die_with_parent
+from tests.openai_penalties import openai_greedy, penalized_request
 from tests.stack import (
     REPO,
     START_TIMEOUT_S,
@@ -139,7 +140,8 @@ def test_streams_survive_a_killed_worker(
     prompt + tokens streamed, and each stream still equals an uninterrupted greedy run; full pages
     came from the prefix cache (the re-prefill recomputes at most the last partial page + the token
     in flight); nothing is held afterwards. With async batching the worker dies with a forward running
-    whose pages the cachemgr must not have cached yet."""
+    whose pages the cachemgr must not have cached yet. Half the streams have presence/frequency
+    penalties, whose counts must go on counting the tokens streamed before the loss."""
     page = 8
     stack = Stack(
         tiny_models("llama"), tmp_path, page_size=page, num_blocks=400, use_async_batching=async_batching
@@ -148,8 +150,19 @@ def test_streams_survive_a_killed_worker(
         rng = random.Random(4)
         prompts = [[rng.randint(3, 255) for _ in range(rng.randint(5, 40))] for _ in range(6)]
         new_tokens = 600
-        expected = [stack.reference(p, new_tokens) for p in prompts]
-        streams = [stack.stub.Generate(greedy_request(p, new_tokens), timeout=240) for p in prompts]
+        penalties = SamplingParams(presence_penalty=0.25, frequency_penalty=0.05)
+        penalized = [i % 2 == 1 for i in range(len(prompts))]
+        expected = [
+            openai_greedy(stack.model_dir, p, new_tokens, penalties)
+            if pen
+            else stack.reference(p, new_tokens)
+            for p, pen in zip(prompts, penalized, strict=True)
+        ]
+        requests = [
+            penalized_request(p, new_tokens, penalties) if pen else greedy_request(p, new_tokens)
+            for p, pen in zip(prompts, penalized, strict=True)
+        ]
+        streams = [stack.stub.Generate(r, timeout=240) for r in requests]
         firsts = [next(s) for s in streams]  # every request is running
         worker = stack.child_pid("worker")
         killed = time.monotonic()

@@ -11,6 +11,7 @@ default and are not to be flooded); it is tested with its own stack elsewhere.
 
 from __future__ import annotations
 
+import math
 import random
 import re
 import threading
@@ -28,8 +29,10 @@ from transformers import AutoTokenizer
 
 from services.cachemgr.sizing import meminfo_bytes
 from services.common.kv_geometry import RESERVED_CHUNKS, KVGeometry
+from services.common.sampling_params import SamplingParams
 from services.gateway.api import pb
 from services.gateway.text_generation import LOGPROBS_PER_CHUNK
+from tests.openai_penalties import openai_greedy, penalized_request
 from tests.stack import Stack, greedy_request
 from tests.test_engine import reference_prompt_logprobs
 from tests.tiny_models import tiny_config
@@ -168,6 +171,77 @@ def test_bad_request_is_invalid_argument_and_leaves_the_stack_serving(
     assert status_of(stack, build(stack)) == grpc.StatusCode.INVALID_ARGUMENT
     prompt = tiny_prompt(3) if stack_name == "tiny_stack" else [504, 3458, 282, 4649, 314]
     assert_serves_exactly(stack, prompt)
+
+
+def _logit_bias(bias: dict[int, float]) -> Build:
+    def build(s: Stack) -> Any:
+        request = greedy_request(tiny_prompt(1), 4)
+        request.sampling.logit_bias.update(bias)
+        return request
+
+    return build
+
+
+PENALTY_RANGE = "must be in [-2, 2], got"
+BIAS_RANGE = "sampling.logit_bias[5] must be in [-100, 100], got"
+BIAS_VOCAB = "sampling.logit_bias token ids out of vocabulary (size 256):"
+
+# case -> (request, what the status details must say): each names the field and the value.
+BAD_PENALTIES_AND_BIASES: dict[str, tuple[Build, str]] = {
+    "presence_penalty_2.5": (
+        _sampling(presence_penalty=2.5),
+        f"sampling.presence_penalty {PENALTY_RANGE} 2.5",
+    ),
+    "presence_penalty_nan": (
+        _sampling(presence_penalty=math.nan),
+        f"sampling.presence_penalty {PENALTY_RANGE} nan",
+    ),
+    "frequency_penalty_-3": (
+        _sampling(frequency_penalty=-3.0),
+        f"sampling.frequency_penalty {PENALTY_RANGE} -3.0",
+    ),
+    "frequency_penalty_inf": (
+        _sampling(frequency_penalty=math.inf),
+        f"sampling.frequency_penalty {PENALTY_RANGE} inf",
+    ),
+    "logit_bias_out_of_vocab": (_logit_bias({256: 1.0}), f"{BIAS_VOCAB} [256]"),
+    "logit_bias_negative_id": (_logit_bias({-1: 1.0}), f"{BIAS_VOCAB} [-1]"),
+    "logit_bias_150": (_logit_bias({5: 150.0}), f"{BIAS_RANGE} 150.0"),
+    "logit_bias_-101": (_logit_bias({5: -101.0}), f"{BIAS_RANGE} -101.0"),
+    "logit_bias_301_entries": (
+        _logit_bias(dict.fromkeys(range(301), 1.0)),
+        "sampling.logit_bias holds 301 entries; at most 300",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PENALTIES_AND_BIASES))
+def test_bad_penalty_or_bias_is_invalid_argument_naming_field_and_value(tiny_stack: Stack, case: str) -> None:
+    build, message = BAD_PENALTIES_AND_BIASES[case]
+    with pytest.raises(grpc.RpcError) as info:
+        list(tiny_stack.stub.Generate(build(tiny_stack), timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in (info.value.details() or "")
+    assert_serves_exactly(tiny_stack, tiny_prompt(3))
+
+
+def test_penalties_and_logit_bias_equal_the_reference(tiny_stack: Stack) -> None:
+    """Greedy with presence/frequency penalties and a logit bias (edge values included) streams what
+    transformers' generate gives with OpenAI's formula; a +100 bias forces its token."""
+    prompt = tiny_prompt(7, 12)
+    plain = tiny_stack.reference(prompt, 16)
+    params = SamplingParams(
+        presence_penalty=-2.0,
+        frequency_penalty=2.0,
+        logit_bias=((plain[0], -100.0), (plain[3], 2.5), (9, 0.75)),
+    )
+    ids, _, final, _ = tiny_stack.generate(penalized_request(prompt, 16, params), timeout_s=CALL_TIMEOUT_S)
+    assert ids == openai_greedy(tiny_stack.model_dir, prompt, 16, params) != plain
+    assert final.finish_reason == pb.FINISH_REASON_LENGTH
+    forced = SamplingParams(logit_bias=((17, 100.0),))
+    ids, _, _, _ = tiny_stack.generate(penalized_request(prompt, 6, forced), timeout_s=CALL_TIMEOUT_S)
+    assert ids == [17] * 6
+    tiny_stack.assert_idle()
 
 
 def test_edge_values_are_accepted_and_a_seed_repeats(tiny_stack: Stack) -> None:

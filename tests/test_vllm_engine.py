@@ -22,9 +22,11 @@ from smg_grpc_proto import vllm_engine_pb2_grpc as vllm_grpc
 from smg_grpc_proto.generated import common_pb2
 
 from services.cachemgr.block_manager import block_hash
+from services.common.sampling_params import SamplingParams
 from services.gateway.api import pb
 from services.gateway.vllm_engine import SERVICE_NAME, block_hash_id
 from services.gateway.vllm_requests import to_cbserve
+from tests.openai_penalties import penalized_request
 from tests.stack import Stack, greedy_request
 from tests.test_stack_requests import (
     CALL_TIMEOUT_S,
@@ -181,6 +183,23 @@ def test_stop_string_is_the_matched_stop(smol_stack: Stack) -> None:
     assert list(complete.output_ids) == ids  # up to the token that completed the stop (smg trims text)
 
 
+def test_penalties_and_logit_bias_equal_the_cbserve_api(tiny_stack: Stack) -> None:
+    """frequency_penalty, presence_penalty and logit_bias (an id -> bias map, as smg sends it) run as
+    cbserve's own fields: the same tokens, which the bias and penalties changed."""
+    prompt = tiny_prompt(73, 12)
+    plain = tiny_stack.reference(prompt, 12)
+    params = SamplingParams(
+        presence_penalty=0.5, frequency_penalty=1.5, logit_bias=((plain[0], -100.0), (9, 3.0))
+    )
+    ids, _, _, _ = tiny_stack.generate(penalized_request(prompt, 12, params), timeout_s=CALL_TIMEOUT_S)
+    assert ids != plain
+    request = vllm_request(prompt, 12, frequency_penalty=1.5, presence_penalty=0.5)
+    request.sampling_params.logit_bias.update({plain[0]: -100.0, 9: 3.0})
+    chunks, complete = run(tiny_stack, request)
+    assert streamed_ids(chunks) == ids and complete.finish_reason == "length"
+    tiny_stack.assert_idle()
+
+
 # --------------------------------------------------------------------------------- Abort, cancel
 
 
@@ -228,8 +247,15 @@ def _constraint(request: Any) -> None:
     request.sampling_params.json_schema = "{}"
 
 
-def _logit_bias(request: Any) -> None:
-    request.sampling_params.logit_bias[5] = 1.0
+def _logit_bias(token: int, bias: float) -> Callable[[Any], None]:
+    def change(request: Any) -> None:
+        request.sampling_params.logit_bias[token] = bias
+
+    return change
+
+
+def _logit_bias_301(request: Any) -> None:
+    request.sampling_params.logit_bias.update({t: 1.0 for t in range(301)})
 
 
 def _mm_inputs(request: Any) -> None:
@@ -270,14 +296,32 @@ BAD_REQUESTS: dict[str, tuple[Callable[[Any], None], str]] = {
     "logprobs_21": (_set(logprobs=21), "sampling_params.logprobs"),
     "logprobs_all": (_set(logprobs=-1), "sampling_params.logprobs"),
     "seed_negative": (_set(seed=-1), "sampling_params.seed"),
-    "frequency_penalty": (_set(frequency_penalty=0.5), "sampling_params.frequency_penalty"),
-    "presence_penalty": (_set(presence_penalty=0.5), "sampling_params.presence_penalty"),
+    "frequency_penalty_2.5": (
+        _set(frequency_penalty=2.5),
+        "sampling_params.frequency_penalty must be in [-2, 2], got 2.5",
+    ),
+    "presence_penalty_-3": (
+        _set(presence_penalty=-3.0),
+        "sampling_params.presence_penalty must be in [-2, 2], got -3.0",
+    ),
     "prompt_logprobs_21": (_set(prompt_logprobs=21), "sampling_params.prompt_logprobs"),
     "prompt_logprobs_all": (_set(prompt_logprobs=-1), "sampling_params.prompt_logprobs"),
     "prompt_logprobs_of_text": (_prompt_logprobs_of_text, "sampling_params.prompt_logprobs"),
     "truncate_prompt_tokens": (_set(truncate_prompt_tokens=4), "sampling_params.truncate_prompt_tokens"),
     "n_2": (_set(n=2), "sampling_params.n"),
-    "logit_bias": (_logit_bias, "sampling_params.logit_bias"),
+    "logit_bias_out_of_vocab": (
+        _logit_bias(256, 1.0),
+        "sampling_params.logit_bias token ids out of vocabulary (size 256): [256]",
+    ),
+    "logit_bias_negative_id": (
+        _logit_bias(-5, 1.0),
+        "sampling_params.logit_bias token ids out of vocabulary (size 256): [-5]",
+    ),
+    "logit_bias_200": (
+        _logit_bias(5, 200.0),
+        "sampling_params.logit_bias[5] must be in [-100, 100], got 200.0",
+    ),
+    "logit_bias_301_entries": (_logit_bias_301, "sampling_params.logit_bias holds 301 entries; at most 300"),
     "json_schema": (_constraint, "sampling_params.json_schema"),
     "mm_inputs": (_mm_inputs, "mm_inputs"),
     "data_parallel_rank": (lambda r: setattr(r, "data_parallel_rank", 1), "data_parallel_rank"),

@@ -18,4 +18,7 @@ def test_resubmission_continues_the_stream_and_asks_for_prompt_logprobs_once() -
     assert (again.params.max_new_tokens, again.params.min_new_tokens) == (6, 1)
     # They came with the first token: the re-submitted prompt's would repeat them, on a longer prompt.
     assert again.params.prompt_logprobs is None
+    # The streamed tokens are still output to the presence/frequency penalties, however often lost.
+    assert again.params.generated_in_prompt == 2
+    assert resubmission(again, [11]).params.generated_in_prompt == 3
     assert (again.request_id, again.priority, again.cache_salt) == ("r1", 1, "s")

@@ -167,6 +167,15 @@ def tiny_text_model_dir(family: str, root: Path, tokenizer_dir: Path) -> Path:
     return _build(family, config, root / f"{family}-text", tokenizer)
 
 
+def tiny_looping_model_dir(root: Path) -> Path:
+    """Return `root/gemma2-tied`: the gemma2 geometry with tied embeddings, whose greedy decoding
+    repeats the last token again and again (see `_gemma2`): a model that loops, for what is meant to
+    break loops."""
+    config = tiny_config("gemma2")
+    config.tie_word_embeddings = True
+    return _build("gemma2", config, root / "gemma2-tied")
+
+
 def _build(family: str, config: PreTrainedConfig, target: Path, tokenizer: Any = None) -> Path:
     if (target / "config.json").is_file():
         return target

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from types import MappingProxyType
+from typing import ClassVar
+
+import msgspec
 
 MAX_TOKENS = 2**31 - 1  # bounds every token count that crosses a process boundary
 
 
-@dataclass(frozen=True)
-class SamplingParams:
+# A msgspec struct that leaves its defaults off the wire: a request that sets only a few fields (most
+# do) sends only those, and a field added here costs the requests that do not use it nothing.
+class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     """How one request picks its tokens and when it stops.
 
     `temperature == 0` means greedy. `top_k == 0`, `top_p == 1`, `min_p == 0` and
@@ -18,6 +21,13 @@ class SamplingParams:
     logprobs; `logprobs=n` returns the sampled token's logprob plus the top-n (n may be 0).
     `prompt_logprobs=n` does the same for every prompt token after the first (vLLM's semantics);
     such a request computes the LM head on all its prompt rows and reads no prefix cache.
+
+    `presence_penalty` and `frequency_penalty` are OpenAI's: over the tokens generated so far (the
+    prompt does not count), token t's logit loses `presence_penalty * [count_t > 0] +
+    frequency_penalty * count_t`; 0 switches each off. `logit_bias` holds (token id, bias) pairs,
+    each bias added to that token's logit every step; ids are distinct. `generated_in_prompt` says
+    that the prompt's last n ids are output the request had generated before it was re-submitted
+    (a worker lost it): the penalties count them as generated.
     """
 
     temperature: float = 0.0
@@ -32,12 +42,24 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    generated_in_prompt: int = 0
 
-    MAX_LOGPROBS = 20
+    MAX_LOGPROBS: ClassVar[int] = 20
+    MAX_PENALTY: ClassVar[float] = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
+    MAX_BIAS: ClassVar[float] = 100.0  # a logit bias lies in [-100, 100] (OpenAI's range)
+    MAX_LOGIT_BIAS: ClassVar[int] = 300  # entries in one logit_bias (OpenAI's limit)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalizes_output(self) -> bool:
+        """Whether sampling reads the counts of the tokens generated so far (presence/frequency)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def validate(self, vocab_size: int, names: Mapping[str, str] = MappingProxyType({})) -> None:
         """Raise ValueError naming the offending field and value; `names` maps fields to the names the
@@ -74,3 +96,26 @@ class SamplingParams:
                 raise ValueError(f"{n(name)} must be in [0, {self.MAX_LOGPROBS}], got {value!r}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"{n('seed')} must be in [0, 2**63), got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -self.MAX_PENALTY <= value <= self.MAX_PENALTY:
+                raise ValueError(f"{n(name)} must be in [-2, 2], got {value!r}")
+        self._validate_logit_bias(vocab_size, n("logit_bias"))
+        if not 0 <= self.generated_in_prompt <= MAX_TOKENS:
+            raise ValueError(
+                f"{n('generated_in_prompt')} must be in [0, {MAX_TOKENS}], got {self.generated_in_prompt!r}"
+            )
+
+    def _validate_logit_bias(self, vocab_size: int, name: str) -> None:
+        if len(self.logit_bias) > self.MAX_LOGIT_BIAS:
+            raise ValueError(f"{name} holds {len(self.logit_bias)} entries; at most {self.MAX_LOGIT_BIAS}")
+        bad = [t for t, _ in self.logit_bias if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"{name} token ids out of vocabulary (size {vocab_size}): {bad[:8]}")
+        seen: set[int] = set()
+        for token, bias in self.logit_bias:
+            if not -self.MAX_BIAS <= bias <= self.MAX_BIAS:
+                raise ValueError(f"{name}[{token}] must be in [-100, 100], got {bias!r}")
+            if token in seen:
+                raise ValueError(f"{name} names token id {token} twice")
+            seen.add(token)

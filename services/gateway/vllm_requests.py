@@ -16,9 +16,11 @@ Fields and their nearest behaviour:
   (-1, vLLM's "all", is refused). Prompt logprobs need `tokenized` input: vLLM lists every prompt
   token, the first without a logprob, and cbserve gives the ones after the first, so the first id
   must be known here.
-- Not in cbserve, refused when set: `frequency_penalty`, `presence_penalty`, `logit_bias`, `n` > 1,
-  `truncate_prompt_tokens`, structured-output constraints, multimodal inputs, KV transfer
-  (disaggregated prefill), a `data_parallel_rank` other than 0 (a cbserve stack is one rank).
+- `frequency_penalty`, `presence_penalty` and `logit_bias` are cbserve's own (zero penalties are
+  unset, as in vLLM); their ranges and the vocabulary are checked there.
+- Not in cbserve, refused when set: `n` > 1, `truncate_prompt_tokens`, structured-output
+  constraints, multimodal inputs, KV transfer (disaggregated prefill), a `data_parallel_rank` other
+  than 0 (a cbserve stack is one rank).
 """
 
 from __future__ import annotations
@@ -52,9 +54,6 @@ def _int32_ids(name: str, ids: Any) -> list[int]:
 def _refuse_unsupported(request: Any) -> None:
     s = request.sampling_params
     unsupported = {
-        "sampling_params.frequency_penalty": s.frequency_penalty,
-        "sampling_params.presence_penalty": s.presence_penalty,
-        "sampling_params.logit_bias": dict(s.logit_bias),
         "sampling_params.truncate_prompt_tokens": (
             s.truncate_prompt_tokens if s.HasField("truncate_prompt_tokens") else None
         ),
@@ -104,6 +103,11 @@ def to_cbserve(request: Any) -> Any:
         sampling.min_p = s.min_p
     if s.repetition_penalty:
         sampling.repetition_penalty = s.repetition_penalty
+    if s.presence_penalty:
+        sampling.presence_penalty = s.presence_penalty
+    if s.frequency_penalty:
+        sampling.frequency_penalty = s.frequency_penalty
+    sampling.logit_bias.update(s.logit_bias)
     if s.HasField("seed"):
         sampling.seed = s.seed
     if s.HasField("max_tokens"):

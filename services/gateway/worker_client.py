@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import uuid
 from collections.abc import Callable
@@ -61,14 +60,16 @@ class _Stream:
 
 def resubmission(request: NewRequest, generated: list[int]) -> NewRequest:
     """What a lost request continues as: the tokens it streamed become part of its prompt. Prompt
-    logprobs came with the first token: asked for again only if none was streamed."""
+    logprobs came with the first token: asked for again only if none was streamed. The streamed
+    tokens stay output to the presence and frequency penalties."""
     n = len(generated)
     p = request.params
-    params = dataclasses.replace(
+    params = msgspec.structs.replace(
         p,
         max_new_tokens=p.max_new_tokens - n,
         min_new_tokens=max(0, p.min_new_tokens - n),
         prompt_logprobs=None if generated else p.prompt_logprobs,
+        generated_in_prompt=p.generated_in_prompt + n,
     )
     return msgspec.structs.replace(request, prompt_ids=[*request.prompt_ids, *generated], params=params)
 

@@ -197,6 +197,11 @@ class Engine:
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt ids out of vocabulary (size {self.vocab_size}): {bad[:8]}")
+        if params.generated_in_prompt > len(prompt):
+            raise ValueError(
+                f"generated_in_prompt must be at most the prompt's {len(prompt)} ids, "
+                f"got {params.generated_in_prompt}"
+            )
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if params.prompt_logprobs is not None:
             # Prompt logprobs need every prompt row computed, so the request may read no cached block
@@ -245,7 +250,8 @@ class Engine:
         news. The next step is launched before the host has them: the forward thread fills its
         placeholders from the tokens left on the device, so that forwards follow one another with
         no host round trip between them. A step that samples with a repetition penalty reads the
-        tokens on the host, and waits for them.
+        tokens on the host, and waits for them; presence and frequency penalties read counts that
+        the sampler keeps on the device, and do not.
 
         `on_committed` runs once the cache manager has taken this step's plan, which commits the KV
         the previous step computed (its full pages enter the prefix cache); with async batching, the
@@ -324,6 +330,27 @@ class Engine:
         penalty reads them on the host."""
         return all(s.request.params.repetition_penalty == 1.0 for s in batch.sampling)
 
+    def _output_counts(self, req: Request) -> torch.Tensor | None:
+        """A request's generated-token counts for presence/frequency penalties (None without them).
+
+        Made at its first sampling step, from the tokens known then (a re-submitted request's
+        include the output at the end of its prompt); from there on only the sampler
+        changes them, in the step order of the forward thread, so that each step reads the counts of
+        every token sampled before it, known to the host or not."""
+        if not req.params.penalizes_output:
+            return None
+        if req.output_counts is None:
+            if req.num_placeholders != 1:
+                raise RuntimeError(
+                    f"{req.request_id}: first penalized sampling step with {req.num_placeholders} tokens "
+                    "still sampling: their counts would be lost"
+                )
+            generated = (
+                req.prompt_ids[len(req.prompt_ids) - req.params.generated_in_prompt :] + req.output_ids
+            )
+            req.output_counts = Sampler.make_output_counts(self.vocab_size, generated, self.device)
+        return req.output_counts
+
     def _launch(self, step: _Built, before: _Running | None) -> None:
         """Start the step's forward, after its swap copies: in the forward thread with async batching,
         else here and now. `before`: the step its placeholders take their tokens from."""
@@ -336,6 +363,7 @@ class Engine:
                 if s.request.params.repetition_penalty != 1.0
                 else (),
                 suppress_ids=self.scheduler.suppressed_ids(s.request),
+                output_counts=self._output_counts(s.request),
             )
             for s in sampling
         ]

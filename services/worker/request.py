@@ -59,6 +59,9 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
     tables: list[list[int]] = field(default_factory=list)  # mirror of the cachemgr's block tables
     generator: torch.Generator | None = None
+    # With presence/frequency penalties: its generated tokens' counts on the device, which the
+    # sampler advances (`SamplingRow.output_counts`); made at its first sampling step.
+    output_counts: torch.Tensor | None = None
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     # With `params.prompt_logprobs`: entry i is prompt token i + 1's (the first token has none),
     # from the logits at position i. Filled as prompt chunks compute; complete at the first sample.

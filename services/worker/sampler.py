@@ -1,13 +1,15 @@
 """Batched token sampler: one row of logits per request in, one token (and optional logprobs) out.
 
-Pure and I/O-free: no model, no engine state; the only state that outlives a call is each seeded
-request's `torch.Generator`, which the engine owns and passes in every step.
+Pure and I/O-free: no model, no engine state; the only state that outlives a call is what the
+engine owns per request and passes in every step: a seeded request's `torch.Generator`, and a
+penalized request's counts of its generated tokens, which `sample` advances like the generator.
 
-Processing order matches HF transformers' `generate` so that a request behaves the same here as
-under `model.generate`: repetition penalty, suppression, then temperature, top-k, top-p, min-p
-(HF warper semantics, `min_tokens_to_keep=1`), then the draw. Logprobs are taken from the raw
-logits, before any of that (vLLM's default), so they describe the model, not the sampler settings;
-`token_logprobs` computes them, for sampled rows here and for prompt rows in the engine.
+Processing order is vLLM's, whose filters each match HF transformers' `generate`, so that a request
+behaves the same here as under either: suppression and logit bias, then the repetition penalty, then
+the frequency and presence penalties, then temperature, top-k, top-p, min-p (HF warper semantics,
+`min_tokens_to_keep=1`), then the draw. Logprobs are taken from the raw logits, before any of that
+(vLLM's default), so they describe the model, not the sampler settings; `token_logprobs` computes
+them, for sampled rows here and for prompt rows in the engine.
 """
 
 from __future__ import annotations
@@ -38,12 +40,19 @@ class SamplingRow:
     prompt + generated so far, read only when `params.repetition_penalty != 1`. `suppress_ids` are
     forbidden this step (EOS/stop ids before `min_new_tokens`); the caller must leave at least one
     token allowed.
+
+    `output_counts` is set for requests with presence or frequency penalties (`params.penalizes_output`):
+    how often each token id occurs among the tokens generated so far, a `[V]` tensor on the logits'
+    device that the engine creates once with `Sampler.make_output_counts` and keeps for the request's
+    lifetime. `sample` reads it and then counts the token it picks, on the device: the host never
+    needs the tokens, so a step may start before the host has the previous step's.
     """
 
     params: SamplingParams
     generator: torch.Generator | None
     token_ids: Sequence[int]
     suppress_ids: Sequence[int] = ()
+    output_counts: torch.Tensor | None = None
 
 
 @dataclass
@@ -96,6 +105,12 @@ class _Plan:
     penalty_ids: list[Sequence[int]] = field(default_factory=list)
     suppress_rows: list[int] = field(default_factory=list)
     suppress_ids: list[Sequence[int]] = field(default_factory=list)
+    bias_rows: list[int] = field(default_factory=list)
+    biases: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+    counted_rows: list[int] = field(default_factory=list)
+    presence: list[float] = field(default_factory=list)
+    frequency: list[float] = field(default_factory=list)
+    counts: list[torch.Tensor] = field(default_factory=list)
     logprob_rows: list[int] = field(default_factory=list)
     logprob_n: list[int] = field(default_factory=list)
 
@@ -111,6 +126,16 @@ class _Plan:
             if len(row.suppress_ids) > 0:
                 plan.suppress_rows.append(i)
                 plan.suppress_ids.append(row.suppress_ids)
+            if p.logit_bias:
+                plan.bias_rows.append(i)
+                plan.biases.append(p.logit_bias)
+            if p.penalizes_output:
+                if row.output_counts is None:
+                    raise ValueError(f"row {i} has presence/frequency penalties and no output_counts")
+                plan.counted_rows.append(i)
+                plan.presence.append(p.presence_penalty)
+                plan.frequency.append(p.frequency_penalty)
+                plan.counts.append(row.output_counts)
             if p.logprobs is not None:
                 plan.logprob_rows.append(i)
                 plan.logprob_n.append(min(p.logprobs, vocab_size))
@@ -139,15 +164,18 @@ class _Plan:
     @property
     def all_plain_greedy(self) -> bool:
         """True when every row's token is simply argmax of its raw logits."""
-        return not self.random_rows and not self.penalty_rows and not self.suppress_rows
+        return not (
+            self.random_rows or self.penalty_rows or self.suppress_rows or self.bias_rows or self.counted_rows
+        )
 
 
 class Sampler:
     """Stateless batched sampler; one instance can serve every step of every batch.
 
     Invariants of `sample`: the caller's `logits` tensor is never modified; per-row Python work is
-    limited to reading parameters, converting penalty/suppression id lists, and drawing seeded rows'
-    noise (each from its own generator); everything else runs as batched tensor ops.
+    limited to reading parameters, converting penalty/suppression/bias id lists, drawing seeded rows'
+    noise (each from its own generator) and counting penalized rows' picks (each in its own counts);
+    everything else runs as batched tensor ops.
     """
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleOutput:
@@ -163,6 +191,9 @@ class Sampler:
         else:
             tokens = _sample_general(logits, plan)
 
+        if plan.counted_rows:
+            _count_picks(tokens, plan)
+
         logprobs: list[TokenLogprobs | None] = [None] * len(rows)
         if plan.logprob_rows:
             for i, lp in zip(plan.logprob_rows, _logprobs(logits, tokens, plan), strict=True):
@@ -175,6 +206,18 @@ class Sampler:
         g = torch.Generator(device=device)
         g.manual_seed(seed)
         return g
+
+    @staticmethod
+    def make_output_counts(
+        vocab_size: int, generated: Sequence[int] = (), device: torch.device | str = "cpu"
+    ) -> torch.Tensor:
+        """The counts of one penalized request (`SamplingRow.output_counts`), of the tokens it has
+        generated so far, on the device the logits are on."""
+        counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        if len(generated) > 0:
+            ids = torch.as_tensor(generated, dtype=torch.long).to(device)
+            counts.index_add_(0, ids, torch.ones(ids.shape, dtype=torch.float32, device=device))
+        return counts
 
 
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:
@@ -201,12 +244,18 @@ def _flat_ids(
     return flat_rows, flat_ids, flat_pos
 
 
-def _apply_penalty_and_suppression(logits: torch.Tensor, plan: _Plan) -> torch.Tensor:
-    """Return logits with the repetition penalty and suppression applied (a copy if anything applies)."""
-    if not plan.penalty_rows and not plan.suppress_rows:
+def _process_logits(logits: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    """Return logits with suppression, logit bias and the penalties applied, in vLLM's order (a copy
+    if anything applies). The bias comes before the repetition penalty, which scales it with the logit."""
+    if not (plan.penalty_rows or plan.suppress_rows or plan.bias_rows or plan.counted_rows):
         return logits
     x = logits.clone()
     device, vocab = x.device, x.shape[1]
+    if plan.suppress_rows:
+        rows, ids, _ = _flat_ids(plan.suppress_rows, plan.suppress_ids, vocab, device)
+        x[rows, ids] = _NEG_INF
+    if plan.bias_rows:
+        _add_logit_bias_(x, plan)
     if plan.penalty_rows:
         # Gather/scatter over the (row, id) pairs only: O(total ids), not O(rows x V). Duplicate ids
         # write identical values (all computed from the unpenalized logit), so a token repeated in the
@@ -215,10 +264,47 @@ def _apply_penalty_and_suppression(logits: torch.Tensor, plan: _Plan) -> torch.T
         pen = torch.tensor(plan.penalties, dtype=x.dtype, device=device)[pos]
         score = x[rows, ids]
         x[rows, ids] = torch.where(score < 0, score * pen, score / pen)
-    if plan.suppress_rows:
-        rows, ids, _ = _flat_ids(plan.suppress_rows, plan.suppress_ids, vocab, device)
-        x[rows, ids] = _NEG_INF
+    if plan.counted_rows:
+        _penalize_output_(x, plan)
     return x
+
+
+def _add_logit_bias_(scores: torch.Tensor, plan: _Plan) -> None:
+    """Add each biased row's (token id, bias) pairs to its scores; ids are in the vocabulary and
+    distinct within a row (`SamplingParams.validate`)."""
+    device = scores.device
+    rows = [i for i, b in zip(plan.bias_rows, plan.biases, strict=True) for _ in b]
+    ids = [t for b in plan.biases for t, _ in b]
+    bias = [v for b in plan.biases for _, v in b]
+    scores.index_put_(
+        (_index(rows, device), _index(ids, device)),
+        torch.tensor(bias, dtype=scores.dtype, device=device),
+        accumulate=True,
+    )
+
+
+def _penalize_output_(scores: torch.Tensor, plan: _Plan) -> None:
+    """OpenAI's presence and frequency penalties over each counted row's generated tokens:
+    `score -= presence * [count > 0] + frequency * count`.
+
+    Row by row, in place: stacking the rows' counts would allocate and copy a [rows, V] block each
+    step, more than the penalties themselves cost."""
+    for i, counts, presence, frequency in zip(
+        plan.counted_rows, plan.counts, plan.presence, plan.frequency, strict=True
+    ):
+        row = scores[i]
+        if frequency != 0.0:
+            row.add_(counts, alpha=-frequency)
+        if presence != 0.0:
+            row.add_(counts.clamp(max=1.0), alpha=-presence)  # counts are whole: clamped, [count > 0]
+
+
+def _count_picks(tokens: torch.Tensor, plan: _Plan) -> None:
+    """Count each penalized row's picked token in its own counts, on the device: no host sync, so the
+    next step's sampling may read them before the host has the token."""
+    one = torch.ones(1, dtype=torch.float32, device=tokens.device)
+    for i, counts in zip(plan.counted_rows, plan.counts, strict=True):
+        counts.index_add_(0, tokens[i : i + 1], one)
 
 
 def _on_subset(scores: torch.Tensor, pos: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -295,16 +381,17 @@ def _argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _sample_general(logits: torch.Tensor, plan: _Plan) -> torch.Tensor:
-    """Tokens for a batch that has random rows, penalties or suppression; returns a [R] long tensor."""
+    """Tokens for a batch that has random rows, penalties, biases or suppression; returns a [R] long
+    tensor."""
     device = logits.device
-    x = _apply_penalty_and_suppression(logits, plan)
+    x = _process_logits(logits, plan)
     if not plan.random_rows:
-        return x.argmax(dim=-1)
+        return _argmax_rows(x)
 
     tokens = torch.empty(logits.shape[0], dtype=torch.long, device=device)
     if plan.greedy_rows:
         g_idx = _index(plan.greedy_rows, device)
-        tokens[g_idx] = x[g_idx].argmax(dim=-1)
+        tokens[g_idx] = _argmax_rows(x[g_idx])
 
     r_sub, r_idx = _on_subset(x, plan.random_rows)
     temps = torch.tensor(plan.temperatures, dtype=torch.float32, device=device).unsqueeze(1)
