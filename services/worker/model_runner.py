@@ -61,12 +61,12 @@ class ModelRunner:
             pack_linears(model)
         text = getattr(model.config, "text_config", None) or model.config
         num_chunks, page = kv_pool.shape[2], geometry.page_size
-        flat = (num_chunks * page, geometry.num_kv_heads, geometry.head_dim)
+        flat = (num_chunks * page, geometry.num_kv_heads, geometry.row_elems)
         kv_of_layer = [
             (kv_pool[p.slot, 0].view(flat), kv_pool[p.slot, 1].view(flat)) for p in geometry.placements
         ]
         # Our own forward keeps its activations in float32 whatever the weights' dtype; the native
-        # attention kernels take float32 queries over float32 or bfloat16 pages.
+        # attention kernels take float32 queries over float32, bfloat16 or int8 pages.
         self.activation_dtype = torch.float32 if self.fused is not None else next(model.parameters()).dtype
         native = (
             self.device.type == "cpu"
