@@ -24,7 +24,7 @@ from services.worker.swap_copies import SwapCopies
 
 log = structlog.get_logger(__name__)
 
-NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16)  # the pages the native attention kernels read
+NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)  # the pages the native attention kernels read
 
 # SDPA without cuDNN: on an H200 torch 2.11 picks cuDNN's attention for the row groups' masked calls,
 # and cuDNN builds a plan for every new shape (45-60 ms each, scripts/gpu_check.py --sections profile).
