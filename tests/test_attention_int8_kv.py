@@ -9,6 +9,8 @@ the original, and `format_bound` carries that through the scores, the softmax an
 from __future__ import annotations
 
 import functools
+import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +20,10 @@ import torch
 from services.common.kv_int8 import SCALE_BYTES, dequantize, quantize
 from services.worker import kernels
 from services.worker.attention import AttentionBatch, attend_paged
-from tests.test_attention import built, causal_reference, gather_sdpa, prefill_batch
+from services.worker.engine import Engine
+from tests.test_attention import built, causal_reference, gather_sdpa, native_kernels_off, prefill_batch
 from tests.test_attention_bf16_kv import DECODE_SHAPES, attention_module, expected_path, rerun_on_lower_path
+from tests.test_engine_parity import CONFIGS, make_prompts
 
 FP32_TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 
@@ -205,3 +209,22 @@ def test_ties_round_to_even() -> None:
 @pytest.mark.parametrize("path", ["avx2", pytest.param("portable", marks=pytest.mark.slow)])
 def test_lower_path_agrees(path: str) -> None:
     rerun_on_lower_path(Path(__file__), path)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_generic_path_reads_int8_pages_as_the_native_one(
+    family: str, tiny_models: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the native kernels (as on a GPU) int8 pages are written by `quantize` and read by gather
+    + dequantize + SDPA: a request's tokens are the native path's."""
+    if os.environ.get(kernels.ISA_SWITCH, "native") != "native":
+        pytest.skip("a lower path's run checks its kernels (above), not whole engines: three more builds")
+    model_dir = tiny_models(family)
+    prompts = make_prompts(seed=9)
+    settings = {**CONFIGS["chunked"], "kv_cache_dtype": "int8"}
+    with Engine.from_pretrained(model_dir, **settings) as engine:
+        assert engine.runner.kv_pool.dtype == torch.int8
+        native = engine.generate(prompts, 20, ignore_eos=True)
+    with native_kernels_off(monkeypatch), Engine.from_pretrained(model_dir, **settings) as engine:
+        assert engine.runner.builder.decode_kernel is None and engine.runner.fused is None
+        assert engine.generate(prompts, 20, ignore_eos=True) == native

@@ -21,7 +21,9 @@ import torch
 
 SCALE_BYTES = 4  # one float32 after each row's values
 KV_INT8 = torch.int8
-_INV_127 = torch.tensor(1.0 / 127.0, dtype=torch.float32)  # 1.0f / 127.0f, correctly rounded
+# A Python number, not a tensor (a copy to the device would break CUDA graph capture): a float32
+# tensor times it computes in float32 with it rounded to 1.0f / 127.0f, the native writer's constant.
+INV_127 = 1.0 / 127.0
 
 
 def scale_bytes(dtype: torch.dtype) -> int:
@@ -32,7 +34,7 @@ def scale_bytes(dtype: torch.dtype) -> int:
 def quantize(x: torch.Tensor) -> torch.Tensor:
     """Rows `x [..., head_dim]` (any float dtype) as int8 pool rows `[..., head_dim + SCALE_BYTES]`."""
     x = x.float()
-    scale = x.abs().amax(-1, keepdim=True) * _INV_127.to(x.device)
+    scale = x.abs().amax(-1, keepdim=True) * INV_127
     inv = torch.where(scale > 0, scale.reciprocal(), torch.zeros_like(scale))
     values = torch.round(x * inv).clamp_(-127, 127).to(KV_INT8)
     return torch.cat([values, scale.view(KV_INT8)], dim=-1)
