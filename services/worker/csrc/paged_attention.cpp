@@ -116,11 +116,10 @@ inline __m256 load8(const i8* p) {
 }
 #endif
 
-// A pool row of n elements as float32: the row itself, or, from bfloat16 or int8 (values only, not
-// scaled), widened into `buf`. For the
-// loops that broadcast a row one element at a time (the prefill kernels; a widened broadcast is three
-// instructions where a float32 one is a load) or load it once per query (AVX2's decode dots): such a
-// row is widened once, by vectors, into L1.
+// A pool row of n elements as float32: the row itself, or, from bfloat16 or int8 (its values, unscaled),
+// widened into `buf`. For the loops that broadcast a row one element at a time (the prefill kernels; a
+// widened broadcast is three instructions where a float32 one is a load) or load it once per query
+// (AVX2's decode dots): such a row is widened once, by vectors, into L1.
 inline const float* f32_row(const float* row, float*, int64_t) { return row; }
 template <class T>
 inline const float* f32_row(const T* row, float* buf, int64_t n) {
@@ -142,7 +141,8 @@ struct Task {
   const T* v;
   const int64_t* slot; // the keys this row reads: slot[0 .. n)
   int64_t n, hs, G, D;
-  int64_t hd, stride;  // elements: from one head's row to the next (D + kScaleElems), and one key's
+  int64_t hd;          // elements from one head's row to the next: D + kScaleElems<T>
+  int64_t stride;      // elements from one key's rows to the next key's
   float scale, cap;
 };
 
@@ -577,8 +577,7 @@ inline void block_dots(const Task<T>& t, int64_t j0, int64_t count, float* score
     for (int64_t i = 0; i < count; ++i)
       for (int64_t h = 0; h < t.hs; ++h)
         f32_row(t.k + t.slot[j0 + i] * t.stride + h * t.hd, widened + (i * t.hs + h) * t.D, t.D);
-    const Task<float> block{t.q,  t.out, widened, nullptr,        kIota,   count,
-                            t.hs, t.G,   t.D,     t.D,            t.hs * t.D, t.scale, t.cap};
+    const Task<float> block{t.q, t.out, widened, nullptr, kIota, count, t.hs, t.G, t.D, t.D, t.hs * t.D, t.scale, t.cap};
     for (int64_t r = 0; r < rows; ++r)
       row_dots<NC>(block, t.q + r * t.D, (r / t.G) * t.D, 0, count, scores + r * t.n + j0);
     return;
