@@ -229,3 +229,25 @@ def test_a_bf16_stack_streams_the_bf16_engines_tokens(
         assert len(serving) == 1 and " in bfloat16 on " in serving[0] and "bfloat16)" in serving[0], serving
     finally:
         stack.stop()
+
+
+def test_an_int8_kv_stack_streams_the_int8_engines_tokens(
+    smollm2_dir: Path, smol_chat_prompts: list[list[int]], tmp_path: Path
+) -> None:
+    """`cbserve up --kv-cache-dtype int8`: the cachemgr's pool of int8 rows (values and scales) in shared
+    memory, the worker's kernels on it, the tokens the in-process engine gives, and the start-up line's
+    bytes per token: rows of 64 + 4 bytes, (64 + 4) / (4 x 64) of float32's."""
+    from tests.stack import Stack, greedy_request
+
+    expected = _plain(smollm2_dir, tuple(map(tuple, smol_chat_prompts)), "int8-kv")
+    stack = Stack(smollm2_dir, tmp_path, up_args=["--kv-cache-dtype", "int8"], num_blocks=64, page_size=16)
+    try:
+        for prompt, want in zip(smol_chat_prompts, expected, strict=True):
+            assert stack.generate(greedy_request(prompt, NEW_TOKENS))[0] == want
+        stack.assert_idle()
+        (ready,) = stack.events("worker ready")
+        assert (ready["weights"], ready["kv_dtype"]) == ("float32", "int8"), ready
+        (sized,) = stack.events("kv cache sized")
+        assert sized["kv_dtype"] == "int8" and sized["kv_bytes_per_token"] == 30 * 2 * 3 * (64 + 4), sized
+    finally:
+        stack.stop()
