@@ -2,12 +2,12 @@
 
 Each (token, kv head) row of an int8 pool holds `head_dim` int8 values followed by their float32
 scale in `SCALE_BYTES` bytes (native byte order), so the pool's last dimension is `head_dim +
-SCALE_BYTES` int8 elements. The scale is symmetric, per token and per kv head: scale = max|x| / 127
-over the row, q = round-half-even(x * (1 / scale)) clamped to [-127, 127]; a row of zeros has scale
-0 and values 0. A page is filled a token at a time, so a scale per page would have to be known
-before its last token is: per-token scales are what a paged writer can compute, as OpenVINO's u8 KV
-does. Carrying the scale inside the row leaves every chunk copy (swap, prefix sharing, shared
-memory) a plain copy of bytes.
+SCALE_BYTES` int8 elements. The scale is symmetric, per token and per kv head: scale = max|x| x
+(1 / 127) over the row, q = round-half-even(x x (1 / scale)) clamped to [-127, 127], all in float32;
+a row of zeros has scale 0 and values 0. A page is filled a token at a time, so a scale per page
+would have to be known before its last token is: per-token scales are what a paged writer can
+compute, as OpenVINO's u8 KV does. Carrying the scale inside the row leaves every chunk copy (swap,
+prefix sharing, shared memory) a plain copy of bytes.
 
 The native writer (csrc/fused_ops.cpp, `rotary_store_kv_`) computes the same float32 operations in
 the same order, so both writers store the same bytes: a request's pages do not depend on which path
