@@ -7,6 +7,7 @@ import copy
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -36,15 +37,24 @@ def built(kernel: T | None, what: str) -> T:
     pytest.skip(f"no C++ toolchain: {what}")
 
 
-@pytest.fixture
-def kernels_off(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+@contextmanager
+def native_kernels_off(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Within: CBSERVE_NATIVE_KERNELS=0, and no kernel built before is remembered (nor after)."""
     monkeypatch.setenv(kernels.SWITCH, "0")
     caches = [f for f in vars(kernels).values() if hasattr(f, "cache_clear")]
     for kernel in caches:
         kernel.cache_clear()
-    yield
-    for kernel in caches:
-        kernel.cache_clear()
+    try:
+        yield
+    finally:
+        for kernel in caches:
+            kernel.cache_clear()
+
+
+@pytest.fixture
+def kernels_off(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    with native_kernels_off(monkeypatch):
+        yield
 
 
 def gather_sdpa(

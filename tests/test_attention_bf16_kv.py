@@ -139,12 +139,17 @@ def test_other_pool_dtypes_are_refused(k_dtype: torch.dtype, v_dtype: torch.dtyp
 # kernel, and its compile and scalar loops are left to the slow run.
 @pytest.mark.parametrize("path", ["avx2", pytest.param("portable", marks=pytest.mark.slow)])
 def test_lower_path_agrees(path: str) -> None:
+    rerun_on_lower_path(Path(__file__), path)
+
+
+def rerun_on_lower_path(test_file: Path, path: str) -> None:
+    """`test_file`'s tests, but those named `lower_path`, in a child run built for `path`."""
     if os.environ.get(kernels.ISA_SWITCH, "native") != "native":
         pytest.skip(f"this run is the {os.environ[kernels.ISA_SWITCH]} path's")
     if PATHS.index(path) >= PATHS.index(expected_path()):
         pytest.skip(f"{path} is this CPU's best path: the tests above ran it")
     env = {**os.environ, kernels.ISA_SWITCH: path}
-    tests = str(Path(__file__).relative_to(REPO))
+    tests = str(test_file.relative_to(REPO))
     child = [sys.executable, "-m", "pytest", tests, "-q", "-x", "-k", "not lower_path"]
     run = subprocess.run(child, env=env, cwd=REPO, capture_output=True, text=True, timeout=540)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]

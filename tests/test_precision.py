@@ -1,4 +1,5 @@
-"""Lower precisions: bfloat16 weights (our own forward with float32 activations) and bfloat16 KV pages.
+"""Lower precisions: bfloat16 weights (our own forward with float32 activations), bfloat16 KV pages and
+int8 KV pages (common/kv_int8.py).
 
 Measured, not assumed exact: teacher-forced top-1 agreement with the float32 model over a fixed text
 of real prose (services/bench/agreement.py), and a request's tokens must not change with the events
@@ -45,15 +46,15 @@ def _native_bf16(engine: Engine) -> None:
 
 @pytest.mark.parametrize(
     ("weights", "kv", "floor"),
-    [(torch.bfloat16, "auto", 0.99), (torch.float32, "bfloat16", 0.99)],
-    ids=["bf16-weights-and-kv", "bf16-kv"],
+    [(torch.bfloat16, "auto", 0.99), (torch.float32, "bfloat16", 0.99), (torch.float32, "int8", 0.98)],
+    ids=["bf16-weights-and-kv", "bf16-kv", "int8-kv"],
 )
 def test_teacher_forced_top1_agreement_with_float32(
     weights: torch.dtype, kv: str, floor: float, smollm2_dir: Path, record_property: Any
 ) -> None:
     prompts, expected = _prose(smollm2_dir)
     with Engine.from_pretrained(smollm2_dir, dtype=weights, kv_cache_dtype=kv, num_blocks=160) as engine:
-        assert engine.runner.kv_pool.dtype == torch.bfloat16
+        assert engine.runner.kv_pool.dtype == (weights if kv == "auto" else getattr(torch, kv))
         if weights == torch.bfloat16:
             _native_bf16(engine)
         same, total = agreement(expected, engine_top1(engine, prompts))
@@ -69,23 +70,39 @@ def smol_chat_prompts(smollm2_dir: Path) -> list[list[int]]:
     return chat_prompts(smollm2_dir)
 
 
-@cache
-def _bf16_plain(model_dir: Path, prompts: tuple[tuple[int, ...], ...]) -> list[list[int]]:
-    """The bfloat16 engine's tokens with none of the events: a roomy cache, no prefix sharing, whole
-    prompts in one step."""
-    with Engine.from_pretrained(
-        model_dir, dtype=torch.bfloat16, num_blocks=64, page_size=16, allow_block_sharing=False
-    ) as engine:
+# The lower precisions whose tokens must not change with the events: each one's engine settings.
+PRECISIONS: dict[str, dict[str, Any]] = {
+    "bf16": {"dtype": torch.bfloat16},
+    "int8-kv": {"kv_cache_dtype": "int8"},
+}
+
+
+def _runs_as_named(engine: Engine, precision: str) -> None:
+    if precision == "bf16":
         _native_bf16(engine)
+    else:
+        assert engine.runner.kv_pool.dtype == torch.int8
+
+
+@cache
+def _plain(model_dir: Path, prompts: tuple[tuple[int, ...], ...], precision: str = "bf16") -> list[list[int]]:
+    """The engine's tokens in `precision` with none of the events: a roomy cache, no prefix sharing,
+    whole prompts in one step."""
+    with Engine.from_pretrained(
+        model_dir, **PRECISIONS[precision], num_blocks=64, page_size=16, allow_block_sharing=False
+    ) as engine:
+        _runs_as_named(engine, precision)
         return engine.generate([list(p) for p in prompts], NEW_TOKENS, ignore_eos=True)
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("config_name", [name for name in SMOL_CONFIGS if name != "soft_reset"])
-def test_bf16_tokens_do_not_change_with_chunks_prefix_hits_or_offload(
-    config_name: str, smollm2_dir: Path, smol_chat_prompts: list[list[int]]
+def test_tokens_do_not_change_with_chunks_prefix_hits_or_offload(
+    config_name: str, precision: str, smollm2_dir: Path, smol_chat_prompts: list[list[int]]
 ) -> None:
-    expected = _bf16_plain(smollm2_dir, tuple(map(tuple, smol_chat_prompts)))
-    with Engine.from_pretrained(smollm2_dir, dtype=torch.bfloat16, **SMOL_CONFIGS[config_name]) as engine:
+    expected = _plain(smollm2_dir, tuple(map(tuple, smol_chat_prompts)), precision)
+    with Engine.from_pretrained(smollm2_dir, **PRECISIONS[precision], **SMOL_CONFIGS[config_name]) as engine:
+        _runs_as_named(engine, precision)
         # The shared system prompt: the second round hits the prefix cache.
         assert engine.generate(smol_chat_prompts, NEW_TOKENS, ignore_eos=True) == expected
         assert engine.generate(smol_chat_prompts, NEW_TOKENS, ignore_eos=True) == expected
@@ -108,6 +125,19 @@ def test_bf16_halves_the_weight_bytes_and_the_kv_bytes_per_token(smollm2_dir: Pa
         # padding: a pair of k per lane pads an odd K, a panel of columns a partial last one.
         weights = {e.runner.describe()["weight_bytes"] for e in (fp32, bf16)}
         assert fp32.runner.weight_bytes() == pytest.approx(2 * bf16.runner.weight_bytes(), rel=1e-3), weights
+
+
+def test_int8_kv_holds_nearly_four_times_the_tokens_of_float32_per_byte(smollm2_dir: Path) -> None:
+    """Each (token, kv head) row: head_dim int8 values and a 4-byte scale, (64 + 4) / (4 x 64) of
+    float32's bytes for SmolLM2; what the start-up line states (kv_bytes_per_token)."""
+    with (
+        Engine.from_pretrained(smollm2_dir, num_blocks=8) as fp32,
+        Engine.from_pretrained(smollm2_dir, kv_cache_dtype="int8", num_blocks=8) as int8,
+    ):
+        d = fp32.geometry.head_dim
+        assert int8.geometry.bytes_per_token * 4 * d == fp32.geometry.bytes_per_token * (d + 4)
+        assert int8.runner.kv_pool.nbytes * 4 * d == fp32.runner.kv_pool.nbytes * (d + 4)
+        assert int8.runner.describe()["kv_dtype"] == "int8"
 
 
 def test_auto_dtype_is_bfloat16_only_where_the_cpu_computes_it(
@@ -184,7 +214,7 @@ def test_a_bf16_stack_streams_the_bf16_engines_tokens(
     forward on it, the tokens the in-process engine gives, and the start-up lines say so."""
     from tests.stack import Stack, greedy_request
 
-    expected = _bf16_plain(smollm2_dir, tuple(map(tuple, smol_chat_prompts)))
+    expected = _plain(smollm2_dir, tuple(map(tuple, smol_chat_prompts)))
     stack = Stack(smollm2_dir, tmp_path, up_args=["--dtype", "bfloat16"], num_blocks=64, page_size=16)
     try:
         for prompt, want in zip(smol_chat_prompts, expected, strict=True):
@@ -197,5 +227,27 @@ def test_a_bf16_stack_streams_the_bf16_engines_tokens(
         assert sized["kv_dtype"] == "bfloat16" and sized["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * 2, sized
         serving = [line for line in stack.log_path.read_text().splitlines() if line.startswith("serving ")]
         assert len(serving) == 1 and " in bfloat16 on " in serving[0] and "bfloat16)" in serving[0], serving
+    finally:
+        stack.stop()
+
+
+def test_an_int8_kv_stack_streams_the_int8_engines_tokens(
+    smollm2_dir: Path, smol_chat_prompts: list[list[int]], tmp_path: Path
+) -> None:
+    """`cbserve up --kv-cache-dtype int8`: the cachemgr's pool of int8 rows (values and scales) in shared
+    memory, the worker's kernels on it, the tokens the in-process engine gives, and the start-up line's
+    bytes per token: rows of 64 + 4 bytes, (64 + 4) / (4 x 64) of float32's."""
+    from tests.stack import Stack, greedy_request
+
+    expected = _plain(smollm2_dir, tuple(map(tuple, smol_chat_prompts)), "int8-kv")
+    stack = Stack(smollm2_dir, tmp_path, up_args=["--kv-cache-dtype", "int8"], num_blocks=64, page_size=16)
+    try:
+        for prompt, want in zip(smol_chat_prompts, expected, strict=True):
+            assert stack.generate(greedy_request(prompt, NEW_TOKENS))[0] == want
+        stack.assert_idle()
+        (ready,) = stack.events("worker ready")
+        assert (ready["weights"], ready["kv_dtype"]) == ("float32", "int8"), ready
+        (sized,) = stack.events("kv cache sized")
+        assert sized["kv_dtype"] == "int8" and sized["kv_bytes_per_token"] == 30 * 2 * 3 * (64 + 4), sized
     finally:
         stack.stop()

@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from services.cachemgr import sizing
+from services.cachemgr.pool_memory import pool_shape
 from services.cachemgr.sizing import DEFAULT_CPU_KV_CACHE, GIB, meminfo_bytes, size_cache
 from services.common.config import CBConfig
 from services.common.kv_geometry import RESERVED_CHUNKS, KVGeometry
+from services.common.kv_int8 import SCALE_BYTES
 from tests.tiny_models import tiny_config
 
 CPU = torch.device("cpu")
@@ -64,3 +66,23 @@ def test_a_pool_larger_than_dev_shm_is_refused_before_it_can_crash(monkeypatch: 
 def test_kv_cache_space_must_be_positive(space: float) -> None:
     with pytest.raises(ValueError, match=f"kv_cache_space must be > 0 GiB, got {space}"):
         CBConfig(kv_cache_space=space)
+
+
+def test_int8_rows_hold_their_scale_and_nearly_four_times_the_tokens_of_float32() -> None:
+    """An int8 row is head_dim values and a 4-byte scale: (head_dim + 4) / (4 head_dim) of float32's
+    bytes, in the pool's shape, its chunks, the bytes per token and the chunks a budget buys."""
+    int8 = KVGeometry.from_model_config(CONFIG, page_size=16, dtype_bytes=1, scale_bytes=SCALE_BYTES)
+    d = GEOMETRY.head_dim
+    assert (int8.row_elems, GEOMETRY.row_elems) == (d + SCALE_BYTES, d)
+    assert pool_shape(int8, 3) == (*pool_shape(GEOMETRY, 3)[:-1], d + SCALE_BYTES)
+    assert int8.bytes_per_token * 4 * d == GEOMETRY.bytes_per_token * (d + SCALE_BYTES)
+    assert int8.chunk_bytes * 4 * d == GEOMETRY.chunk_bytes * (d + SCALE_BYTES)
+    budget = CBConfig(kv_cache_space=0.01)
+    chunks = {g: size_cache(g, CONFIG, budget, CPU).num_chunks for g in (GEOMETRY, int8)}
+    assert chunks[int8] == int(0.01 * GIB) // int8.chunk_bytes
+    assert chunks[int8] / chunks[GEOMETRY] == pytest.approx(4 * d / (d + SCALE_BYTES), rel=1e-2)
+
+
+def test_a_scale_that_is_not_whole_elements_is_refused() -> None:
+    with pytest.raises(ValueError, match="scale_bytes must be whole 2-byte elements, got 3"):
+        KVGeometry.from_model_config(CONFIG, page_size=16, dtype_bytes=2, scale_bytes=3)

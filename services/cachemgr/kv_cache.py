@@ -18,6 +18,7 @@ from services.cachemgr.pool_memory import PoolMemory, create_pool_memory
 from services.cachemgr.sizing import CacheSizing, meminfo_bytes, size_cache
 from services.common.config import CBConfig
 from services.common.kv_geometry import RESERVED_CHUNKS, KVGeometry
+from services.common.kv_int8 import scale_bytes
 from services.common.messages import Flushed, KvEvents, StepGrant, StepPlan
 from services.common.precision import dtype_name
 
@@ -38,7 +39,9 @@ class KVCache:
         self.config = config
         self.dtype = dtype
         self.device = device
-        self.geometry = KVGeometry.from_model_config(model_config, config.page_size, dtype.itemsize)
+        self.geometry = KVGeometry.from_model_config(
+            model_config, config.page_size, dtype.itemsize, scale_bytes(dtype)
+        )
         self.sizing: CacheSizing = size_cache(
             self.geometry, model_config, config, device, reserve_bytes=reserve_bytes, shm=shared
         )

@@ -5,7 +5,7 @@ process (the in-process engine) they are plain tensors. Shared with a worker pro
 the KV pool is CUDA memory exported by IPC handle, or POSIX shared memory on CPU, and the swap pool is
 host shared memory; the worker maps them with `attach_pool_memory` and pins the swap pool itself.
 
-Layout (see `kv_geometry`): `[layers_per_chunk, 2, num_chunks, page_size, kv_heads, head_dim]`; the swap
+Layout (see `kv_geometry`): `[layers_per_chunk, 2, num_chunks, page_size, kv_heads, row_elems]`; the swap
 pool has the same layout with `num_slots` in place of `num_chunks`.
 
 A host KV pool is prefaulted by default: its owner writes every page once at start, and a worker that
@@ -64,7 +64,7 @@ class PoolMemory:
 
 def pool_shape(geometry: KVGeometry, units: int) -> tuple[int, ...]:
     g = geometry
-    return (g.layers_per_chunk, 2, units, g.page_size, g.num_kv_heads, g.head_dim)
+    return (g.layers_per_chunk, 2, units, g.page_size, g.num_kv_heads, g.row_elems)
 
 
 def create_pool_memory(

@@ -103,7 +103,10 @@ def size_cache(
     """`reserve_bytes`: memory someone else still needs (the weights a worker has yet to load).
     `shm`: the pool lives in /dev/shm; writing past that filesystem's free space would SIGBUS."""
     chunk_bytes = geometry.chunk_bytes
-    workspace = step_workspace_bytes(model_config, cfg, geometry.dtype_bytes)
+    # The step's values in the pool's dtype, or, beside a format with scales (int8), float32 at most:
+    # the activations, and the pages attention gathers (dequantized).
+    element_bytes = 4 if geometry.scale_bytes else geometry.dtype_bytes
+    workspace = step_workspace_bytes(model_config, cfg, element_bytes)
     free = free_memory_bytes(device) - reserve_bytes
     if shm and device.type == "cpu":
         free = min(free, shm_free_bytes())
@@ -130,8 +133,6 @@ def size_cache(
             f"{swap_slots * chunk_bytes / GIB:.2f} GiB do not fit the {shm_free_bytes() / GIB:.2f} GiB "
             f"free in {shm_dir()} (writing past it would crash the stack)"
         )
-    gathered_page_bytes = (
-        2 * geometry.page_size * geometry.num_kv_heads * geometry.head_dim * geometry.dtype_bytes
-    )
+    gathered_page_bytes = 2 * geometry.page_size * geometry.num_kv_heads * geometry.head_dim * element_bytes
     max_pages = attention_workspace_bytes(model_config, cfg) // gathered_page_bytes
     return CacheSizing(num_chunks, swap_slots, chunk_bytes, free, workspace, source, max_pages)

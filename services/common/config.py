@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 SchedulerType = Literal["fifo", "prefill_first"]
-# The weights' dtype (`auto`: services/common/precision.py) and the KV pool's (`auto`: the weights').
+# The weights' dtype (`auto`: services/common/precision.py) and the KV pool's (`auto`: the weights';
+# int8: services/common/kv_int8.py).
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = DTYPES
+KV_CACHE_DTYPES = (*DTYPES, "int8")
 
 # The safety margin each policy gets unless one is given: fifo keeps headroom so that running decodes
 # are not starved by newly admitted prefills; prefill_first drains prefills and needs none.
@@ -44,7 +45,8 @@ class CBConfig:
     # no step waits for the kernel to fault in fresh KV pages. Off: committed as first written.
     prefault_kv_pool: bool = True
     # The KV pages' element type apart from the weights' (KV_CACHE_DTYPES): bfloat16 pages hold twice
-    # the tokens of float32 ones in the same bytes. `auto`: the weights' dtype.
+    # the tokens of float32 ones in the same bytes, int8 ones (a scale per token and kv head) nearly
+    # four times. `auto`: the weights' dtype.
     kv_cache_dtype: str = "auto"
     max_requests_per_batch: int = 64
     allow_block_sharing: bool = True

@@ -6,9 +6,11 @@ tile the same bytes, so a chunk holds `layers_per_chunk = gcd(#full layers, #sli
 and a block of a type with L layers is `L / layers_per_chunk` chunks. For an all-full model a block is
 exactly one chunk; for Gemma2-style alternation both block kinds are one chunk each.
 
-The pool tensor is laid out `[layers_per_chunk, 2 (K/V), num_chunks, page_size, kv_heads, head_dim]`
+The pool tensor is laid out `[layers_per_chunk, 2 (K/V), num_chunks, page_size, kv_heads, row_elems]`
 so that, for one layer slot, all K (or V) pages are contiguous and can be viewed as a flat
-`[num_chunks * page_size, kv_heads, head_dim]` slot array that attention gathers from.
+`[num_chunks * page_size, kv_heads, row_elems]` slot array that attention gathers from. A row is
+`head_dim` elements, and in a format that stores a scale with each row (common/kv_int8.py) that
+scale's `scale_bytes` too.
 """
 
 from __future__ import annotations
@@ -41,8 +43,13 @@ class KVGeometry:
     dtype_bytes: int
     layer_kinds: tuple[AttentionKind, ...]
     sliding_window: int | None
+    scale_bytes: int = 0  # bytes after each (token, kv head) row's head_dim elements
 
     def __post_init__(self) -> None:
+        if self.scale_bytes < 0 or self.scale_bytes % self.dtype_bytes:
+            raise ValueError(
+                f"scale_bytes must be whole {self.dtype_bytes}-byte elements, got {self.scale_bytes}"
+            )
         if len(self.layer_kinds) != self.num_layers:
             raise ValueError(f"layer_kinds has {len(self.layer_kinds)} entries for {self.num_layers} layers")
         if "sliding" in self.layer_kinds and not self.sliding_window:
@@ -73,15 +80,20 @@ class KVGeometry:
         return tuple(out)
 
     @property
+    def row_elems(self) -> int:
+        """Pool elements of one (token, kv head) row: its values, then its scale if the format has one."""
+        return self.head_dim + self.scale_bytes // self.dtype_bytes
+
+    @property
     def chunk_bytes(self) -> int:
         return (
-            self.layers_per_chunk * 2 * self.page_size * self.num_kv_heads * self.head_dim * self.dtype_bytes
+            self.layers_per_chunk * 2 * self.page_size * self.num_kv_heads * self.row_elems * self.dtype_bytes
         )
 
     @property
     def bytes_per_token(self) -> int:
         """K and V of one token in every layer."""
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return self.num_layers * 2 * self.num_kv_heads * self.row_elems * self.dtype_bytes
 
     def tokens_held(self, num_chunks: int) -> int:
         """Tokens `num_chunks` chunks (reserved ones included) hold in every layer."""
@@ -92,7 +104,9 @@ class KVGeometry:
         return self.groups == ("full",)
 
     @classmethod
-    def from_model_config(cls, config: Any, page_size: int, dtype_bytes: int) -> KVGeometry:
+    def from_model_config(
+        cls, config: Any, page_size: int, dtype_bytes: int, scale_bytes: int = 0
+    ) -> KVGeometry:
         """Read layer kinds the way transformers does: `layer_types` when present, else a model-wide
         `sliding_window` (Mistral) makes every layer sliding."""
         config = getattr(config, "text_config", None) or config
@@ -116,6 +130,7 @@ class KVGeometry:
             head_dim=int(head_dim),
             page_size=page_size,
             dtype_bytes=dtype_bytes,
+            scale_bytes=scale_bytes,
             layer_kinds=kinds,
             sliding_window=int(window) if window is not None else None,
         )

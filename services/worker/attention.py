@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from services.common.kv_int8 import from_pool, to_pool
 from services.worker.kernels import PagedDecode, PagedPrefill
 
 ATTENTION_NAME = "cbserve_paged"
@@ -77,7 +78,8 @@ class AttentionBatch:
 
     `write_slots[view]` is `[T]`: where each packed token's K/V goes in that view. A view is an
     (allocator group, chunk index within the block) pair; `views_of_layer[l]` names layer l's view and
-    `kv_of_layer[l]` its flat `(K, V)` slot arrays `[num_chunks * page_size, kv_heads, head_dim]`.
+    `kv_of_layer[l]` its flat `(K, V)` slot arrays `[num_chunks * page_size, kv_heads, row_elems]`
+    (head_dim, and an int8 pool's scales: common/kv_int8.py).
     """
 
     num_tokens: int
@@ -118,8 +120,9 @@ def attend_paged(
     """One layer's attention for the packed tokens: `q [T, H, D]`, `key`/`value [T, kv_heads, D]`
     (rows may be strided) -> `[T, H, D]`. Writes the new K/V into the pool first."""
     k_cache, v_cache, slots = batch.kv_target(layer)
-    k_cache.index_copy_(0, slots, key.to(k_cache.dtype))  # the pool's dtype may differ from the model's
-    v_cache.index_copy_(0, slots, value.to(v_cache.dtype))
+    # The pool's dtype may differ from the model's, and int8 rows carry their scale.
+    k_cache.index_copy_(0, slots, to_pool(key, k_cache.dtype))
+    v_cache.index_copy_(0, slots, to_pool(value, v_cache.dtype))
     return attend_stored(batch, layer, q, scale, softcap)
 
 
@@ -151,8 +154,16 @@ def attend_stored(
         # index_select, not advanced indexing: measured 2.3x faster for a 4000-key gather.
         qg = q.index_select(0, rg.rows).view(b, nq, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
         qg = qg.reshape(b, kv_heads, group * nq, head_dim)
-        kg = k_cache.index_select(0, slots).to(q.dtype).view(b, kv_len, kv_heads, head_dim).transpose(1, 2)
-        vg = v_cache.index_select(0, slots).to(q.dtype).view(b, kv_len, kv_heads, head_dim).transpose(1, 2)
+        kg = (
+            from_pool(k_cache.index_select(0, slots), q.dtype)
+            .view(b, kv_len, kv_heads, head_dim)
+            .transpose(1, 2)
+        )
+        vg = (
+            from_pool(v_cache.index_select(0, slots), q.dtype)
+            .view(b, kv_len, kv_heads, head_dim)
+            .transpose(1, 2)
+        )
         res = _attend(qg, kg, vg, rg.bias, scale, softcap)
         res = (
             res.view(b, kv_heads, group, nq, head_dim)

@@ -26,6 +26,7 @@ from transformers import PreTrainedModel
 from services.cachemgr.kv_cache import KVCache
 from services.common.config import CBConfig
 from services.common.kv_geometry import KVGeometry
+from services.common.kv_int8 import scale_bytes
 from services.common.messages import KvEvents, StepGrant
 from services.common.model_source import load_model
 from services.common.precision import kv_cache_dtype
@@ -140,7 +141,9 @@ class Engine:
         kv_dtype = kv_cache_dtype(config, next(model.parameters()).dtype)
         self._owns_cache = cache is None
         self.cache: CacheClient = cache or KVCache(model.config, config, kv_dtype, self.device)
-        expected = KVGeometry.from_model_config(model.config, config.page_size, kv_dtype.itemsize)
+        expected = KVGeometry.from_model_config(
+            model.config, config.page_size, kv_dtype.itemsize, scale_bytes(kv_dtype)
+        )
         if self.cache.geometry != expected:
             raise ValueError(
                 f"the KV cache's geometry {self.cache.geometry} does not fit this model: {expected}"

@@ -24,7 +24,7 @@ from services.worker.swap_copies import SwapCopies
 
 log = structlog.get_logger(__name__)
 
-NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16)  # the pages the native attention kernels read
+NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)  # the pages the native attention kernels read
 
 # SDPA without cuDNN: on an H200 torch 2.11 picks cuDNN's attention for the row groups' masked calls,
 # and cuDNN builds a plan for every new shape (45-60 ms each, scripts/gpu_check.py --sections profile).
@@ -61,12 +61,12 @@ class ModelRunner:
             pack_linears(model)
         text = getattr(model.config, "text_config", None) or model.config
         num_chunks, page = kv_pool.shape[2], geometry.page_size
-        flat = (num_chunks * page, geometry.num_kv_heads, geometry.head_dim)
+        flat = (num_chunks * page, geometry.num_kv_heads, geometry.row_elems)
         kv_of_layer = [
             (kv_pool[p.slot, 0].view(flat), kv_pool[p.slot, 1].view(flat)) for p in geometry.placements
         ]
         # Our own forward keeps its activations in float32 whatever the weights' dtype; the native
-        # attention kernels take float32 queries over float32 or bfloat16 pages.
+        # attention kernels take float32 queries over float32, bfloat16 or int8 pages.
         self.activation_dtype = torch.float32 if self.fused is not None else next(model.parameters()).dtype
         native = (
             self.device.type == "cpu"

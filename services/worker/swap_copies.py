@@ -40,7 +40,7 @@ class SwapCopies:
         self.device = kv_pool.device
         self.by_planes = kv_pool.is_cuda if by_planes is None else by_planes
         self.stream = torch.cuda.Stream(self.device) if kv_pool.is_cuda else None
-        # (layer slot, K/V) of the pool layout [layers_per_chunk, 2, chunks, page, kv_heads, head_dim]
+        # (layer slot, K/V) of the pool layout [layers_per_chunk, 2, chunks, page, kv_heads, row_elems]
         self.planes = [(layer, kv) for layer in range(kv_pool.shape[0]) for kv in range(2)]
 
     def copy(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]]) -> None:

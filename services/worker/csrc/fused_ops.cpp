@@ -110,19 +110,44 @@ inline void rotate_row(float* row, int64_t num_heads, int64_t head_dim, const fl
 }  // namespace
 
 namespace {
-inline void store_kv(const float* src, int64_t n, float* dst) { std::copy(src, src + n, dst); }
+constexpr int64_t kScaleBytes = 4;  // an int8 row's float32 scale, after its values (common/kv_int8.py)
+
+// Each store_kv writes `heads` rows of `d` values to one slot.
+inline void store_kv(const float* src, int64_t heads, int64_t d, float* dst) { std::copy(src, src + heads * d, dst); }
 
 // Rounded to nearest even, as torch's .to(torch.bfloat16): a page holds the same bytes whichever path
 // wrote it.
-inline void store_kv(const float* src, int64_t n, c10::BFloat16* dst) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
+inline void store_kv(const float* src, int64_t heads, int64_t d, c10::BFloat16* dst) {
+  for (int64_t i = 0; i < heads * d; ++i) dst[i] = c10::BFloat16(src[i]);
+}
+
+// The int8 format of common/kv_int8.py, in the float32 operations of its `quantize` in the same
+// order, so that both writers store the same bytes: per row, scale = max|x| * (1 / 127), values
+// round-half-even(x * (1 / scale)) clamped to [-127, 127] (0 for a zero row), then the scale.
+inline void store_kv(const float* src, int64_t heads, int64_t d, int8_t* dst) {
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* x = src + h * d;
+    int8_t* row = dst + h * (d + kScaleBytes);
+    float m = 0.f;
+    for (int64_t i = 0; i < d; ++i) m = std::max(m, std::abs(x[i]));
+    float scale = m * (1.0f / 127.0f);
+    // Fast-math may fold 1 / (m * c) into another expression with another rounding: the scale is
+    // pinned here as it is stored.
+    asm volatile("" : "+m"(scale));
+    const float inv = scale > 0.f ? 1.f / scale : 0.f;
+    for (int64_t i = 0; i < d; ++i)
+      row[i] = static_cast<int8_t>(std::clamp(std::nearbyint(x[i] * inv), -127.f, 127.f));
+    std::memcpy(row + d, &scale, sizeof scale);
+  }
 }
 
 template <typename T>
 void rotate_and_store(at::Tensor& qkv, int64_t q_heads, int64_t kv_heads, int64_t head_dim, const at::Tensor& cos,
                       const at::Tensor& sin, const int64_t* pp, at::Tensor& k_cache, at::Tensor& v_cache,
                       const int64_t* sl) {
+  // A slot holds kv_heads rows of the cache's last dimension (head_dim, and an int8 row's scale).
   const int64_t sx = qkv.stride(0), width = kv_heads * head_dim, k_off = q_heads * head_dim;
+  const int64_t slot_elems = kv_heads * k_cache.size(2);
   float* xp = qkv.data_ptr<float>();
   T* kp = k_cache.data_ptr<T>();
   T* vp = v_cache.data_ptr<T>();
@@ -132,8 +157,8 @@ void rotate_and_store(at::Tensor& qkv, int64_t q_heads, int64_t kv_heads, int64_
     for (int64_t t = begin; t < end; ++t) {
       float* row = xp + t * sx;
       rotate_row(row, q_heads + kv_heads, head_dim, cp + pp[t] * head_dim, sp + pp[t] * head_dim);
-      store_kv(row + k_off, width, kp + sl[t] * width);
-      store_kv(row + k_off + width, width, vp + sl[t] * width);
+      store_kv(row + k_off, kv_heads, head_dim, kp + sl[t] * slot_elems);
+      store_kv(row + k_off + width, kv_heads, head_dim, vp + sl[t] * slot_elems);
     }
   });
 }
@@ -142,7 +167,8 @@ void rotate_and_store(at::Tensor& qkv, int64_t q_heads, int64_t kv_heads, int64_
 // Rotary embedding, in place, on the q and k heads of each row of a fused q|k|v projection
 // [rows, (q_heads + 2 kv_heads) x D], with cos/sin [max_positions, D] read at each row's position;
 // then the row's k heads (rotated) and v heads written to its KV slot `slots[t]` of k_cache/v_cache
-// [S, kv_heads, D], float32 or bfloat16: one pass while the row is in cache, where index_copy_ after
+// [S, kv_heads, D] float32 or bfloat16, or [S, kv_heads, D + 4] int8 (values and scale, quantized
+// here as common/kv_int8.py does): one pass while the row is in cache, where index_copy_ after
 // the rotary took 70 us a layer for a few dozen rows. Every position and slot is checked before
 // anything is written.
 void rotary_store_kv_(at::Tensor qkv, int64_t q_heads, int64_t kv_heads, int64_t head_dim, at::Tensor cos,
@@ -152,18 +178,23 @@ void rotary_store_kv_(at::Tensor qkv, int64_t q_heads, int64_t kv_heads, int64_t
   TORCH_CHECK(qkv.size(1) == (q_heads + 2 * kv_heads) * head_dim, "qkv rows of ", qkv.size(1), " are not ",
               q_heads, " + 2 x ", kv_heads, " heads of ", head_dim);
   const int64_t* pp = checked_positions(positions, qkv, cos, sin, q_heads + kv_heads, head_dim);
-  TORCH_CHECK((k_cache.dtype() == at::kFloat || k_cache.dtype() == at::kBFloat16) &&
+  const bool int8_kv = k_cache.dtype() == at::kChar;
+  const int64_t row = head_dim + (int8_kv ? kScaleBytes : 0);
+  TORCH_CHECK((k_cache.dtype() == at::kFloat || k_cache.dtype() == at::kBFloat16 || int8_kv) &&
                   v_cache.dtype() == k_cache.dtype() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && k_cache.dim() == 3 && k_cache.size(1) == kv_heads &&
-                  k_cache.size(2) == head_dim,
-              "caches must be contiguous float32 or bfloat16 [slots, ", kv_heads, ", ", head_dim, "], got ",
-              k_cache.sizes(), " ", k_cache.dtype(), " and ", v_cache.sizes(), " ", v_cache.dtype());
+                  k_cache.size(2) == row,
+              "caches must be contiguous float32 or bfloat16 [slots, ", kv_heads, ", ", head_dim,
+              "] or int8 [slots, ", kv_heads, ", ", head_dim + kScaleBytes, "], got ", k_cache.sizes(), " ",
+              k_cache.dtype(), " and ", v_cache.sizes(), " ", v_cache.dtype());
   TORCH_CHECK(slots.dtype() == at::kLong && slots.is_contiguous() && slots.numel() == qkv.size(0),
               "slots must be contiguous int64 [", qkv.size(0), "]");
   const int64_t* sl = slots.data_ptr<int64_t>();
   const int64_t S = k_cache.size(0);
   for (int64_t t = 0; t < qkv.size(0); ++t) TORCH_CHECK(sl[t] >= 0 && sl[t] < S, "slot ", sl[t], " outside ", S);
-  if (k_cache.dtype() == at::kBFloat16)
+  if (int8_kv)
+    rotate_and_store<int8_t>(qkv, q_heads, kv_heads, head_dim, cos, sin, pp, k_cache, v_cache, sl);
+  else if (k_cache.dtype() == at::kBFloat16)
     rotate_and_store<c10::BFloat16>(qkv, q_heads, kv_heads, head_dim, cos, sin, pp, k_cache, v_cache, sl);
   else
     rotate_and_store<float>(qkv, q_heads, kv_heads, head_dim, cos, sin, pp, k_cache, v_cache, sl);

@@ -1,9 +1,15 @@
 // Paged attention on CPU, reading K/V straight from the paged pool through each request's slot list:
-// no gathered copy of any context and no mask is ever built. The pool holds float32 or bfloat16 (the
-// element type T of every loop that reads it); queries, outputs and all arithmetic are float32. A
+// no gathered copy of any context and no mask is ever built. The pool holds float32, bfloat16 or int8
+// (the element type T of every loop that reads it); queries, outputs and all arithmetic are float32. A
 // bfloat16 is the high half of a float32's bits, so it is widened exactly as it is loaded, and with the
 // same arithmetic in the same order a bfloat16 pool gives, bit for bit, the float32 kernel's output on
 // its upcast copy, from half the bytes.
+//
+// An int8 row (common/kv_int8.py) is its head's values and then their float32 scale: a head's row is
+// D + 4 elements apart from the next (`hd`). The values are widened to float32 as they are loaded, as
+// a bfloat16's are, and the scale enters once per row: q.(s k) = s (q.k) multiplies each key's
+// scores, and w (s v) = (w s) v each key's softmax weights, so every loop that reads values runs
+// unchanged on the widened integers.
 //
 // Decode rows (paged_decode): one query token per request. The context is read once per layer, from
 // memory (a step's contexts of 30 layers are far larger than the caches), which is what bounds decode
@@ -65,10 +71,27 @@ constexpr int64_t kVBlock = 32;  // keys per block of the V pass: their rows, al
 constexpr int64_t kMaxRows = 4096;  // query heads of one request
 
 using bf16 = at::BFloat16;
+using i8 = int8_t;
 
-// The pool's elements as float32, exactly: a bfloat16's 16 bits are the high half of the float32's.
+// An int8 row's values are followed by their float32 scale (common/kv_int8.py); the other types' rows
+// are their values alone.
+template <class T>
+constexpr bool kScaled = std::is_same_v<T, i8>;
+template <class T>
+constexpr int64_t kScaleElems = kScaled<T> ? 4 : 0;
+
+// The scale of the int8 row whose D values start at `row`.
+inline float row_scale(const i8* row, int64_t D) {
+  float s;
+  std::memcpy(&s, row + D, sizeof s);
+  return s;
+}
+
+// The pool's elements as float32, exactly: a bfloat16's 16 bits are the high half of the float32's;
+// an int8 is its integer value (its row's scale is applied apart).
 inline float widen(float x) { return x; }
 inline float widen(bf16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x.x) << 16); }
+inline float widen(i8 x) { return static_cast<float>(x); }
 
 #ifdef __AVX512F__
 // 16 elements of a pool row as float32 lanes.
@@ -76,6 +99,9 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const bf16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const i8* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 #endif
 #ifdef CBSERVE_AVX2
@@ -85,14 +111,18 @@ inline __m256 load8(const bf16* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
+inline __m256 load8(const i8* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 #endif
 
-// A pool row of n elements as float32: the row itself, or, from bfloat16, widened into `buf`. For the
-// loops that broadcast a row one element at a time (the prefill kernels; a widened broadcast is three
-// instructions where a float32 one is a load) or load it once per query (AVX2's decode dots): such a
-// row is widened once, by vectors, into L1.
+// A pool row of n elements as float32: the row itself, or, from bfloat16 or int8 (its values, unscaled),
+// widened into `buf`. For the loops that broadcast a row one element at a time (the prefill kernels; a
+// widened broadcast is three instructions where a float32 one is a load) or load it once per query
+// (AVX2's decode dots): such a row is widened once, by vectors, into L1.
 inline const float* f32_row(const float* row, float*, int64_t) { return row; }
-inline const float* f32_row(const bf16* row, float* buf, int64_t n) {
+template <class T>
+inline const float* f32_row(const T* row, float* buf, int64_t n) {
   int64_t i = 0;
 #ifdef __AVX512F__
   for (; i + 16 <= n; i += 16) _mm512_storeu_ps(buf + i, load16(row + i));
@@ -103,14 +133,16 @@ inline const float* f32_row(const bf16* row, float* buf, int64_t n) {
   return buf;
 }
 
-template <class T>  // the pool's element type: float or bf16
+template <class T>  // the pool's element type: float, bf16 or i8
 struct Task {
   const float* q;      // [hs, G, D] of this row (contiguous: heads are adjacent in a packed row)
   float* out;          // [hs, G, D]
   const T* k;          // this task's first head in key 0 of the pool: key s is k + s * stride
   const T* v;
   const int64_t* slot; // the keys this row reads: slot[0 .. n)
-  int64_t n, hs, G, D, stride;  // stride: elements
+  int64_t n, hs, G, D;
+  int64_t hd;          // elements from one head's row to the next: D + kScaleElems<T>
+  int64_t stride;      // elements from one key's rows to the next key's
   float scale, cap;
 };
 
@@ -125,14 +157,17 @@ template <class T>
 class Pump {
  public:
   explicit Pump(const Task<T>& t)
-      : t_(t), row_elems_(t.hs * t.D), lines_((row_elems_ * int64_t{sizeof(T)} + 63) / 64),
+      : t_(t), row_elems_(t.hs * t.hd), lines_((row_elems_ * int64_t{sizeof(T)} + 63) / 64),
         end_(2 * t.n * row_elems_) {
-    advance(kAheadLines * kLineElems);
+    target_ = kAheadLines * kLineElems;
+    advance(0);
   }
 
-  // The reads moved `elements` further along the stream.
+  // The reads moved `elements` further along the stream: values of whole head rows (a multiple of D),
+  // which in an int8 stream are followed by their scales.
   inline void advance(int64_t elements) {
-    target_ += elements;
+    if constexpr (kScaled<T>) target_ += elements / t_.D * t_.hd;
+    else target_ += elements;
     for (const int64_t stop = std::min(target_, end_); pos_ < stop;) {
       if (line_ == 0) {
         const T* row = row_ < t_.n ? t_.k + t_.slot[row_] * t_.stride : t_.v + t_.slot[row_ - t_.n] * t_.stride;
@@ -220,7 +255,7 @@ inline void dots_head(const Task<T>& t, int64_t h, int64_t j0, int64_t count, fl
         for (int g = 0; g < G; ++g) s[u][g] = _mm512_setzero_ps();
         continue;
       }
-      const T* kr = t.k + t.slot[j0 + i + u] * t.stride + h * t.D;
+      const T* kr = t.k + t.slot[j0 + i + u] * t.stride + h * t.hd;
       __m512 kv[NC];
       for (int c = 0; c < NC; ++c) kv[c] = load16(kr + 16 * c);
       for (int g = 0; g < G; ++g) s[u][g] = lane_dot<NC>(qv[g], kv);
@@ -399,6 +434,12 @@ inline Lanes lanes(const bf16* p) {
   std::memcpy(&raw, p, sizeof(raw));
   return std::bit_cast<Lanes>(__builtin_convertvector(raw, Bits) << 16);
 }
+inline Lanes lanes(const i8* p) {
+  using Raw = int8_t __attribute__((vector_size(8)));
+  Raw raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  return __builtin_convertvector(raw, Lanes);
+}
 
 template <class T>
 inline void dots_generic(const Task<T>& t, const float* q, int64_t head_off, int64_t j0, int64_t count, float* dst) {
@@ -501,9 +542,50 @@ inline void head_dots(const Task<T>& t, int64_t h, int64_t j0, int64_t count, fl
   }
   pump.advance(count * 16 * NC);
   for (int64_t g = 0; g < t.G; ++g)
-    dots16<NC>(t, t.q + (h * t.G + g) * t.D, h * t.D, j0, count, scores + (h * t.G + g) * t.n + j0);
+    dots16<NC>(t, t.q + (h * t.G + g) * t.D, h * t.hd, j0, count, scores + (h * t.G + g) * t.n + j0);
 }
 #endif
+
+// The scores (or softmax weights) of keys [j0, j0 + count) times each key's K (or V) row scale, per
+// head: for int8 pools, whose values were read unscaled.
+template <class T>
+inline void scale_by_rows(const Task<T>& t, const T* pool, int64_t j0, int64_t count, float* scores) {
+  for (int64_t h = 0; h < t.hs; ++h)
+    for (int64_t i = 0; i < count; ++i) {
+      const float s = row_scale(pool + t.slot[j0 + i] * t.stride + h * t.hd, t.D);
+      for (int64_t g = 0; g < t.G; ++g) scores[(h * t.G + g) * t.n + j0 + i] *= s;
+    }
+}
+
+// The dots of every (head, query) row of a task with keys [j0, j0 + count).
+template <int NC, class T>
+inline void block_dots(const Task<T>& t, int64_t j0, int64_t count, float* scores, Pump<T>& pump) {
+  const int64_t rows = t.hs * t.G;
+#ifdef __AVX512F__
+  if constexpr (NC > 0) {
+    for (int64_t h = 0; h < t.hs; ++h) head_dots<NC>(t, h, j0, count, scores, pump);
+    return;
+  }
+#endif
+  pump.advance(count * t.hs * t.D);
+#ifdef CBSERVE_AVX2
+  if constexpr (NC > 0 && !std::is_same_v<T, float>) {
+    // The AVX2 dots load a K row once per query of its head: a bfloat16 or int8 block's rows are
+    // widened once, all heads, into float32 rows after the scores (`scores` has room), read as a pool.
+    static constexpr int64_t kIota[kBlock] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    float* widened = scores + rows * t.n;
+    for (int64_t i = 0; i < count; ++i)
+      for (int64_t h = 0; h < t.hs; ++h)
+        f32_row(t.k + t.slot[j0 + i] * t.stride + h * t.hd, widened + (i * t.hs + h) * t.D, t.D);
+    const Task<float> block{t.q, t.out, widened, nullptr, kIota, count, t.hs, t.G, t.D, t.D, t.hs * t.D, t.scale, t.cap};
+    for (int64_t r = 0; r < rows; ++r)
+      row_dots<NC>(block, t.q + r * t.D, (r / t.G) * t.D, 0, count, scores + r * t.n + j0);
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < rows; ++r)
+    row_dots<NC>(t, t.q + r * t.D, (r / t.G) * t.hd, j0, count, scores + r * t.n + j0);
+}
 
 // One task: the dots of every (head, query) row with each key, in key order, 16 keys a block; the
 // softmax of each row; then the V sums in blocks of kVBlock keys. Both passes read each K or V row
@@ -516,39 +598,19 @@ void run_task(const Task<T>& t, float* scores) {
   Pump<T> pump(t);
   for (int64_t j0 = 0; j0 < t.n; j0 += kBlock) {
     const int64_t count = std::min(kBlock, t.n - j0);
-#ifdef __AVX512F__
-    if constexpr (NC > 0) {
-      for (int64_t h = 0; h < t.hs; ++h) head_dots<NC>(t, h, j0, count, scores, pump);
-      continue;
-    }
-#endif
-    pump.advance(count * t.hs * t.D);
-#ifdef CBSERVE_AVX2
-    if constexpr (NC > 0 && !std::is_same_v<T, float>) {
-      // The AVX2 dots load a K row once per query of its head: a bfloat16 block's rows are widened
-      // once, all heads, into float32 rows after the scores (`scores` has room), read as a pool.
-      static constexpr int64_t kIota[kBlock] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-      float* widened = scores + rows * t.n;
-      for (int64_t i = 0; i < count; ++i)
-        f32_row(t.k + t.slot[j0 + i] * t.stride, widened + i * t.hs * t.D, t.hs * t.D);
-      const Task<float> block{t.q, t.out, widened, nullptr, kIota, count, t.hs, t.G, t.D, t.hs * t.D, t.scale, t.cap};
-      for (int64_t r = 0; r < rows; ++r)
-        row_dots<NC>(block, t.q + r * t.D, (r / t.G) * t.D, 0, count, scores + r * t.n + j0);
-      continue;
-    }
-#endif
-    for (int64_t r = 0; r < rows; ++r)
-      row_dots<NC>(t, t.q + r * t.D, (r / t.G) * t.D, j0, count, scores + r * t.n + j0);
+    block_dots<NC>(t, j0, count, scores, pump);
+    if constexpr (kScaled<T>) scale_by_rows(t, t.k, j0, count, scores);
   }
   float inv[kMaxRows];
   for (int64_t r = 0; r < rows; ++r) inv[r] = softmax_(scores + r * t.n, t.n, t.cap);
   for (int64_t j0 = 0; j0 < t.n; j0 += kVBlock) {
     const int64_t j1 = std::min(t.n, j0 + kVBlock);
+    if constexpr (kScaled<T>) scale_by_rows(t, t.v, j0, j1 - j0, scores);
 #ifdef __AVX512F__
     if constexpr (NC > 0) {
       for (int64_t h = 0; h < t.hs; ++h) {
         const int64_t r = h * t.G;
-        weighted_blocks<NC>(t, scores + r * t.n, h * t.D, j0, j1, inv + r, t.out + r * t.D, j0 == 0, j1 == t.n, pump);
+        weighted_blocks<NC>(t, scores + r * t.n, h * t.hd, j0, j1, inv + r, t.out + r * t.D, j0 == 0, j1 == t.n, pump);
       }
       continue;
     }
@@ -556,7 +618,7 @@ void run_task(const Task<T>& t, float* scores) {
     pump.advance((j1 - j0) * t.hs * t.D);
     for (int64_t h = 0; h < t.hs; ++h) {
       const int64_t r = h * t.G;
-      head_weighted<NC>(t, scores + r * t.n, h * t.D, j0, j1, inv + r, t.out + r * t.D, j0 == 0, j1 == t.n);
+      head_weighted<NC>(t, scores + r * t.n, h * t.hd, j0, j1, inv + r, t.out + r * t.D, j0 == 0, j1 == t.n);
     }
   }
 }
@@ -600,12 +662,25 @@ TaskFn<T> pick(int64_t D) {
 #endif
 }
 
-// Whether the pools hold bfloat16 (else float32): any other dtype, or two different ones, is refused.
-bool bf16_pools(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+// The pools' element type, checked: both float32, both bfloat16 or both int8, `[S, kv_heads, row]`
+// with rows of D values (and, in int8, their scale). Anything else is refused.
+at::ScalarType pool_type(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t D) {
   const at::ScalarType k = k_cache.scalar_type(), v = v_cache.scalar_type();
-  TORCH_CHECK(k == v && (k == at::kFloat || k == at::kBFloat16),
-              "k_cache and v_cache must both be float32 or both bfloat16, got ", k, " and ", v);
-  return k == at::kBFloat16;
+  TORCH_CHECK(k == v && (k == at::kFloat || k == at::kBFloat16 || k == at::kChar),
+              "k_cache and v_cache must both be float32, both bfloat16 or both int8, got ", k, " and ", v);
+  const int64_t row = D + (k == at::kChar ? kScaleElems<i8> : 0);
+  TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes() && k_cache.size(2) == row,
+              "k_cache and v_cache must be [slots, kv_heads, ", row, "] for head size ", D, " in ", k, ", got ",
+              k_cache.sizes(), " and ", v_cache.sizes());
+  return k;
+}
+
+// `run.template operator()<T>()` for the pools' element type.
+template <class Run>
+void for_pool_type(at::ScalarType type, Run&& run) {
+  if (type == at::kBFloat16) run.template operator()<bf16>();
+  else if (type == at::kChar) run.template operator()<i8>();
+  else run.template operator()<float>();
 }
 
 // The pool's data, of the element type the kernel was picked for.
@@ -619,17 +694,17 @@ void paged_decode(
     at::Tensor q,        // [T, H, D] float32: heads contiguous, any token stride
     at::Tensor out,      // [T, H, D]: rows[b] is written for each request, the others left alone
     at::Tensor rows,     // [B] int64: the packed row of each request's query token
-    at::Tensor k_cache,  // [S, kv_heads, D] float32 or bfloat16, contiguous
-    at::Tensor v_cache,  // [S, kv_heads, D], k_cache's dtype
+    at::Tensor k_cache,  // [S, kv_heads, D] float32 or bfloat16, or [S, kv_heads, D + 4] int8; contiguous
+    at::Tensor v_cache,  // k_cache's dtype and shape
     at::Tensor slots,    // [B, L] int64: the first lengths[b] entries are the keys of request b
     at::Tensor lengths,  // [B] int64
     double scale,
     double softcap) {       // <= 0: none
   TORCH_CHECK(q.dtype() == at::kFloat && out.dtype() == at::kFloat, "q and out must be float32, got ",
               q.scalar_type(), " and ", out.scalar_type());
-  const bool bf16_kv = bf16_pools(k_cache, v_cache);
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) && out.sizes() == q.sizes() &&
               out.stride(2) == 1 && out.stride(1) == out.size(2), "q and out must be [T, H, D] with contiguous heads");
+  const at::ScalarType kv_type = pool_type(k_cache, v_cache, q.size(2));
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slots.is_contiguous() &&
               rows.is_contiguous() && lengths.is_contiguous(), "contiguous caches and index tensors only");
   const int64_t T = q.size(0), D = q.size(2), H = k_cache.size(1);
@@ -647,6 +722,7 @@ void paged_decode(
   const int64_t parts = H / hs, tasks = B * parts;
   auto run = [&]<class T>() {
     const TaskFn<T> fn = pick<T>(D);
+    const int64_t hd = D + kScaleElems<T>;
     std::atomic<int64_t> next{0};
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
       std::vector<float> scores(static_cast<size_t>(hs * G * L + kBlock * hs * D));  // + run_task's block
@@ -655,17 +731,16 @@ void paged_decode(
         const Task<T> t{
             q.data_ptr<float>() + rp[b] * q.stride(0) + h0 * G * D,
             out.data_ptr<float>() + rp[b] * out.stride(0) + h0 * G * D,
-            pool_data<T>(k_cache) + h0 * D,
-            pool_data<T>(v_cache) + h0 * D,
+            pool_data<T>(k_cache) + h0 * hd,
+            pool_data<T>(v_cache) + h0 * hd,
             slots.data_ptr<int64_t>() + b * L,
-            lp[b], hs, G, D, H * D,
+            lp[b], hs, G, D, hd, H * hd,
             static_cast<float>(scale), static_cast<float>(softcap)};
         fn(t, scores.data());
       }
     });
   };
-  if (bf16_kv) run.template operator()<bf16>();
-  else run.template operator()<float>();
+  for_pool_type(kv_type, run);
 }
 
 // ------------------------------------------------------------------------------------------ prefill
@@ -683,7 +758,7 @@ constexpr int64_t kQueryBlock = 16;  // query tokens per task
 constexpr int64_t kLanes = 16;
 constexpr int64_t kKeys = 8;         // keys per score block: 8 x GR accumulators (of 32 registers)
 
-template <class T>  // the pool's element type: float or bf16
+template <class T>  // the pool's element type: float, bf16 or i8
 struct PrefillTask {
   const float* q;        // the block's first query token at its kv head's first query head
   int64_t sq;            // q's token stride (heads are D apart)
@@ -692,7 +767,7 @@ struct PrefillTask {
   const T* k;            // this kv head in slot 0: slot s is k + s * stride
   const T* v;
   const int64_t* slot;   // the request's slot list
-  int64_t nq, G, D, stride;  // stride: elements
+  int64_t nq, G, D, stride;  // stride: elements from one key's row to the next
   int64_t j0, nk;        // the block reads slot list entries [j0, j0 + nk)
   const int64_t* jlo;    // query i of the block sees entries [jlo[i], jhi[i]]
   const int64_t* jhi;
@@ -710,6 +785,18 @@ inline void prefill_rows(const PrefillTask<T>& t, int64_t Rp, float* qt, int32_t
     for (int64_t d = 0; d < t.D; ++d) qt[d * Rp + r] = r < R ? src[d] * t.scale : 0.f;
     lo[r] = r < R ? static_cast<int32_t>(t.jlo[r / t.G] - t.j0) : 0;
     hi[r] = r < R ? static_cast<int32_t>(t.jhi[r / t.G] - t.j0) : static_cast<int32_t>(t.nk - 1);
+  }
+}
+
+// Rows [j, j + keys) of a block's scores (or softmax weights) times each key's K (or V) row scale: for
+// int8 pools, whose values were read unscaled.
+template <class T>
+inline void scale_keys(const PrefillTask<T>& t, const T* pool, int64_t j, int64_t keys, float* st, int64_t Rp) {
+  for (int64_t u = j; u < j + keys; ++u) {
+    const float s = row_scale(pool + t.slot[t.j0 + u] * t.stride, t.D);
+    float* row = st + u * Rp;
+#pragma omp simd
+    for (int64_t r = 0; r < Rp; ++r) row[r] *= s;
   }
 }
 
@@ -805,6 +892,7 @@ void run_prefill(const PrefillTask<T>& t, float* qt, float* st) {
         default: prefill_scores<NC, 1>(qg, Rp, kr, sg, keys); break;
       }
     }
+    if constexpr (kScaled<T>) scale_keys(t, t.k, j, keys, st, Rp);
   }
   cap_scores(st, t.nk * Rp, t.cap);
   std::vector<float> inv(Rp);
@@ -830,6 +918,7 @@ void run_prefill(const PrefillTask<T>& t, float* qt, float* st) {
     }
     _mm512_storeu_ps(inv.data() + gv * kLanes, _mm512_div_ps(_mm512_set1_ps(1.f), sum));
   }
+  if constexpr (kScaled<T>) scale_keys(t, t.v, 0, t.nk, st, Rp);
   constexpr int64_t kRows = values_rows(NC);
   for (int64_t r0 = 0; r0 < R; r0 += kRows) {
     const int64_t rows = std::min(kRows, R - r0);
@@ -967,6 +1056,7 @@ void run_prefill_avx2(const PrefillTask<T>& t, float* qt, float* st) {
         prefill_scores_avx2<NC, 1>(qg, Rp, kr, sg, keys);
       }
     }
+    if constexpr (kScaled<T>) scale_keys(t, t.k, j, keys, st, Rp);
   }
   cap_scores(st, t.nk * Rp, t.cap);
   std::vector<float> inv(Rp);
@@ -996,6 +1086,7 @@ void run_prefill_avx2(const PrefillTask<T>& t, float* qt, float* st) {
     }
     _mm256_storeu_ps(inv.data() + gv * kLanes8, _mm256_div_ps(_mm256_set1_ps(1.f), sum));
   }
+  if constexpr (kScaled<T>) scale_keys(t, t.v, 0, t.nk, st, Rp);
   // Rows that do not see key j weigh exactly 0 there, so all rows share the span of their keys.
   prefill_values_avx2<NC>(t, st, Rp, *std::min_element(lo.begin(), lo.begin() + R),
                           *std::max_element(hi.begin(), hi.begin() + R), inv.data(), qt);
@@ -1024,14 +1115,14 @@ PrefillFn<T> pick_prefill(int64_t D) {
 }
 }  // namespace
 
-// Both element types have the same head sizes.
+// Every element type has the same head sizes.
 bool prefill_supports(int64_t head_dim) { return pick_prefill<float>(head_dim) != nullptr; }
 
 void paged_prefill(
     at::Tensor q,           // [T, H, D] float32: heads contiguous, any token stride
     at::Tensor out,         // [T, H, D]: the requests' rows are written, the others left alone
-    at::Tensor k_cache,     // [S, kv_heads, D] float32 or bfloat16, contiguous
-    at::Tensor v_cache,     // k_cache's dtype
+    at::Tensor k_cache,     // [S, kv_heads, D] float32 or bfloat16, or [S, kv_heads, D + 4] int8; contiguous
+    at::Tensor v_cache,     // k_cache's dtype and shape
     at::Tensor first_rows,  // [B] int64: packed row of each request's first query token
     at::Tensor num_queries, // [B]
     at::Tensor slots,       // [B, L]: the first lengths[b] are the keys request b's chunk reads
@@ -1041,9 +1132,9 @@ void paged_prefill(
     int64_t window) {          // > 0: a query sees only its last `window` keys
   TORCH_CHECK(q.dtype() == at::kFloat && out.dtype() == at::kFloat, "q and out must be float32, got ",
               q.scalar_type(), " and ", out.scalar_type());
-  const bool bf16_kv = bf16_pools(k_cache, v_cache);
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) && out.sizes() == q.sizes() &&
               out.stride(2) == 1 && out.stride(1) == out.size(2), "q and out must be [T, H, D] with contiguous heads");
+  const at::ScalarType kv_type = pool_type(k_cache, v_cache, q.size(2));
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slots.is_contiguous() &&
               first_rows.is_contiguous() && num_queries.is_contiguous() && lengths.is_contiguous(),
               "contiguous caches and index tensors only");
@@ -1070,6 +1161,7 @@ void paged_prefill(
   const int64_t Rp = (kQueryBlock * G + kLanes - 1) / kLanes * kLanes;
   auto run = [&]<class T>() {
     const PrefillFn<T> fn = pick_prefill<T>(D);
+    const int64_t hd = D + kScaleElems<T>;
     std::atomic<int64_t> next{0};
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
       std::vector<float> qt(static_cast<size_t>(D * Rp)), st(static_cast<size_t>(L * Rp));
@@ -1085,16 +1177,15 @@ void paged_prefill(
         const PrefillTask<T> t{
             q.data_ptr<float>() + row * q.stride(0) + blk.h * G * D, q.stride(0),
             out.data_ptr<float>() + row * out.stride(0) + blk.h * G * D, out.stride(0),
-            pool_data<T>(k_cache) + blk.h * D, pool_data<T>(v_cache) + blk.h * D,
-            slots.data_ptr<int64_t>() + blk.b * L, n, G, D, KV * D,
+            pool_data<T>(k_cache) + blk.h * hd, pool_data<T>(v_cache) + blk.h * hd,
+            slots.data_ptr<int64_t>() + blk.b * L, n, G, D, KV * hd,
             jlo[0], jhi[n - 1] - jlo[0] + 1, jlo, jhi,
             static_cast<float>(scale), static_cast<float>(softcap)};
         fn(t, qt.data(), st.data());
       }
     });
   };
-  if (bf16_kv) run.template operator()<bf16>();
-  else run.template operator()<float>();
+  for_pool_type(kv_type, run);
 }
 
 // The vector path this module was compiled for (the worker logs it; CBSERVE_CPU_ISA holds a build to
@@ -1112,9 +1203,9 @@ std::string isa() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Without the GIL: the host plans the next step while a forward runs (async batching).
   using nogil = pybind11::call_guard<pybind11::gil_scoped_release>;
-  m.def("paged_decode", &paged_decode, "paged decode attention (CPU; float32 or bfloat16 K/V)", nogil{});
+  m.def("paged_decode", &paged_decode, "paged decode attention (CPU; float32, bfloat16 or int8 K/V)", nogil{});
   m.def("paged_prefill", &paged_prefill,
-        "paged causal attention of prefill chunks (CPU, AVX-512 or AVX2; float32 or bfloat16 K/V)", nogil{});
+        "paged causal attention of prefill chunks (CPU, AVX-512 or AVX2; float32, bfloat16 or int8 K/V)", nogil{});
   m.def("prefill_supports", &prefill_supports, "whether paged_prefill runs this head size here");
   m.def("isa", &isa, "the vector path this module was compiled for: avx512, avx2 or portable");
 }
