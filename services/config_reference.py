@@ -206,14 +206,20 @@ def type_name(action: argparse.Action) -> str:
     if action.choices is not None:
         return "one of " + ", ".join(f"`{c}`" for c in action.choices)
     kind = action.type
+    # argparse allows a tuple metavar (a name for each of nargs' values) and shows it space-separated.
+    metavar = " ".join(action.metavar) if isinstance(action.metavar, tuple) else action.metavar
     if kind is None or kind is str:
-        name = action.metavar or "text"
-    elif kind in (int, float):
-        name = kind.__name__
+        name = metavar or "text"
+    elif kind is int:
+        name = "int"
+    elif kind is float:
+        name = "float"
     elif kind is Path:
         name = "path"
     else:
-        name = _bounds(kind) or (f"`{action.metavar}`" if action.metavar else kind.__name__.strip("_"))
+        # A type may also be a registry name (str) or an argparse.FileType, neither with a __name__.
+        fallback = getattr(kind, "__name__", "value").strip("_")
+        name = _bounds(kind) or (f"`{metavar}`" if metavar else fallback)
     if isinstance(action, argparse._AppendAction):
         return f"{name}, repeatable"
     if action.nargs in ("*", "+"):

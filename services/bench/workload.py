@@ -15,6 +15,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
@@ -76,15 +80,18 @@ def jsonl_workload(path: Path, num_requests: int, model_path: Path) -> Workload:
     missing = [r.index for r in requests if r.max_tokens is None]
     if missing:
         raise ValueError(f"{path}: requests {missing[:8]} have no max_tokens")
-    tokenizer = None
-    if any(r.token_ids is None for r in requests):
-        from transformers import AutoTokenizer
+    # The tokenizer is loaded only for the first request given as text (never when all carry ids).
+    tokenizer: PreTrainedTokenizerBase | None = None
+    prompts: list[list[int]] = []
+    for r in requests:
+        if r.token_ids is not None:
+            prompts.append(list(r.token_ids))
+            continue
+        if tokenizer is None:
+            from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-    prompts = [
-        list(r.token_ids)
-        if r.token_ids is not None
-        else tokenizer(r.text, add_special_tokens=False)["input_ids"]
-        for r in requests
-    ]
-    return Workload(prompts=prompts, max_new_tokens=[int(r.max_tokens) for r in requests])
+            tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+        prompts.append(tokenizer(r.text, add_special_tokens=False)["input_ids"])
+    # Every request has max_tokens (checked above); the filter only tells the type checker.
+    max_new_tokens = [int(r.max_tokens) for r in requests if r.max_tokens is not None]
+    return Workload(prompts=prompts, max_new_tokens=max_new_tokens)

@@ -156,9 +156,9 @@ class BlockManager:
             self._forget(rid)
         self._computing.clear()
         for grants in self._unsettled:  # the step still computing (async batching)
-            for req, _ in grants:
-                if self.requests.get(req.request_id) is req:  # its pages will settle
-                    self._note_computing(req)
+            for settling, _ in grants:
+                if self.requests.get(settling.request_id) is settling:  # its pages will settle
+                    self._note_computing(settling)
 
         out = _GrantBuilder(plan.step)
         placed: set[str] = set()

@@ -26,7 +26,7 @@ class _CurrentStderr:
 
 
 def _process_fields(service: str) -> structlog.types.Processor:
-    def add(logger: Any, method: str, event: dict[str, Any]) -> dict[str, Any]:
+    def add(logger: Any, method: str, event: structlog.types.EventDict) -> structlog.types.EventDict:
         event.setdefault("service", service)
         event.setdefault("pid", os.getpid())
         return event
@@ -49,13 +49,13 @@ def disable_progress_bars() -> None:
 def configure_logging(level: int = logging.INFO, json: bool = True, service: str = "cbserve") -> None:
     stderr = _CurrentStderr()
     renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
-    fields = [
+    fields: list[structlog.types.Processor] = [
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso"),
         _process_fields(service),
     ]
     # Lines of the standard `logging` module (ours and libraries') take the same form as structlog's.
-    handler = logging.StreamHandler(stderr)  # type: ignore[arg-type]
+    handler = logging.StreamHandler(stderr)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
@@ -69,6 +69,7 @@ def configure_logging(level: int = logging.INFO, json: bool = True, service: str
         # One write a line: `print` writes the line, then its newline, in two, and stderr sends each
         # straight to the file that `cbserve up`'s processes share, so lines of two processes could
         # merge into one that no JSON parser reads, followed by an empty one (seen in CI).
-        logger_factory=structlog.WriteLoggerFactory(file=stderr),
+        # structlog annotates `file` as TextIO, but WriteLogger only calls its write and flush.
+        logger_factory=structlog.WriteLoggerFactory(file=stderr),  # type: ignore[arg-type]
         cache_logger_on_first_use=True,
     )

@@ -107,7 +107,8 @@ def _convert(source: Path, out_dir: Path) -> None:
         bar.set_postfix_str(steps[2])
         # The weights are already de-quantized; without dropping the GGUF quantizer transformers refuses
         # to serialize the model, and a saved quantization_config would make reloads expect GGUF again.
-        model.hf_quantizer = None
+        # torch types Module.__setattr__ as taking a Tensor or a Module, but a plain attribute takes any.
+        model.hf_quantizer = None  # type: ignore[assignment]
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.save_pretrained(out_dir)  # also writes generation_config.json
@@ -201,6 +202,8 @@ def load_model(
     kwargs: dict[str, object] = {"dtype": dtype or torch.float32, "local_files_only": True}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device).eval()
+    # transformers wraps PreTrainedModel.to with functools.wraps, whose typeshed type does not bind
+    # self when called through an instance: mypy wants the model as the first argument.
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device).eval()  # type: ignore[arg-type]
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True) if has_tokenizer(path) else None
     return model, tokenizer

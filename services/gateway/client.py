@@ -48,7 +48,10 @@ def health_status(
     with channel(target, credentials) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         request = health_pb2.HealthCheckRequest(service=service)
-        reply = stub.Check(request, timeout=timeout_s, metadata=credentials.metadata())
+        # types-grpcio-health-checking's HealthStub omits the methods the generated __init__ sets.
+        reply = stub.Check(  # type: ignore[attr-defined]
+            request, timeout=timeout_s, metadata=credentials.metadata()
+        )
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 

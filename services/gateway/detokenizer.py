@@ -95,6 +95,10 @@ class IncrementalDetokenizer:
         return self._decode(window[: self._read_offset - self._prefix_offset]), self._decode(window)
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(
+        text = self._tokenizer.decode(
             ids, skip_special_tokens=self._skip_special_tokens, clean_up_tokenization_spaces=False
         )
+        # decode returns a list only for a batch of sequences; one sequence of ids is one str.
+        if not isinstance(text, str):
+            raise TypeError(f"the tokenizer decoded one sequence to {type(text).__name__}, not str")
+        return text

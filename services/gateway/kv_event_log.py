@@ -85,7 +85,7 @@ class KvEventLog:
             async with self._changed:
                 while self.sequence <= cursor:
                     await self._changed.wait()
-            pending = self.since(cursor + 1)
-            if pending is None:  # fell behind the history: resync
-                pending = [self.snapshot()]
+            recent = self.since(cursor + 1)
+            # None: fell behind the history, resync
+            pending = recent if recent is not None else [self.snapshot()]
             cursor = pending[-1].sequence

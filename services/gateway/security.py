@@ -22,11 +22,11 @@ import hashlib
 import hmac
 import ssl
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 
@@ -182,9 +182,9 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
         details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(details)
         keys = self.access.keys
         if keys is None or details.method.startswith(self.open_prefixes):
@@ -211,11 +211,18 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):
         label = keys.identify(token.strip())
         return (label, "") if label is not None else (None, "invalid API key")
 
-    def _limited(self, handler: grpc.RpcMethodHandler, label: str) -> grpc.RpcMethodHandler:
+    def _limited(
+        self, handler: grpc.RpcMethodHandler[Any, Any], label: str
+    ) -> grpc.RpcMethodHandler[Any, Any]:
         """`handler` (server-streaming) counted against the key's open streams for as long as it
         runs; however the call ends, its count is returned."""
         limit = self.access.max_streams_per_key
-        behavior = handler.unary_stream
+        # grpc's stubs type a handler as the sync server's (an Iterator, grpc.ServicerContext); on the
+        # aio server a server-streaming method is an async generator function of an aio context.
+        behavior = cast(
+            Callable[[Any, grpc.aio.ServicerContext[Any, Any]], AsyncGenerator[Any, None]],
+            handler.unary_stream,
+        )
 
         async def counted(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             if self.streams[label] >= limit:

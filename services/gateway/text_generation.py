@@ -13,9 +13,9 @@ import asyncio
 import functools
 import itertools
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn, Protocol
 
 import grpc
 import structlog
@@ -71,7 +71,24 @@ class _Stream:
     code: str = ""  # the status code of an error end
 
 
-class TextGenerationService(pb_grpc.TextGenerationServicer):
+class CallContext(Protocol):
+    """What Generate uses of its call's context: grpc.aio's own, or the VllmEngine servicer's wrapper
+    of it (vllm_engine._VllmNamedContext), whose refusals name the fields as the vLLM caller did."""
+
+    def invocation_metadata(self) -> grpc.aio.Metadata | None: ...
+
+    async def send_initial_metadata(self, initial_metadata: Sequence[tuple[str, str]]) -> None: ...
+
+    def time_remaining(self) -> float | None: ...
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn: ...
+
+
+# The generated servicer base, loaded at import (api.py) and so unknown to the type checker: Any.
+_TextGenerationServicer: Any = pb_grpc.TextGenerationServicer
+
+
+class TextGenerationService(_TextGenerationServicer):
     def __init__(
         self,
         client: WorkerClient,
@@ -96,7 +113,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
 
     # ----------------------------------------------------------------------------------- Generate
 
-    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async def Generate(self, request: Any, context: CallContext) -> AsyncGenerator[Any, None]:
         arrival = time.monotonic()
         if request is None:
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "the request does not parse")
@@ -148,7 +165,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             )
             structlog.contextvars.unbind_contextvars("request_id")
 
-    async def _admit(self, context: grpc.aio.ServicerContext) -> Any:
+    async def _admit(self, context: CallContext) -> Any:
         facts = self.client.facts
         if self.draining:
             await self._abort(context, grpc.StatusCode.UNAVAILABLE, "server is draining")
@@ -162,7 +179,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             )
         return facts
 
-    async def _abort(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> None:
+    async def _abort(self, context: CallContext, code: grpc.StatusCode, details: str) -> NoReturn:
         self.count_refusal(code, details)
         await context.abort(code, details)
 
@@ -175,7 +192,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         queue: asyncio.Queue[RequestOutput],
         prepared: Prepared,
         stream: _Stream,
-        context: grpc.aio.ServicerContext,
+        context: CallContext,
         internal: str,
         trace_id: str,
     ) -> AsyncIterator[Any]:

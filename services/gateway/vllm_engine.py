@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 from smg_grpc_proto import vllm_engine_pb2 as vllm
@@ -97,7 +97,17 @@ class _VllmNamedContext:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._context, name)
 
-    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+    # Spelled out (not left to __getattr__) so that the type checker sees a text_generation.CallContext.
+    def invocation_metadata(self) -> grpc.aio.Metadata | None:
+        return self._context.invocation_metadata()
+
+    async def send_initial_metadata(self, initial_metadata: Sequence[tuple[str, str]]) -> None:
+        await self._context.send_initial_metadata(initial_metadata)
+
+    def time_remaining(self) -> float | None:
+        return self._context.time_remaining()
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
         await self._context.abort(code, vllm_field_names(details))
 
 
@@ -182,7 +192,9 @@ class VllmEngineService(vllm_grpc.VllmEngineServicer):
         self._calls: dict[str, _Call] = {}
         self._version = _version()
 
-    async def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> None:
+    async def _refuse(
+        self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str
+    ) -> NoReturn:
         self.text.count_refusal(code, details)
         await context.abort(code, details)
 

@@ -24,7 +24,7 @@ import itertools
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import structlog
@@ -164,13 +164,21 @@ class WorkerClient:
         -1 when the worker could not reach it."""
         return await self._ask(self._flush_waiters, "flush_cache", timeout_s)
 
-    async def _ask(self, waiters: dict[int, asyncio.Future[Any]], field: str, timeout_s: float) -> Any:
+    async def _ask(
+        self,
+        waiters: dict[int, asyncio.Future[Any]],
+        field: Literal["load_query", "flush_cache"],
+        timeout_s: float,
+    ) -> Any:
         """Send the worker a numbered question (`field` of GatewayMessage) and wait for its answer,
         which `_receive` hands to the waiter of that number."""
         query = next(self._query_ids)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         waiters[query] = future
-        self._send(**{field: query})
+        if field == "load_query":
+            self._send(load_query=query)
+        else:
+            self._send(flush_cache=query)
         try:
             return await asyncio.wait_for(future, timeout_s)
         finally:
@@ -202,12 +210,16 @@ class WorkerClient:
         )
         # With IMMEDIATE set, no connected worker (or a full queue) means not writable: fail what
         # cannot be sent now rather than let it wait for a worker that may never read it.
-        if not self._socket.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+        events = self._socket.getsockopt(zmq.EVENTS)
+        assert isinstance(events, int)  # EVENTS is an int option; pyzmq types all as int | bytes
+        if not events & zmq.POLLOUT:
             for new in message.adds:
                 self._deliver(RequestOutput(new.request_id, [], finish="error", error="worker unreachable",
                                             code="UNAVAILABLE"))  # fmt: skip
             return
         sent = self._socket.send(self._encoder.encode(message), zmq.NOBLOCK)
+        # pyzmq annotates an Awaitable; zmq.asyncio's send returns an asyncio.Future.
+        assert isinstance(sent, asyncio.Future)
         sent.add_done_callback(_log_send_failure)
 
     async def _heartbeat(self) -> None:

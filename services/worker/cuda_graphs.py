@@ -93,7 +93,12 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
-    _map_tensors(obj, lambda t: found.append(t) or t)
+
+    def collect(t: torch.Tensor) -> torch.Tensor:
+        found.append(t)
+        return t
+
+    _map_tensors(obj, collect)
     return found
 
 

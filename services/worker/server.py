@@ -20,6 +20,7 @@ import time
 import uuid
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import msgspec
 import structlog
@@ -47,6 +48,9 @@ from services.worker.cache_client import CacheUnavailable, RemoteCache
 from services.worker.engine import Engine
 from services.worker.gateway_sessions import Gateway, GatewaySessions, request_key
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 log = structlog.get_logger(__name__)
 
 STATUS_INTERVAL_S = 0.5
@@ -56,7 +60,7 @@ IDLE_POLL_MS = 50
 class WorkerServer:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         config: CBConfig,
         *,
         address: str,
@@ -80,7 +84,7 @@ class WorkerServer:
         self.stopping = False
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(GatewayMessage)
-        self._context = zmq.Context.instance()
+        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished gateway's messages are dropped
@@ -163,11 +167,11 @@ class WorkerServer:
             page_size=self.config.page_size,
             total_blocks=cache.sizing.num_chunks - RESERVED_CHUNKS,  # what requests can be given
             prefix_caching=cache.prefix_caching,
-            dtype=runs["weights"],
+            dtype=str(runs["weights"]),  # describe() gives dtype names (str) under object values
             device=str(self.model.device),
             max_logprobs=SamplingParams.MAX_LOGPROBS,
             kv_bytes=cache.sizing.kv_bytes,
-            kv_dtype=runs["kv_dtype"],
+            kv_dtype=str(runs["kv_dtype"]),
         )
         self._last_status = 0.0  # announce readiness at once
         log.info(
@@ -261,8 +265,8 @@ class WorkerServer:
             self._handle(routing_id, message)
 
     def _handle(self, routing_id: bytes, message: GatewayMessage) -> None:
-        gateway, new = self.sessions.seen(routing_id, message.gateway_id, self._clock.now())
-        if new:
+        gateway, first_seen = self.sessions.seen(routing_id, message.gateway_id, self._clock.now())
+        if first_seen:
             self._last_status = 0.0
             self._send_kv_snapshot([gateway])
         for rid in message.aborts:
@@ -326,7 +330,8 @@ class WorkerServer:
             # Schedule is the rest of the step call's wall time, so that it takes, too, what the
             # engine's timers cannot see: a wait for the GIL on the way out while the forward thread
             # runs Python (async batching).
-            schedule = times.rest_of(t_emit - t_step - flush_s, engine.config.use_async_batching)
+            overlapped = engine.config.async_batching_enabled(engine.device.type)  # resolved by Engine
+            schedule = times.rest_of(t_emit - t_step - flush_s, overlapped)
             self._profile = StepTimes(
                 schedule, times.cache, times.build, times.forward, times.sample,
                 t_end - t_emit + flush_s, times.num_tokens, times.num_requests, times.wait, t_end - t_step,

@@ -23,9 +23,14 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from protocol import serve
+# At run time this script's folder is on sys.path (protocol.py); the type checker knows the same file
+# as a module of the services package.
+if TYPE_CHECKING:
+    from services.bench.peer_runners.protocol import serve
+else:
+    from protocol import serve
 
 SLOTS = 48
 SLOT_CONTEXT = 1024

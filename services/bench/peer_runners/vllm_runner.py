@@ -21,9 +21,14 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from protocol import closed_loop, serve
+# At run time this script's folder is on sys.path (protocol.py); the type checker knows the same file
+# as a module of the services package.
+if TYPE_CHECKING:
+    from services.bench.peer_runners.protocol import closed_loop, serve
+else:
+    from protocol import closed_loop, serve
 
 
 class VllmPeer:

@@ -68,7 +68,7 @@ def request_seed(args: argparse.Namespace, req: BenchRequest) -> int:
 class GrpcBackend:
     """cbserve's TextGeneration API over one channel: token-id prompts, the run's `cache_salt`."""
 
-    load_source = "GetLoad"
+    load_source: str | None = "GetLoad"  # typed as Backend's: a protocol's plain attribute is invariant
     load_settle_s = 0.0  # the worker answers GetLoad between steps, with its figures of that moment
 
     def __init__(self, stub: Any, args: argparse.Namespace) -> None:

@@ -91,8 +91,8 @@ def parse_load(text: str) -> dict[str, int] | None:
         for names in (CBSERVE_NAMES, VLLM_NAMES):
             metric, label = names.blocks
             if name == metric:
-                blocks = value if label is None else float(labels.get(label) or 0)
-                by_engine.setdefault(metric, {})[engine] = blocks
+                block_count = value if label is None else float(labels.get(label) or 0)
+                by_engine.setdefault(metric, {})[engine] = block_count
             elif name == names.usage:
                 by_engine.setdefault(name, {})[engine] = value
     for names in (CBSERVE_NAMES, VLLM_NAMES):

@@ -105,7 +105,7 @@ async def open_backend(args: argparse.Namespace) -> AsyncIterator[Backend]:
 class PhaseRunner:
     """Sends one phase's requests on schedule and records what each stream does."""
 
-    def __init__(self, backend: Backend, args: argparse.Namespace, on_done: Callable[[], None]) -> None:
+    def __init__(self, backend: Backend, args: argparse.Namespace, on_done: Callable[[], object]) -> None:
         self.backend, self.args, self.on_done = backend, args, on_done
         self.t0 = time.perf_counter()  # reset when the phase starts
         self.tasks: list[asyncio.Task[None]] = []
