@@ -228,7 +228,7 @@ def _llama_steps(home: Path) -> list[Step]:
 
 
 def _llama_args(home: Path) -> list[str]:
-    from services.bench.stack import free_port
+    from services.supervisor import free_port
 
     return ["--server", str(home / "build" / "bin" / "llama-server"), "--port", str(free_port())]
 

@@ -1,10 +1,10 @@
 """Shape of the paged KV cache, derived from a model config; shared by cachemgr and worker.
 
-Vocabulary (DESIGN.md): a **page** holds `page_size` tokens of K and V for one layer; a **block** is
-one page per layer of one attention type; a **chunk** is the pool unit. Full and sliding blocks must
-tile the same bytes, so a chunk holds `layers_per_chunk = gcd(#full layers, #sliding layers)` pages
-and a block of a type with L layers is `L / layers_per_chunk` chunks. For an all-full model a block is
-exactly one chunk; for Gemma2-style alternation both block kinds are one chunk each.
+Vocabulary (docs/architecture.md): a **page** holds `page_size` tokens of K and V for one layer; a
+**block** is one page per layer of one attention type; a **chunk** is the pool unit. Full and sliding
+blocks must tile the same bytes, so a chunk holds `layers_per_chunk = gcd(#full layers, #sliding
+layers)` pages and a block of a type with L layers is `L / layers_per_chunk` chunks. For an all-full
+model a block is exactly one chunk; for Gemma2-style alternation both block kinds are one chunk each.
 
 The pool tensor is laid out `[layers_per_chunk, 2 (K/V), num_chunks, page_size, kv_heads, row_elems]`
 so that, for one layer slot, all K (or V) pages are contiguous and can be viewed as a flat
@@ -113,12 +113,10 @@ class KVGeometry:
         num_layers = int(config.num_hidden_layers)
         window = getattr(config, "sliding_window", None)
         layer_types = getattr(config, "layer_types", None)
+        every: AttentionKind = "full" if window is None else "sliding"
+        kinds: tuple[AttentionKind, ...] = (every,) * num_layers
         if layer_types is not None:
             kinds = tuple("sliding" if t == "sliding_attention" else "full" for t in layer_types)
-        elif window is not None:
-            kinds = ("sliding",) * num_layers
-        else:
-            kinds = ("full",) * num_layers
         if "sliding" not in kinds:
             window = None
         heads = int(config.num_attention_heads)

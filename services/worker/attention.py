@@ -21,6 +21,7 @@ repeated per query head.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -145,6 +146,8 @@ def attend_stored(
         nq = rg.num_queries
         slots = rg.slots[view]
         if rg.bias is None:  # decode rows for the native kernel
+            if batch.decode_kernel is None:
+                raise RuntimeError("a row group without a mask needs the native decode kernel; none is built")
             # Decode rows: read each context once, in place, instead of gathering a padded copy.
             batch.decode_kernel(
                 q, out, rg.rows, k_cache, v_cache, slots.view(b, kv_len), rg.lengths, scale, softcap or 0.0
@@ -173,6 +176,7 @@ def attend_stored(
         if rg.kept is None:
             out.index_copy_(0, rg.rows, res)
         else:
+            assert rg.kept_rows is not None  # set with `kept`
             out.index_copy_(0, rg.kept_rows, res.index_select(0, rg.kept))
     ragged = batch.prefill.get(view[0])
     if ragged is not None and batch.prefill_kernel is not None:
@@ -209,9 +213,8 @@ def paged_attention(
         raise RuntimeError(f"{ATTENTION_NAME} attention needs the step's AttentionBatch (cb_batch=)")
     q = query[0].transpose(0, 1)
     scale = scaling if scaling is not None else q.shape[2] ** -0.5
-    out = attend_paged(
-        cb_batch, module.layer_idx, q, key[0].transpose(0, 1), value[0].transpose(0, 1), scale, softcap
-    )
+    layer = cast(int, module.layer_idx)  # transformers' attention modules carry their layer's index
+    out = attend_paged(cb_batch, layer, q, key[0].transpose(0, 1), value[0].transpose(0, 1), scale, softcap)
     return out.unsqueeze(0), None
 
 
