@@ -40,7 +40,7 @@ SWITCH = "CBSERVE_NATIVE_KERNELS"
 # that needs one it is told to drop (-mno-avx512f takes all AVX-512 subsets with it).
 ISA_FLAGS: dict[str, tuple[str, ...]] = {
     "native": (),
-    "avx512": ("-mno-avx512bf16", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"),
+    "avx512": ("-mno-avx512bf16", "-mno-avx512vnni", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"),
     "avx2": ("-mno-avx512f", "-mno-amx-tile"),
     "portable": ("-march=x86-64",),
 }
