@@ -173,19 +173,21 @@ class PanelLinear:
     then `packed_linear(x [..., K], packed, bias, N) -> [..., N]`; for an MLP's gate and up,
     `pack_weight_gated([Wg; Wu] [2I, K])`, then `packed_linear_gated(x, packed, I) -> silu(x Wg^T) *
     (x Wu^T) [..., I]`. x and the outputs are float32; `dtype` is the weights' in the panels: float32,
-    or bfloat16 (x is then rounded to bfloat16 for the products, which accumulate in float32). Products
-    of `torch_from_rows` rows or more run faster on torch's GEMM on this CPU (`gemm_crossover`,
-    `torch_gemm`): their callers send them there.
+    bfloat16 (x is then rounded to bfloat16 for the products, which accumulate in float32), or int8
+    (each output column's weights on a scale of their own, each row of x rounded to int8 on its own
+    scale as it is multiplied; the sums are exact int32). Products of `torch_from_rows` rows or more
+    run faster on torch's GEMM on this CPU (`gemm_crossover`, `torch_gemm`): their callers send them
+    there.
     """
 
     def __init__(self, module: Any, torch_from_rows: int, dtype: torch.dtype = torch.float32) -> None:
         self._module = module
         self.torch_from_rows = torch_from_rows
         self.dtype = dtype
+        self._pack, self._pack_gated = (getattr(module, name) for name in _PACKS[dtype])
 
     def pack_weight(self, weight: torch.Tensor) -> torch.Tensor:
-        module = self._module
-        return module.pack_weight_bf16(weight) if self.dtype == torch.bfloat16 else module.pack_weight(weight)
+        return self._pack(weight)
 
     def packed_linear(
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
@@ -193,15 +195,19 @@ class PanelLinear:
         return self._module.panel_linear(x, packed, bias, out_features)
 
     def pack_weight_gated(self, weight: torch.Tensor) -> torch.Tensor:
-        module = self._module
-        bf16 = self.dtype == torch.bfloat16
-        return module.pack_weight_gated_bf16(weight) if bf16 else module.pack_weight_gated(weight)
+        return self._pack_gated(weight)
 
     def packed_linear_gated(self, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
         return self._module.panel_linear_gated(x, packed, out_features)
 
 
-PANEL_DTYPES = (torch.float32, torch.bfloat16)
+# The module's packing functions for the panels' weights of each dtype: plain, gated.
+_PACKS = {
+    torch.float32: ("pack_weight", "pack_weight_gated"),
+    torch.bfloat16: ("pack_weight_bf16", "pack_weight_gated_bf16"),
+    torch.int8: ("pack_weight_int8", "pack_weight_gated_int8"),
+}
+PANEL_DTYPES = tuple(_PACKS)
 
 
 def packed_linear_ops(dtype: torch.dtype = torch.float32) -> PanelLinear | None:
@@ -213,10 +219,14 @@ def packed_linear_ops(dtype: torch.dtype = torch.float32) -> PanelLinear | None:
 @functools.cache
 def _packed_linear_ops(dtype: torch.dtype) -> PanelLinear | None:
     if dtype not in PANEL_DTYPES:
-        raise ValueError(f"panels hold float32 or bfloat16 weights, not {dtype}")
+        raise ValueError(f"panels hold float32, bfloat16 or int8 weights, not {dtype}")
     module = _built()["panel_linear"]
     if module is None:
         return None
+    if dtype == torch.int8:
+        # torch's GEMM has no int8 product with per-row scales on the weights' bytes: the int8 panels
+        # serve every size, and no full-precision copy of the weights is kept for many rows.
+        return PanelLinear(module, gemm_crossover.NEVER, dtype)
     crossover = gemm_crossover.pinned()
     if crossover is not None:
         return PanelLinear(module, crossover, dtype)

@@ -66,12 +66,14 @@
 // (sx = max |x| / 127: dynamic, per token). The products are exact int32 sums, so every path gives the
 // same sums and only the final y = sx * sw[n] * sum + bias rounds (in fp32). With VNNI (AVX512-VNNI,
 // or AVX-VNNI in an AVX2 build) vpdpbusd adds the four products of each lane into its int32
-// accumulator; it takes x unsigned, so x is packed as x + 128 (in 1 .. 255) and the tile subtracts
-// 128 * the column's weight sum, computed at pack time. Without VNNI each lane is split into its even
+// accumulator; it takes x unsigned, so x is packed as x + 128 (in 1 .. 255) and the tile's sums start
+// from -128 * the column's weight sum, computed at pack time. Without VNNI each lane is split into its even
 // and odd k sign-extended to int16 (two shifts) and multiplied by vpmaddwd, two products per lane
 // into int32, on x's values of those k as int16 pairs (two packed lines per K4 line): exact too, where
 // vpmaddubsw's int16 sums of (x + 128) * w would saturate. Each panel ends with two more lines: the
-// columns' fp32 scales, then their 128 * weight sums (int32).
+// columns' fp32 scales, then their -128 * weight sums (int32). The sums start from those rather than
+// subtract them at the end: there the 2 x 14 accumulators, the scales and the bias fill the registers,
+// and GCC then kept every accumulator on the stack through the loop.
 // Only the headers used: <torch/extension.h> (all of libtorch's C++ API) tripled the compile time.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -124,7 +126,7 @@ constexpr int64_t kXLinesPerQuad = 1;
 #else
 constexpr int64_t kXLinesPerQuad = 2;
 #endif
-constexpr int64_t kInt8Trailer = 2;  // an int8 panel's lines after its weights: scales, then 128 * sums
+constexpr int64_t kInt8Trailer = 2;  // an int8 panel's lines after its weights: scales, then -128 * sums
 
 struct Tile {
   const float* x;  // the tile's rows, k-major: [K, rows] (bf16 panels: kXLinesPerPair lines per pair)
@@ -214,6 +216,14 @@ inline void copy_columns_rounded(const float* x, int64_t sx, int64_t rows, int64
 inline const float* opaque(const float* p) {
   __asm__("" : "+r"(p));
   return p;
+}
+
+// v, but the compiler must hold it in a register here: the widened int8 tiles add the even k's
+// products into the accumulators, then the odd k's, and GCC otherwise reassociated the integer sums
+// so that the even products of every row waited in registers (spilled) for the odd ones.
+template <class V>
+inline void settle(V& v) {
+  __asm__("" : "+v"(v));
 }
 
 // The 32-bit lane at p (a packed line of x holds lanes of u8 or int16 for the int8 tiles), as an int.
@@ -461,30 +471,40 @@ inline void pack_rows_bf16(const float* x, int64_t sx, int64_t rows, int64_t K, 
   copy_columns_rounded(x, sx, rows, k0, K, (K + 1) / 2 * 2, out);
 }
 #endif
-// The int8 tiles' sums -> fp32: (sum - 128 * the column's weight sum) * (sx * sw), then as every tile
-// ends. The panel's scales and sums are its two lines after the weights.
+// The int8 tiles' sums (started from the panel's -128 * weight sums) -> fp32: sum * sw * sx, then as
+// every tile ends. The panel's scales and sums are its two lines after the weights.
 template <int R>
 __attribute__((always_inline)) inline void finish_int8(const Tile& t, const __m512i (&lo)[R], const __m512i (&hi)[R]) {
   const float* sw = t.w + t.K * kPanel;
   const __m512 s0 = _mm512_loadu_ps(sw), s1 = _mm512_loadu_ps(sw + 16);
-  const __m512i o0 = _mm512_loadu_si512(sw + kPanel), o1 = _mm512_loadu_si512(sw + kPanel + 16);
   __m512 flo[R], fhi[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
     const __m512 xs = _mm512_set1_ps(t.xscale[r]);
-    flo[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(lo[r], o0)), _mm512_mul_ps(xs, s0));
-    fhi[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(hi[r], o1)), _mm512_mul_ps(xs, s1));
+    flo[r] = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(lo[r]), s0), xs);
+    fhi[r] = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(hi[r]), s1), xs);
   }
   finish<R>(t, flo, fhi);
 }
+
+#ifdef __AVX512VNNI__
+// acc + the four products u8 x s8 of each lane of x and w, as _mm512_dpbusd_epi32 but in place: with
+// the intrinsic GCC stored every accumulator of a tile of 14 rows to the stack on every k.
+inline __m512i dpbusd(__m512i acc, __m512i x, __m512i w) {
+  __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w));
+  return acc;
+}
+#endif
 
 // int8 panels: a line's lanes are four int8 weights of a column, x's lanes its four u8 values (x + 128)
 // of those k (see the top). 2 x 14 int32 accumulators, the line's two vectors and a broadcast.
 template <int R>
 void tile_int8(const Tile& t) {
+  const float* sums = t.w + (t.K + 1) * kPanel;
+  const __m512i o0 = _mm512_loadu_si512(sums), o1 = _mm512_loadu_si512(sums + 16);
   __m512i lo[R], hi[R];
 #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_si512();
+  for (int r = 0; r < R; ++r) lo[r] = o0, hi[r] = o1;
   const float* w = t.w;
   PanelPrefetch pull(t, R >= 8 && t.every == 1);
   for (int64_t k = 0; k < t.K; ++k, w += kPanel) {
@@ -495,8 +515,8 @@ void tile_int8(const Tile& t) {
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const __m512i xv = _mm512_set1_epi32(lane_at(xk + r));
-      lo[r] = _mm512_dpbusd_epi32(lo[r], xv, w0);
-      hi[r] = _mm512_dpbusd_epi32(hi[r], xv, w1);
+      lo[r] = dpbusd(lo[r], xv, w0);
+      hi[r] = dpbusd(hi[r], xv, w1);
     }
 #else
     // Without VNNI: the even k of each lane (its low bytes, shifted up and back with their sign), then
@@ -509,6 +529,7 @@ void tile_int8(const Tile& t) {
       const __m512i xv = _mm512_set1_epi32(lane_at(xk + r));
       lo[r] = _mm512_add_epi32(lo[r], _mm512_madd_epi16(xv, e0));
       hi[r] = _mm512_add_epi32(hi[r], _mm512_madd_epi16(xv, e1));
+      settle(lo[r]), settle(hi[r]);
     }
     const float* again = opaque(w);
     const __m512i o0 = _mm512_srai_epi16(_mm512_loadu_si512(again), 8);
@@ -670,14 +691,12 @@ template <int R>
 __attribute__((always_inline)) inline void finish_int8(const Tile& t, const __m256i (&lo)[R], const __m256i (&hi)[R]) {
   const float* sw = t.w + t.K * kPanel;
   const __m256 s0 = _mm256_loadu_ps(sw), s1 = _mm256_loadu_ps(sw + 8);
-  const __m256i o0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sw + kPanel));
-  const __m256i o1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sw + kPanel + 8));
   __m256 flo[R], fhi[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
     const __m256 xs = _mm256_set1_ps(t.xscale[r]);
-    flo[r] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(lo[r], o0)), _mm256_mul_ps(xs, s0));
-    fhi[r] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(hi[r], o1)), _mm256_mul_ps(xs, s1));
+    flo[r] = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(lo[r]), s0), xs);
+    fhi[r] = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(hi[r]), s1), xs);
   }
   finish<R>(t, flo, fhi);
 }
@@ -686,9 +705,11 @@ __attribute__((always_inline)) inline void finish_int8(const Tile& t, const __m2
 // and multiplied by vpmaddwd (2 x 6 accumulators, two weight vectors, a broadcast and a product: 16).
 template <int R>
 void tile_int8(const Tile& t) {
+  const __m256i* sums = reinterpret_cast<const __m256i*>(t.w + (t.K + 1) * kPanel);
+  const __m256i o0 = _mm256_loadu_si256(sums), o1 = _mm256_loadu_si256(sums + 1);
   __m256i lo[R], hi[R];
 #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
+  for (int r = 0; r < R; ++r) lo[r] = o0, hi[r] = o1;
   const float* w = t.w;
   PanelPrefetch pull(t, false);
   for (int64_t k = 0; k < t.K; ++k, w += kPanel) {
@@ -712,6 +733,7 @@ void tile_int8(const Tile& t) {
       const __m256i xv = _mm256_set1_epi32(lane_at(xk + r));
       lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(xv, e0));
       hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(xv, e1));
+      settle(lo[r]), settle(hi[r]);
     }
     const __m256i* again = reinterpret_cast<const __m256i*>(opaque(w));
     const __m256i o0 = _mm256_srai_epi16(_mm256_loadu_si256(again), 8);
@@ -778,7 +800,9 @@ void tile_bf16(const Tile& t) {
 // int8 panels: each lane's four weights into x's four u8 values (x + 128) of their k, in int32.
 template <int R>
 void tile_int8(const Tile& t) {
-  int32_t acc[R][kPanel] = {};
+  int32_t sums[kPanel], acc[R][kPanel];
+  std::memcpy(sums, t.w + (t.K + 1) * kPanel, sizeof sums);
+  for (int r = 0; r < R; ++r) std::memcpy(acc[r], sums, sizeof sums);
   const float* w = t.w;
   for (int64_t k = 0; k < t.K; ++k, w += kPanel) {
     const int8_t* wb = reinterpret_cast<const int8_t*>(w);
@@ -790,11 +814,9 @@ void tile_int8(const Tile& t) {
     }
   }
   const float* sw = t.w + t.K * kPanel;
-  int32_t off[kPanel];
-  std::memcpy(off, sw + kPanel, sizeof off);
   float out[R][kPanel];
   for (int r = 0; r < R; ++r)
-    for (int64_t c = 0; c < kPanel; ++c) out[r][c] = float(acc[r][c] - off[c]) * (t.xscale[r] * sw[c]);
+    for (int64_t c = 0; c < kPanel; ++c) out[r][c] = float(acc[r][c]) * sw[c] * t.xscale[r];
   finish<R>(t, out);
 }
 
@@ -939,7 +961,7 @@ std::pair<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& weight, const 
 
 // q [P kPanel, K] int8 and scales [P kPanel], already in the panels' column order -> int8 panels
 // [P, K4 + 2, 4 kPanel]: K4 lines of lanes of four k (K zero-padded to 4 K4), the scales' line, and
-// the line of 128 * each column's weight sum (see the top).
+// the line of -128 * each column's weight sum (see the top).
 at::Tensor int8_panels(const at::Tensor& q, const at::Tensor& scales, int64_t P) {
   const int64_t K = q.size(1), K4 = (K + 3) / 4;
   auto padded = at::zeros({P * kPanel, 4 * K4}, q.options());
@@ -947,7 +969,7 @@ at::Tensor int8_panels(const at::Tensor& q, const at::Tensor& scales, int64_t P)
   auto panels = at::empty({P, K4 + kInt8Trailer, 4 * kPanel}, q.options());
   panels.narrow(1, 0, K4).view({P, K4, kPanel, 4}).copy_(padded.view({P, kPanel, K4, 4}).permute({0, 2, 1, 3}));
   panels.select(1, K4).copy_(scales.view({P, kPanel}).view(at::kChar));
-  const auto sums = padded.to(at::kInt).sum(1, false, at::kInt).mul_(128);
+  const auto sums = padded.to(at::kInt).sum(1, false, at::kInt).mul_(-128);
   panels.select(1, K4 + 1).copy_(sums.view({P, kPanel}).view(at::kChar));
   return panels;
 }
