@@ -243,6 +243,13 @@ def _packed_linear_ops(dtype: torch.dtype) -> PanelLinear | None:
     return ops
 
 
+def int8_path() -> str | None:
+    """How the int8 panels multiply (the module's `int8_path()`: avx512-vnni, avx512, avx-vnni, avx2 or
+    portable); None when the panel kernel is not built."""
+    module = _built()["panel_linear"]
+    return None if module is None else module.int8_path()
+
+
 def paths() -> dict[str, str]:
     """The vector path each built kernel runs (its `isa()`), for the start-up log; {} when none is built."""
     built = _built().items()
