@@ -71,7 +71,10 @@
 // and odd k sign-extended to int16 (two shifts) and multiplied by vpmaddwd, two products per lane
 // into int32, on x's values of those k as int16 pairs (two packed lines per K4 line): exact too, where
 // vpmaddubsw's int16 sums of (x + 128) * w would saturate. Each panel ends with two more lines: the
-// columns' fp32 scales, then their -128 * weight sums (int32). The sums start from those rather than
+// columns' fp32 scales, then their -128 * weight sums (int32).
+// The same panels also multiply x unrounded (`int8_x` false: weight-only int8): each lane's four
+// weights widened to fp32 in turn (a shift up and an arithmetic shift down, then a conversion) and
+// multiplied into x's fp32 values of their k by FMAs, the columns' scales applied at the end. The sums start from those rather than
 // subtract them at the end: there the 2 x 14 accumulators, the scales and the bias fill the registers,
 // and GCC then kept every accumulator on the stack through the loop.
 // Only the headers used: <torch/extension.h> (all of libtorch's C++ API) tripled the compile time.
@@ -215,6 +218,14 @@ inline void copy_columns_rounded(const float* x, int64_t sx, int64_t rows, int64
 // the line in two of the vector registers the accumulators need.
 inline const float* opaque(const float* p) {
   __asm__("" : "+r"(p));
+  return p;
+}
+
+// opaque(p) once per byte J of a lane: the weight-only int8 tiles read a line four times, and GCC
+// merged four identical opaque() into one read, then kept the line on the stack.
+template <int J>
+inline const float* opaque_for(const float* p) {
+  __asm__("" : "+r"(p) : "i"(J));
   return p;
 }
 
@@ -544,6 +555,44 @@ void tile_int8(const Tile& t) {
   }
   finish_int8<R>(t, lo, hi);
 }
+// Weight-only int8 panels (see the top): byte J of each lane of a line, sign-extended, as fp32.
+template <int J>
+inline __m512 widen_byte(const float* line) {
+  return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(_mm512_loadu_si512(line), 24 - 8 * J), 24));
+}
+
+// Weights k = 4 k4 + J of a line (its two vectors widened) into x's values of that k. The line is read
+// again for each J (opaque_for): 2 x 14 accumulators, the widened pair and a broadcast fill the registers.
+template <int J, int R>
+__attribute__((always_inline)) inline void fma_byte(const float* w, const float* xk, __m512 (&lo)[R], __m512 (&hi)[R]) {
+  const float* line = opaque_for<J>(w);
+  const __m512 w0 = widen_byte<J>(line), w1 = widen_byte<J>(line + 16);
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    const __m512 xv = _mm512_set1_ps(xk[J * R + r]);
+    lo[r] = _mm512_fmadd_ps(xv, w0, lo[r]);
+    hi[r] = _mm512_fmadd_ps(xv, w1, hi[r]);
+  }
+}
+
+template <int R>
+void tile_int8w(const Tile& t) {
+  __m512 lo[R], hi[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+  const float* w = t.w;
+  PanelPrefetch pull(t, R >= 8 && t.every == 1);
+  for (int64_t k = 0; k < t.K; ++k, w += kPanel) {
+    pull.at(k, w);
+    const float* xk = t.x + 4 * k * R;
+    fma_byte<0>(w, xk, lo, hi), fma_byte<1>(w, xk, lo, hi), fma_byte<2>(w, xk, lo, hi), fma_byte<3>(w, xk, lo, hi);
+  }
+  const float* sw = t.w + t.K * kPanel;
+  const __m512 s0 = _mm512_loadu_ps(sw), s1 = _mm512_loadu_ps(sw + 16);
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) lo[r] = _mm512_mul_ps(lo[r], s0), hi[r] = _mm512_mul_ps(hi[r], s1);
+  finish<R>(t, lo, hi);
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 // Lane i of the mask is set where i < n (n in [0, 8]).
 inline __m256i first_lanes(int64_t n) {
@@ -748,6 +797,43 @@ void tile_int8(const Tile& t) {
   }
   finish_int8<R>(t, lo, hi);
 }
+// Weight-only int8 panels: see the AVX-512 ones (2 x 6 accumulators, the widened pair, a broadcast).
+template <int J>
+inline __m256 widen_byte(const float* line) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));
+  return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 8 * J), 24));
+}
+
+template <int J, int R>
+__attribute__((always_inline)) inline void fma_byte(const float* w, const float* xk, __m256 (&lo)[R], __m256 (&hi)[R]) {
+  const float* line = opaque_for<J>(w);
+  const __m256 w0 = widen_byte<J>(line), w1 = widen_byte<J>(line + 8);
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    const __m256 xv = _mm256_broadcast_ss(xk + J * R + r);
+    lo[r] = _mm256_fmadd_ps(xv, w0, lo[r]);
+    hi[r] = _mm256_fmadd_ps(xv, w1, hi[r]);
+  }
+}
+
+template <int R>
+void tile_int8w(const Tile& t) {
+  __m256 lo[R], hi[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  const float* w = t.w;
+  PanelPrefetch pull(t, false);
+  for (int64_t k = 0; k < t.K; ++k, w += kPanel) {
+    pull.at(k, w);
+    const float* xk = t.x + 4 * k * R;
+    fma_byte<0>(w, xk, lo, hi), fma_byte<1>(w, xk, lo, hi), fma_byte<2>(w, xk, lo, hi), fma_byte<3>(w, xk, lo, hi);
+  }
+  const float* sw = t.w + t.K * kPanel;
+  const __m256 s0 = _mm256_loadu_ps(sw), s1 = _mm256_loadu_ps(sw + 8);
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) lo[r] = _mm256_mul_ps(lo[r], s0), hi[r] = _mm256_mul_ps(hi[r], s1);
+  finish<R>(t, lo, hi);
+}
 #else
 // Portable: the same tiles with the compiler's vectors, and one epilogue.
 template <int R>
@@ -820,6 +906,26 @@ void tile_int8(const Tile& t) {
   finish<R>(t, out);
 }
 
+// Weight-only int8 panels: each lane's four weights widened, into x's fp32 values of their k.
+template <int R>
+void tile_int8w(const Tile& t) {
+  float acc[R][kPanel] = {};
+  const float* w = t.w;
+  for (int64_t k = 0; k < t.K; ++k, w += kPanel) {
+    const int8_t* wb = reinterpret_cast<const int8_t*>(w);
+    for (int j = 0; j < 4; ++j)
+      for (int r = 0; r < R; ++r) {
+        const float xv = t.x[(4 * k + j) * R + r];
+#pragma omp simd
+        for (int64_t c = 0; c < kPanel; ++c) acc[r][c] += xv * float(wb[4 * c + j]);
+      }
+  }
+  const float* sw = t.w + t.K * kPanel;
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < kPanel; ++c) acc[r][c] *= sw[c];
+  finish<R>(t, acc);
+}
+
 inline void pack_rows(const float* x, int64_t sx, int64_t rows, int64_t K, float* out) {
   copy_columns(x, sx, rows, 0, K, out);
 }
@@ -846,12 +952,19 @@ inline void pack_rows_int8(const float* x, int64_t sx, int64_t rows, int64_t K, 
   copy_lanes(lanes.data(), rows, k0, lines, out);
 }
 
+// x for tile_int8w: [4 K4, rows] in fp32, the pad k zero.
+inline void pack_rows_padded(const float* x, int64_t sx, int64_t rows, int64_t K, float* out) {
+  pack_rows(x, sx, rows, K, out);
+  std::fill(out + K * rows, out + (K + 3) / 4 * 4 * rows, 0.f);
+}
+
 using TileFn = void (*)(const Tile&);
-enum class Weights { kFloat, kBf16, kInt8 };
+enum class Weights { kFloat, kBf16, kInt8, kInt8Weights };
 template <Weights W, int R>
 constexpr TileFn tile_for() {
   if constexpr (W == Weights::kBf16) return tile_bf16<R>;
   else if constexpr (W == Weights::kInt8) return tile_int8<R>;
+  else if constexpr (W == Weights::kInt8Weights) return tile_int8w<R>;
   else return tile<R>;
 }
 template <Weights W, size_t... R>
@@ -861,6 +974,7 @@ constexpr std::array<TileFn, kMaxRows + 1> tiles_up_to(std::index_sequence<R...>
 constexpr auto kTiles = tiles_up_to<Weights::kFloat>(std::make_index_sequence<kMaxRows>{});
 constexpr auto kTilesBf16 = tiles_up_to<Weights::kBf16>(std::make_index_sequence<kMaxRows>{});
 constexpr auto kTilesInt8 = tiles_up_to<Weights::kInt8>(std::make_index_sequence<kMaxRows>{});
+constexpr auto kTilesInt8Weights = tiles_up_to<Weights::kInt8Weights>(std::make_index_sequence<kMaxRows>{});
 
 constexpr const char* kIsa =
 #if defined(__AVX512BF16__)
@@ -1011,9 +1125,10 @@ at::Tensor pack_weight_gated_int8(at::Tensor weight) {
 }
 
 namespace {
-// x [..., K] times the panels -> [..., N]; gated: N = I outputs of silu(gate) * up.
+// x [..., K] times the panels -> [..., N]; gated: N = I outputs of silu(gate) * up. int8_x: int8
+// panels multiply x rounded to int8 per row; else x as it is (weight-only int8).
 at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
-                      int64_t N, bool gated) {
+                      int64_t N, bool gated, bool int8_x) {
   TORCH_CHECK(x.dtype() == at::kFloat, "x must be float32, got ", x.scalar_type());
   const bool bf16 = panels.dtype() == at::kBFloat16, int8 = panels.dtype() == at::kChar;
   TORCH_CHECK(bf16 || int8 || panels.dtype() == at::kFloat, "panels must be float32, bfloat16 or int8, got ",
@@ -1031,7 +1146,8 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const c10::
   } else {
     TORCH_CHECK(K == lines, "x has ", K, " features, the weight ", lines);
   }
-  const int64_t x_lines = int8 ? lines * kXLinesPerQuad : bf16 ? lines * kXLinesPerPair : K;
+  const bool int8_w = int8 && !int8_x;  // weight-only: x's fp32 values, 4 lines per quad of k
+  const int64_t x_lines = int8_w ? 4 * lines : int8 ? lines * kXLinesPerQuad : bf16 ? lines * kXLinesPerPair : K;
   TORCH_CHECK(N > (P - 1) * width && N <= P * width, "N = ", N, " does not fit ", P, " panels");
   auto x2 = x.reshape({-1, K});
   if (x2.stride(1) != 1) x2 = x2.contiguous();
@@ -1060,19 +1176,21 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const c10::
   auto packed_x = at::empty({M * x_lines}, x.options());
   float* xq = packed_x.data_ptr<float>();
   at::Tensor x_scales;
-  if (int8) x_scales = at::empty({M}, x.options());
-  float* xs = int8 ? x_scales.data_ptr<float>() : nullptr;
+  if (int8 && int8_x) x_scales = at::empty({M}, x.options());
+  float* xs = x_scales.defined() ? x_scales.data_ptr<float>() : nullptr;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r0 = tile_first_row(i);
-      if (int8) {
+      if (int8_w) {
+        pack_rows_padded(xp + r0 * sx, sx, tile_rows(i), K, xq + r0 * x_lines);
+      } else if (int8) {
         pack_rows_int8(xp + r0 * sx, sx, tile_rows(i), K, xq + r0 * x_lines, xs + r0);
       } else {
         (bf16 ? pack_rows_bf16 : pack_rows)(xp + r0 * sx, sx, tile_rows(i), K, xq + r0 * x_lines);
       }
     }
   });
-  const auto& tile_fns = int8 ? kTilesInt8 : bf16 ? kTilesBf16 : kTiles;
+  const auto& tile_fns = int8_w ? kTilesInt8Weights : int8 ? kTilesInt8 : bf16 ? kTilesBf16 : kTiles;
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
       for (int64_t i = 0; i < tiles; ++i) {
@@ -1091,23 +1209,26 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const c10::
 }  // namespace
 
 // x [..., K] float32 (rows contiguous), panels of pack_weight, pack_weight_bf16 or pack_weight_int8, bias [N] or None
-// -> [..., N] float32
-at::Tensor panel_linear(at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias, int64_t N) {
-  return run_panels(x, panels, bias, N, false);
+// -> [..., N] float32. int8 panels: int8_x rounds x's rows to int8, else x multiplies as it is.
+at::Tensor panel_linear(at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias, int64_t N, bool int8_x) {
+  return run_panels(x, panels, bias, N, false, int8_x);
 }
 
 // x [..., K], panels of pack_weight_gated(_bf16, _int8) for I outputs -> silu(x Wg^T) * (x Wu^T) [..., I]
-at::Tensor panel_linear_gated(at::Tensor x, at::Tensor panels, int64_t I) {
-  return run_panels(x, panels, c10::nullopt, I, true);
+at::Tensor panel_linear_gated(at::Tensor x, at::Tensor panels, int64_t I, bool int8_x) {
+  return run_panels(x, panels, c10::nullopt, I, true, int8_x);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Without the GIL: the host plans the next step while a forward runs (async batching).
   using nogil = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("pack_weight", &pack_weight, "W [N, K] -> column panels (CPU, float32)", nogil{});
-  m.def("panel_linear", &panel_linear, "x W^T + bias with W packed by pack_weight(_bf16)", nogil{});
+  namespace py = pybind11;
+  m.def("panel_linear", &panel_linear, "x W^T + bias with W packed by pack_weight(_bf16, _int8)", py::arg("x"),
+        py::arg("panels"), py::arg("bias"), py::arg("N"), py::arg("int8_x") = true, nogil{});
   m.def("pack_weight_gated", &pack_weight_gated, "[gate; up] [2I, K] -> gated column panels", nogil{});
-  m.def("panel_linear_gated", &panel_linear_gated, "silu(x Wg^T) * (x Wu^T) with pack_weight_gated(_bf16)'s panels", nogil{});
+  m.def("panel_linear_gated", &panel_linear_gated, "silu(x Wg^T) * (x Wu^T) with pack_weight_gated(_bf16, _int8)'s panels",
+        py::arg("x"), py::arg("panels"), py::arg("I"), py::arg("int8_x") = true, nogil{});
   m.def("pack_weight_bf16", &pack_weight_bf16, "W [N, K] -> bf16 column panels of pairs of k", nogil{});
   m.def("pack_weight_gated_bf16", &pack_weight_gated_bf16, "[gate; up] [2I, K] -> gated bf16 column panels", nogil{});
   m.def("pack_weight_int8", &pack_weight_int8, "W [N, K] -> int8 column panels of quads of k, per-column scales", nogil{});
