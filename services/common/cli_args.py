@@ -29,7 +29,7 @@ CB_SETTINGS: tuple[tuple[str, Any, str], ...] = (
     ("max_requests_per_batch", int, "rows of logits (sampling requests) per step"),
     ("allow_block_sharing", bool, "prefix caching"),
     ("scheduler_type", str, "fifo or prefill_first"),
-    ("quantization", str, "the layers' linears: none (the weights' dtype) or int8 (CPU native kernels)"),
+    ("quantization", str, "the layers' linears: none, int8 (weights and inputs) or int8-weight-only"),
     ("safety_margin", float, "free-cache fraction below which no prefill is admitted"),
     ("cpu_offload_space", float, "GiB of CPU swap pool (0: offloading falls back to soft reset)"),
     ("q_padding_interval_size", int, "query length padding (CUDA graphs)"),

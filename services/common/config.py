@@ -19,8 +19,9 @@ KV_CACHE_DTYPES = DTYPES
 # are not starved by newly admitted prefills; prefill_first drains prefills and needs none.
 DEFAULT_SAFETY_MARGIN: dict[str, float] = {"fifo": 0.15, "prefill_first": 0.0}
 # The layers' linears' weights apart from `--dtype` (worker/fused_llama.py): `int8` rounds them to int8
-# per output channel and each linear's input to int8 per token; `none` keeps them in the dtype.
-QUANTIZATIONS = ("none", "int8")
+# per output channel and each linear's input to int8 per token; `int8-weight-only` the weights alone
+# (the inputs multiply in float32); `none` keeps them in the dtype.
+QUANTIZATIONS = ("none", "int8", "int8-weight-only")
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,9 @@ KV pool may be either dtype apart from the weights'.
 
 `--quantization int8` packs every linear of the layers (q|k|v, o, gate|up, down) as int8 panels
 instead, over either dtype: each output channel's weights on a scale of their own, each linear's input
-rounded to int8 per token as it is multiplied, exact int32 sums scaled back to float32. The LM head,
-the embedding and the norms stay in the model's dtype (`HEAD_QUANTIZED`).
+rounded to int8 per token as it is multiplied, exact int32 sums scaled back to float32;
+`int8-weight-only` the same panels with the inputs multiplied in float32. The LM head, the embedding
+and the norms stay in the model's dtype (`HEAD_QUANTIZED`).
 
 In float32, results equal transformers' up to fp32 summation order; `FusedLlama.build` returns None (the model
 then runs transformers' forward) for anything else: another architecture, a rotary embedding that
@@ -41,7 +42,8 @@ from services.worker.packed_linear import PackedWeight
 SUPPORTED_TYPES = frozenset({"llama", "mistral", "qwen2"})
 WEIGHT_DTYPES = frozenset({torch.float32, torch.bfloat16})
 STATIC_ROPE = frozenset({"default", "linear", "llama3"})  # inv_freq fixed at load time
-QUANTIZED_DTYPES = {"int8": torch.int8}  # `--quantization` -> the layers' panels' dtype
+# `--quantization` -> the layers' panels: their dtype, and whether each input row is rounded to it too.
+QUANTIZED = {"int8": (torch.int8, True), "int8-weight-only": (torch.int8, False)}
 HEAD_QUANTIZED = False  # whether `--quantization` takes the LM head too
 
 
@@ -109,14 +111,14 @@ class FusedLlama:
     @classmethod
     def build(cls, model: nn.Module, quantization: str = "none") -> FusedLlama | None:
         """Our forward for `model`, its layers' linears quantized as `quantization` says ("none" or a
-        key of QUANTIZED_DTYPES); None where it does not run (see the top)."""
-        if quantization != "none" and quantization not in QUANTIZED_DTYPES:
-            known = ", ".join(QUANTIZED_DTYPES)
+        key of QUANTIZED); None where it does not run (see the top)."""
+        if quantization != "none" and quantization not in QUANTIZED:
+            known = ", ".join(QUANTIZED)
             raise ValueError(f"quantization must be none or one of {known}, got {quantization!r}")
         if not _supported(model):
             return None
         ops, own_ops = fused_ops(), packed_linear_ops(next(model.parameters()).dtype)
-        linear_ops = own_ops if quantization == "none" else packed_linear_ops(QUANTIZED_DTYPES[quantization])
+        linear_ops = own_ops if quantization == "none" else packed_linear_ops(*QUANTIZED[quantization])
         if ops is None or own_ops is None or linear_ops is None:
             return None
         return cls(model, ops, linear_ops, linear_ops if HEAD_QUANTIZED else own_ops)

@@ -174,16 +174,20 @@ class PanelLinear:
     `pack_weight_gated([Wg; Wu] [2I, K])`, then `packed_linear_gated(x, packed, I) -> silu(x Wg^T) *
     (x Wu^T) [..., I]`. x and the outputs are float32; `dtype` is the weights' in the panels: float32,
     bfloat16 (x is then rounded to bfloat16 for the products, which accumulate in float32), or int8
-    (each output column's weights on a scale of their own, each row of x rounded to int8 on its own
-    scale as it is multiplied; the sums are exact int32). Products of `torch_from_rows` rows or more
+    (each output column's weights on a scale of their own; with `int8_x` each row of x is rounded to
+    int8 on its own scale as it is multiplied and the sums are exact int32, else x multiplies as it is,
+    in float32). Products of `torch_from_rows` rows or more
     run faster on torch's GEMM on this CPU (`gemm_crossover`, `torch_gemm`): their callers send them
     there.
     """
 
-    def __init__(self, module: Any, torch_from_rows: int, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, module: Any, torch_from_rows: int, dtype: torch.dtype = torch.float32, int8_x: bool = True
+    ) -> None:
         self._module = module
         self.torch_from_rows = torch_from_rows
         self.dtype = dtype
+        self.int8_x = int8_x
         self._pack, self._pack_gated = (getattr(module, name) for name in _PACKS[dtype])
 
     def pack_weight(self, weight: torch.Tensor) -> torch.Tensor:
@@ -192,13 +196,13 @@ class PanelLinear:
     def packed_linear(
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
     ) -> torch.Tensor:
-        return self._module.panel_linear(x, packed, bias, out_features)
+        return self._module.panel_linear(x, packed, bias, out_features, self.int8_x)
 
     def pack_weight_gated(self, weight: torch.Tensor) -> torch.Tensor:
         return self._pack_gated(weight)
 
     def packed_linear_gated(self, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-        return self._module.panel_linear_gated(x, packed, out_features)
+        return self._module.panel_linear_gated(x, packed, out_features, self.int8_x)
 
 
 # The module's packing functions for the panels' weights of each dtype: plain, gated.
@@ -210,14 +214,15 @@ _PACKS = {
 PANEL_DTYPES = tuple(_PACKS)
 
 
-def packed_linear_ops(dtype: torch.dtype = torch.float32) -> PanelLinear | None:
+def packed_linear_ops(dtype: torch.dtype = torch.float32, int8_x: bool = True) -> PanelLinear | None:
     """The packed linears for weights of `dtype` (one of PANEL_DTYPES), or None (switched off, or not
-    built): then linears run torch's own GEMM. One object per dtype, however it is asked for."""
-    return _packed_linear_ops(dtype)
+    built): then linears run torch's own GEMM. int8 weights: `int8_x` rounds each input row to int8
+    too. One object per dtype (and int8_x), however it is asked for."""
+    return _packed_linear_ops(dtype, int8_x if dtype == torch.int8 else True)
 
 
 @functools.cache
-def _packed_linear_ops(dtype: torch.dtype) -> PanelLinear | None:
+def _packed_linear_ops(dtype: torch.dtype, int8_x: bool) -> PanelLinear | None:
     if dtype not in PANEL_DTYPES:
         raise ValueError(f"panels hold float32, bfloat16 or int8 weights, not {dtype}")
     module = _built()["panel_linear"]
@@ -226,7 +231,7 @@ def _packed_linear_ops(dtype: torch.dtype) -> PanelLinear | None:
     if dtype == torch.int8:
         # torch's GEMM has no int8 product with per-row scales on the weights' bytes: the int8 panels
         # serve every size, and no full-precision copy of the weights is kept for many rows.
-        return PanelLinear(module, gemm_crossover.NEVER, dtype)
+        return PanelLinear(module, gemm_crossover.NEVER, dtype, int8_x)
     crossover = gemm_crossover.pinned()
     if crossover is not None:
         return PanelLinear(module, crossover, dtype)

@@ -120,7 +120,7 @@ class ModelRunner:
             "weight_bytes": self.weight_bytes(),
             "kernel_paths": kernel_paths() if self.device.type == "cpu" else {},
             "quantization": self.config.quantization,
-            **({"int8_path": int8_path()} if self.config.quantization == "int8" else {}),
+            **({"int8_path": int8_path()} if self.config.quantization == "int8" else {}),  # weight-only: FMAs
         }
 
     def weight_bytes(self) -> int:
