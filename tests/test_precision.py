@@ -202,9 +202,10 @@ def test_a_bf16_stack_streams_the_bf16_engines_tokens(
 
 
 # int8 layers (`--quantization`), over float32 weights elsewhere: teacher-forced top-1 agreement with
-# float32. Issue 48 asks 0.97 of int8 weights. Rounding each linear's input per token (`int8`) reaches
-# less on SmolLM2-135M; the floors hold what each reached, so that a change that loses more fails.
-INT8_FLOORS = {"int8": 0.0, "int8-weight-only": 0.0}
+# float32. Issue 48 asks 0.97 of int8 weights; on SmolLM2-135M neither mode reaches it: rounding each
+# linear's input per token (`int8`) reached 2836/3147 = 0.901, the weights alone 3039/3147 = 0.966.
+# The floors hold about what each reached, so that a change that loses more fails.
+INT8_FLOORS = {"int8": 0.895, "int8-weight-only": 0.96}
 
 
 def _int8_layers(engine: Engine) -> None:
