@@ -229,8 +229,11 @@ def _packed_linear_ops(dtype: torch.dtype, int8_x: bool) -> PanelLinear | None:
     if module is None:
         return None
     if dtype == torch.int8:
-        # torch's GEMM has no int8 product with per-row scales on the weights' bytes: the int8 panels
-        # serve every size, and no full-precision copy of the weights is kept for many rows.
+        # The int8 panels serve every size, with no copy for many rows: with VNNI they multiply four
+        # int8 products per lane where bf16 multiplies two, so they outran torch's bf16 GEMM (oneDNN,
+        # reordered weights) at a prefill's hundreds of rows too, and a copy in a wider type would
+        # undo the quarter of the bytes. Weight-only int8 (FMAs on widened weights) is there for its
+        # agreement, not for prefill speed.
         return PanelLinear(module, gemm_crossover.NEVER, dtype, int8_x)
     crossover = gemm_crossover.pinned()
     if crossover is not None:
