@@ -61,14 +61,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from services.bench.arguments import (
-    ENGINE_DTYPES,
-    ENGINE_QUANTIZATIONS,
-    PEER_NAMES,
-    SYSTEMS,
-    engine_system,
-    peer_system,
-)
+from services.bench import arguments as bench_arguments
+from services.bench.arguments import ENGINE_DTYPES, PEER_NAMES, SYSTEMS, engine_system, peer_system
 from services.bench.host_quiet import wait_quiet
 from services.bench.peer_runners.protocol import closed_loop
 from services.bench.workload import Workload, jsonl_workload, reference_workload
@@ -127,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         args.systems, args.static_batch, args.stack, custom, args.peer_precision, args.dtype
     )
     engine_dtypes = {engine_system(d, args.dtype): d for d in ENGINE_DTYPES}
-    engine_dtypes |= {f"engine:{q}": args.dtype for q in ENGINE_QUANTIZATIONS}
+    engine_dtypes |= {f"engine:{q}": args.dtype for q in bench_arguments.ENGINE_QUANTIZATIONS}
     engine_dtypes = {name: d for name, d in engine_dtypes.items() if name in systems}
     # The arithmetic of each system but the peers, which report their own (`run_peer`).
     precisions = engine_dtypes | dict.fromkeys(STACK_SYSTEMS, args.dtype)
@@ -356,7 +350,7 @@ def measure_top1(
 def _quantized(name: str) -> dict[str, str]:
     """The engine setting an `engine:QUANTIZATION` system adds ({} for any other system)."""
     quantization = name.removeprefix("engine:")
-    return {"quantization": quantization} if quantization in ENGINE_QUANTIZATIONS else {}
+    return {"quantization": quantization} if quantization in bench_arguments.ENGINE_QUANTIZATIONS else {}
 
 
 def _prose_pool(settings: dict[str, Any], prose: list[list[int]]) -> dict[str, Any]:
@@ -1024,7 +1018,7 @@ def _parse_systems(
     if clash:
         raise SystemExit(f"--peer names {clash} are taken by built-in systems")
     known = [*SYSTEMS, *(f"engine:{d}" for d in ENGINE_DTYPES if d != dtype)]
-    known += [*(f"engine:{q}" for q in ENGINE_QUANTIZATIONS), *peer_variants(custom)]
+    known += [*(f"engine:{q}" for q in bench_arguments.ENGINE_QUANTIZATIONS), *peer_variants(custom)]
     unknown = sorted(set(systems) - set(known))
     if unknown:
         raise SystemExit(f"unknown systems {unknown}; choose from {', '.join(dict.fromkeys(known))}")
