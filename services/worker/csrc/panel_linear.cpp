@@ -67,16 +67,16 @@
 // same sums and only the final y = sx * sw[n] * sum + bias rounds (in fp32). With VNNI (AVX512-VNNI,
 // or AVX-VNNI in an AVX2 build) vpdpbusd adds the four products of each lane into its int32
 // accumulator; it takes x unsigned, so x is packed as x + 128 (in 1 .. 255) and the tile's sums start
-// from -128 * the column's weight sum, computed at pack time. Without VNNI each lane is split into its even
-// and odd k sign-extended to int16 (two shifts) and multiplied by vpmaddwd, two products per lane
-// into int32, on x's values of those k as int16 pairs (two packed lines per K4 line): exact too, where
+// from -128 * the column's weight sum, computed at pack time (started there rather than subtracted at
+// the end, where the 2 x 14 accumulators, the scales and the bias fill the registers: GCC then kept
+// every accumulator on the stack through the loop). Without VNNI each lane is split into its even and
+// odd k sign-extended to int16 (two shifts) and multiplied by vpmaddwd, two products per lane into
+// int32, on x's values of those k as int16 pairs (two packed lines per K4 line): exact too, where
 // vpmaddubsw's int16 sums of (x + 128) * w would saturate. Each panel ends with two more lines: the
 // columns' fp32 scales, then their -128 * weight sums (int32).
 // The same panels also multiply x unrounded (`int8_x` false: weight-only int8): each lane's four
 // weights widened to fp32 in turn (a shift up and an arithmetic shift down, then a conversion) and
-// multiplied into x's fp32 values of their k by FMAs, the columns' scales applied at the end. The sums start from those rather than
-// subtract them at the end: there the 2 x 14 accumulators, the scales and the bias fill the registers,
-// and GCC then kept every accumulator on the stack through the loop.
+// multiplied into x's fp32 values of their k by FMAs, the columns' scales applied at the end.
 // Only the headers used: <torch/extension.h> (all of libtorch's C++ API) tripled the compile time.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
