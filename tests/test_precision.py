@@ -270,3 +270,29 @@ def test_int8_is_refused_where_our_forward_does_not_run(tiny_models: Any) -> Non
         Engine.from_pretrained(tiny_models("gemma2"), quantization="int8", num_blocks=8)
     with pytest.raises(ValueError, match="one of none, int8, int8-weight-only, got 'int4'"):
         Engine.from_pretrained(tiny_models("llama"), quantization="int4", num_blocks=8)
+
+
+def test_an_int8_stack_streams_the_int8_engines_tokens(
+    smollm2_dir: Path, smol_chat_prompts: list[list[int]], tmp_path: Path
+) -> None:
+    """`cbserve up --quantization int8`: the setting reaches the worker process (its start-up line says
+    so, with the int8 products' path and the weight bytes) and its tokens are the in-process engine's."""
+    from services.worker import kernels
+    from tests.stack import Stack, greedy_request
+    from tests.test_attention import built
+
+    built(kernels.packed_linear_ops(torch.int8), "int8 panel linears")
+    prompts = smol_chat_prompts[:2]
+    with Engine.from_pretrained(smollm2_dir, quantization="int8", num_blocks=64, page_size=16) as engine:
+        expected = engine.generate(prompts, NEW_TOKENS, ignore_eos=True)
+        weight_bytes = engine.runner.weight_bytes()
+    stack = Stack(smollm2_dir, tmp_path, up_args=["--quantization", "int8"], num_blocks=64, page_size=16)
+    try:
+        for prompt, want in zip(prompts, expected, strict=True):
+            assert stack.generate(greedy_request(prompt, NEW_TOKENS))[0] == want
+        stack.assert_idle()
+        (ready,) = stack.events("worker ready")
+        assert (ready["quantization"], ready["int8_path"]) == ("int8", kernels.int8_path()), ready
+        assert ready["weight_bytes"] == weight_bytes, ready
+    finally:
+        stack.stop()
