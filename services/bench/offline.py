@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from services.bench import arguments as bench_arguments
 from services.bench.arguments import ENGINE_DTYPES, PEER_NAMES, SYSTEMS, engine_system, peer_system
 from services.bench.host_quiet import usable_cores, wait_quiet
 from services.bench.peer_runners.protocol import closed_loop
@@ -119,9 +120,11 @@ def run(args: argparse.Namespace) -> int:
         args.systems, args.static_batch, args.stack, custom, args.peer_precision, args.dtype
     )
     engine_dtypes = {engine_system(d, args.dtype): d for d in ENGINE_DTYPES}
+    engine_dtypes |= {f"engine:{q}": args.dtype for q in bench_arguments.ENGINE_QUANTIZATIONS}
     engine_dtypes = {name: d for name, d in engine_dtypes.items() if name in systems}
     # The arithmetic of each system but the peers, which report their own (`run_peer`).
     precisions = engine_dtypes | dict.fromkeys(STACK_SYSTEMS, args.dtype)
+    precisions |= {n: f"{d} {q['quantization']}" for n, d in engine_dtypes.items() if (q := _quantized(n))}
     precisions |= dict.fromkeys(("hf-cb", "hf-generate", "hf-static"), "float32")
     if args.check and "hf-generate" not in systems:
         raise SystemExit("--check needs hf-generate among --systems (it is the reference)")
@@ -167,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     runners: dict[str, Callable[[int | None], SystemResult]] = {
         **{
             name: lambda c, name=name, dtype=dtype: run_engine(
-                engines[name], engine_settings | {"dtype": dtype}, workload, c, name
+                engines[name], engine_settings | _quantized(name) | {"dtype": dtype}, workload, c, name
             )
             for name, dtype in engine_dtypes.items()
         },
@@ -190,7 +193,8 @@ def run(args: argparse.Namespace) -> int:
         for name, dtype in engine_dtypes.items():
             from services.worker.engine import Engine
 
-            engines[name] = Engine.from_pretrained(model_path, dtype=getattr(torch, dtype), **engine_settings)
+            settings = engine_settings | _quantized(name)
+            engines[name] = Engine.from_pretrained(model_path, dtype=getattr(torch, dtype), **settings)
         if set(STACK_SYSTEMS) & set(systems):
             from services.bench.stack import StackSystem
 
@@ -327,7 +331,7 @@ def measure_top1(
         try:
             if name in engine_dtypes:
                 dtype = getattr(torch, engine_dtypes[name])
-                settings = _prose_pool(engine_settings, prose)
+                settings = _prose_pool(engine_settings | _quantized(name), prose)
                 with Engine.from_pretrained(model_path, dtype=dtype, **settings) as engine:
                     other = engine_top1(engine, prose)
             elif name in peers:
@@ -340,6 +344,12 @@ def measure_top1(
         reason = f" ({out[name]})" if isinstance(out[name], str) else ""
         print(f"  {name}: {_top1_cell(out[name])}{reason}", flush=True)
     return out
+
+
+def _quantized(name: str) -> dict[str, str]:
+    """The engine setting an `engine:QUANTIZATION` system adds ({} for any other system)."""
+    quantization = name.removeprefix("engine:")
+    return {"quantization": quantization} if quantization in bench_arguments.ENGINE_QUANTIZATIONS else {}
 
 
 def _prose_pool(settings: dict[str, Any], prose: list[list[int]]) -> dict[str, Any]:
@@ -1006,7 +1016,8 @@ def _parse_systems(
     clash = sorted(set(custom) & set(SYSTEMS))
     if clash:
         raise SystemExit(f"--peer names {clash} are taken by built-in systems")
-    known = [*SYSTEMS, *(f"engine:{d}" for d in ENGINE_DTYPES if d != dtype), *peer_variants(custom)]
+    known = [*SYSTEMS, *(f"engine:{d}" for d in ENGINE_DTYPES if d != dtype)]
+    known += [*(f"engine:{q}" for q in bench_arguments.ENGINE_QUANTIZATIONS), *peer_variants(custom)]
     unknown = sorted(set(systems) - set(known))
     if unknown:
         raise SystemExit(f"unknown systems {unknown}; choose from {', '.join(dict.fromkeys(known))}")

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from services.common.config import DEFAULT_SAFETY_MARGIN, KV_CACHE_DTYPES, CBConfig
+from services.common.config import DEFAULT_SAFETY_MARGIN, KV_CACHE_DTYPES, QUANTIZATIONS, CBConfig
 
 # (name, parser, help) for each CBConfig field; `bool` fields become --x/--no-x switches.
 CB_SETTINGS: tuple[tuple[str, Any, str], ...] = (
@@ -29,6 +29,7 @@ CB_SETTINGS: tuple[tuple[str, Any, str], ...] = (
     ("max_requests_per_batch", int, "rows of logits (sampling requests) per step"),
     ("allow_block_sharing", bool, "prefix caching"),
     ("scheduler_type", str, "fifo or prefill_first"),
+    ("quantization", str, "the layers' linears: none, int8 (weights and inputs) or int8-weight-only"),
     ("safety_margin", float, "free-cache fraction below which no prefill is admitted"),
     ("cpu_offload_space", float, "GiB of CPU swap pool (0: offloading falls back to soft reset)"),
     ("q_padding_interval_size", int, "query length padding (CUDA graphs)"),
@@ -39,6 +40,7 @@ CB_SETTINGS: tuple[tuple[str, Any, str], ...] = (
 )
 CB_SETTING_NAMES = tuple(name for name, _, _ in CB_SETTINGS)
 CHOICES: dict[str, list[str]] = {
+    "quantization": list(QUANTIZATIONS),
     "scheduler_type": sorted(DEFAULT_SAFETY_MARGIN),
     "kv_cache_dtype": list(KV_CACHE_DTYPES),
 }

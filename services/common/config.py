@@ -20,6 +20,10 @@ KV_CACHE_DTYPES = (*DTYPES, "int8")
 # The safety margin each policy gets unless one is given: fifo keeps headroom so that running decodes
 # are not starved by newly admitted prefills; prefill_first drains prefills and needs none.
 DEFAULT_SAFETY_MARGIN: dict[str, float] = {"fifo": 0.15, "prefill_first": 0.0}
+# The layers' linears' weights apart from `--dtype` (worker/fused_llama.py): `int8` rounds them to int8
+# per output channel and each linear's input to int8 per token; `int8-weight-only` the weights alone
+# (the inputs multiply in float32); `none` keeps them in the dtype.
+QUANTIZATIONS = ("none", "int8", "int8-weight-only")
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,7 @@ class CBConfig:
     max_requests_per_batch: int = 64
     allow_block_sharing: bool = True
     scheduler_type: SchedulerType = "fifo"
+    quantization: str = "none"  # QUANTIZATIONS; on a CPU with the native kernels only
     safety_margin: float | None = None
     cpu_offload_space: float = 0.0  # GiB of swap pool; 0 means offloading falls back to soft reset
     q_padding_interval_size: int = 0  # 0: no padding of the packed query length
@@ -92,6 +97,9 @@ class CBConfig:
             raise ValueError(f"max_memory_percent must be in (0, 1], got {self.max_memory_percent!r}")
         if self.safety_margin is not None and not 0.0 <= self.safety_margin < 1.0:
             raise ValueError(f"safety_margin must be in [0, 1), got {self.safety_margin!r}")
+        if self.quantization not in QUANTIZATIONS:
+            known = ", ".join(QUANTIZATIONS)
+            raise ValueError(f"quantization must be one of {known}, got {self.quantization!r}")
         if not 0 <= self.arrival_gap_ms <= 1000:
             raise ValueError(f"arrival_gap_ms must be in [0, 1000], got {self.arrival_gap_ms!r}")
         if self.cpu_offload_space < 0:

@@ -40,7 +40,7 @@ SWITCH = "CBSERVE_NATIVE_KERNELS"
 # that needs one it is told to drop (-mno-avx512f takes all AVX-512 subsets with it).
 ISA_FLAGS: dict[str, tuple[str, ...]] = {
     "native": (),
-    "avx512": ("-mno-avx512bf16", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"),
+    "avx512": ("-mno-avx512bf16", "-mno-avx512vnni", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"),
     "avx2": ("-mno-avx512f", "-mno-amx-tile"),
     "portable": ("-march=x86-64",),
 }
@@ -173,50 +173,68 @@ class PanelLinear:
     then `packed_linear(x [..., K], packed, bias, N) -> [..., N]`; for an MLP's gate and up,
     `pack_weight_gated([Wg; Wu] [2I, K])`, then `packed_linear_gated(x, packed, I) -> silu(x Wg^T) *
     (x Wu^T) [..., I]`. x and the outputs are float32; `dtype` is the weights' in the panels: float32,
-    or bfloat16 (x is then rounded to bfloat16 for the products, which accumulate in float32). Products
-    of `torch_from_rows` rows or more run faster on torch's GEMM on this CPU (`gemm_crossover`,
-    `torch_gemm`): their callers send them there.
+    bfloat16 (x is then rounded to bfloat16 for the products, which accumulate in float32), or int8
+    (each output column's weights on a scale of their own; with `int8_x` each row of x is rounded to
+    int8 on its own scale as it is multiplied and the sums are exact int32, else x multiplies as it is,
+    in float32). Products of `torch_from_rows` rows or more
+    run faster on torch's GEMM on this CPU (`gemm_crossover`, `torch_gemm`): their callers send them
+    there.
     """
 
-    def __init__(self, module: Any, torch_from_rows: int, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, module: Any, torch_from_rows: int, dtype: torch.dtype = torch.float32, int8_x: bool = True
+    ) -> None:
         self._module = module
         self.torch_from_rows = torch_from_rows
         self.dtype = dtype
+        self.int8_x = int8_x
+        self._pack, self._pack_gated = (getattr(module, name) for name in _PACKS[dtype])
 
     def pack_weight(self, weight: torch.Tensor) -> torch.Tensor:
-        module = self._module
-        return module.pack_weight_bf16(weight) if self.dtype == torch.bfloat16 else module.pack_weight(weight)
+        return self._pack(weight)
 
     def packed_linear(
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
     ) -> torch.Tensor:
-        return self._module.panel_linear(x, packed, bias, out_features)
+        return self._module.panel_linear(x, packed, bias, out_features, self.int8_x)
 
     def pack_weight_gated(self, weight: torch.Tensor) -> torch.Tensor:
-        module = self._module
-        bf16 = self.dtype == torch.bfloat16
-        return module.pack_weight_gated_bf16(weight) if bf16 else module.pack_weight_gated(weight)
+        return self._pack_gated(weight)
 
     def packed_linear_gated(self, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-        return self._module.panel_linear_gated(x, packed, out_features)
+        return self._module.panel_linear_gated(x, packed, out_features, self.int8_x)
 
 
-PANEL_DTYPES = (torch.float32, torch.bfloat16)
+# The module's packing functions for the panels' weights of each dtype: plain, gated.
+_PACKS = {
+    torch.float32: ("pack_weight", "pack_weight_gated"),
+    torch.bfloat16: ("pack_weight_bf16", "pack_weight_gated_bf16"),
+    torch.int8: ("pack_weight_int8", "pack_weight_gated_int8"),
+}
+PANEL_DTYPES = tuple(_PACKS)
 
 
-def packed_linear_ops(dtype: torch.dtype = torch.float32) -> PanelLinear | None:
+def packed_linear_ops(dtype: torch.dtype = torch.float32, int8_x: bool = True) -> PanelLinear | None:
     """The packed linears for weights of `dtype` (one of PANEL_DTYPES), or None (switched off, or not
-    built): then linears run torch's own GEMM. One object per dtype, however it is asked for."""
-    return _packed_linear_ops(dtype)
+    built): then linears run torch's own GEMM. int8 weights: `int8_x` rounds each input row to int8
+    too. One object per dtype (and int8_x), however it is asked for."""
+    return _packed_linear_ops(dtype, int8_x if dtype == torch.int8 else True)
 
 
 @functools.cache
-def _packed_linear_ops(dtype: torch.dtype) -> PanelLinear | None:
+def _packed_linear_ops(dtype: torch.dtype, int8_x: bool) -> PanelLinear | None:
     if dtype not in PANEL_DTYPES:
-        raise ValueError(f"panels hold float32 or bfloat16 weights, not {dtype}")
+        raise ValueError(f"panels hold float32, bfloat16 or int8 weights, not {dtype}")
     module = _built()["panel_linear"]
     if module is None:
         return None
+    if dtype == torch.int8:
+        # The int8 panels serve every size, with no copy for many rows: with VNNI they multiply four
+        # int8 products per lane where bf16 multiplies two, so they outran torch's bf16 GEMM (oneDNN,
+        # reordered weights) at a prefill's hundreds of rows too, and a copy in a wider type would
+        # undo the quarter of the bytes. Weight-only int8 (FMAs on widened weights) is there for its
+        # agreement, not for prefill speed.
+        return PanelLinear(module, gemm_crossover.NEVER, dtype, int8_x)
     crossover = gemm_crossover.pinned()
     if crossover is not None:
         return PanelLinear(module, crossover, dtype)
@@ -231,6 +249,13 @@ def _packed_linear_ops(dtype: torch.dtype) -> PanelLinear | None:
         _build_dir("panel_linear"), source_hash, ops.pack_weight, ops.packed_linear, dtype
     )
     return ops
+
+
+def int8_path() -> str | None:
+    """How the int8 panels multiply (the module's `int8_path()`: avx512-vnni, avx512, avx-vnni, avx2 or
+    portable); None when the panel kernel is not built."""
+    module = _built()["panel_linear"]
+    return None if module is None else module.int8_path()
 
 
 def paths() -> dict[str, str]:

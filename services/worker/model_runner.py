@@ -17,7 +17,7 @@ from services.worker.batch import BatchBuilder, BatchItem, ForwardBatch
 from services.worker.buckets import Shape
 from services.worker.cuda_graphs import Capture, CudaGraphs
 from services.worker.fused_llama import FusedLlama
-from services.worker.kernels import paged_decode_kernel, paged_prefill_kernel
+from services.worker.kernels import int8_path, paged_decode_kernel, paged_prefill_kernel
 from services.worker.kernels import paths as kernel_paths
 from services.worker.packed_linear import PackedLinear, pack_linears
 from services.worker.swap_copies import SwapCopies
@@ -56,7 +56,13 @@ class ModelRunner:
         self.swap_pool = swap_pool
         self.device = kv_pool.device
         model.set_attn_implementation(ATTENTION_NAME)
-        self.fused = FusedLlama.build(model)
+        self.fused = FusedLlama.build(model, config.quantization)
+        if self.fused is None and config.quantization != "none":
+            raise ValueError(
+                f"--quantization {config.quantization} needs our own forward on the CPU's native kernels: "
+                f"a Llama-family model on the CPU with the kernels built; this one is "
+                f"{model.config.model_type} on {self.device}"
+            )
         if self.fused is None:
             pack_linears(model)
         text = getattr(model.config, "text_config", None) or model.config
@@ -113,6 +119,8 @@ class ModelRunner:
             "kv_dtype": dtype_name(self.kv_pool.dtype),
             "weight_bytes": self.weight_bytes(),
             "kernel_paths": kernel_paths() if self.device.type == "cpu" else {},
+            "quantization": self.config.quantization,
+            **({"int8_path": int8_path()} if self.config.quantization == "int8" else {}),  # weight-only: FMAs
         }
 
     def decode_weight_bytes(self) -> int:
@@ -137,7 +145,7 @@ class ModelRunner:
         storage once (tied and concatenated weights share theirs)."""
         packed = [m.packed for m in self.model.modules() if isinstance(m, PackedLinear)]
         packed += self.fused.packed_weights() if self.fused is not None else []
-        tensors = [*self.model.parameters()]
+        tensors = [p for p in self.model.parameters() if p.device.type != "meta"]  # meta: let go (int8)
         tensors += [t for w in packed for t in (w.packed, w.many_rows) if t is not None]
         storages: dict[int, int] = {}
         for t in tensors:

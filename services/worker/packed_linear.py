@@ -11,7 +11,9 @@ order, as any change of batch shape does.
 
 Weights may be bfloat16 (`FusedLlama` on a bfloat16 model): the panels then hold them in bfloat16,
 the inputs and outputs stay float32, and each product is bf16(x) times the weights, summed in float32,
-on the panels and on torch's GEMM alike.
+on the panels and on torch's GEMM alike. Or int8 (`--quantization int8`): the panels hold the only
+copy, rounded per output channel, and the plain weights are let go (the linears' parameters become
+meta tensors of their shape), so that the weights' bytes drop to about a quarter of float32's.
 """
 
 from __future__ import annotations
@@ -71,6 +73,10 @@ class PackedWeight:
             if many_rows and ops.torch_from_rows < NEVER:
                 prepared = torch_gemm.prepare(weight.to(ops.dtype))
             packed = ops.pack_weight_gated(weight) if gated else ops.pack_weight(weight)
+            if ops.dtype == torch.int8:
+                weight = weight.to("meta")
+                for lin in linears:
+                    lin.weight = nn.Parameter(lin.weight.to("meta"), requires_grad=False)
             return cls(ops, weight, packed, bias, prepared, gated)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -58,6 +58,25 @@
 // multiply-adds per lane per instruction; elsewhere it widens each lane into the two fp32 weights (by
 // shifts) and runs fp32 FMAs on x's rounded values. The bf16 instructions read denormals as
 // zero (below 2^-126, far under any weight or activation's scale).
+// int8 panels (pack_weight_int8) quarter the bytes of fp32 ones. Each output column's weights are
+// rounded to int8 on one symmetric scale of its own (sw[n] = max |W[n]| / 127), four k to a 32-bit lane
+// ([K4, kPanel] lanes per panel, K4 = ceil(K / 4), a K short of a multiple of 4 padded with zeros), so
+// that a line is again as many bytes as an fp32 panel's and the tiles, prefetches and split are the
+// same code with K4 lines. Each row of x is rounded to int8 as it is packed, on a scale of its own
+// (sx = max |x| / 127: dynamic, per token). The products are exact int32 sums, so every path gives the
+// same sums and only the final y = sx * sw[n] * sum + bias rounds (in fp32). With VNNI (AVX512-VNNI,
+// or AVX-VNNI in an AVX2 build) vpdpbusd adds the four products of each lane into its int32
+// accumulator; it takes x unsigned, so x is packed as x + 128 (in 1 .. 255) and the tile's sums start
+// from -128 * the column's weight sum, computed at pack time (started there rather than subtracted at
+// the end, where the 2 x 14 accumulators, the scales and the bias fill the registers: GCC then kept
+// every accumulator on the stack through the loop). Without VNNI each lane is split into its even and
+// odd k sign-extended to int16 (two shifts) and multiplied by vpmaddwd, two products per lane into
+// int32, on x's values of those k as int16 pairs (two packed lines per K4 line): exact too, where
+// vpmaddubsw's int16 sums of (x + 128) * w would saturate. Each panel ends with two more lines: the
+// columns' fp32 scales, then their -128 * weight sums (int32).
+// The same panels also multiply x unrounded (`int8_x` false: weight-only int8): each lane's four
+// weights widened to fp32 in turn (a shift up and an arithmetic shift down, then a conversion) and
+// multiplied into x's fp32 values of their k by FMAs, the columns' scales applied at the end.
 // Only the headers used: <torch/extension.h> (all of libtorch's C++ API) tripled the compile time.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -74,6 +93,7 @@
 #include <cstdint>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include "vec_exp.h"
 
@@ -100,6 +120,17 @@ constexpr int64_t kXLinesPerPair = 1;
 constexpr int64_t kXLinesPerPair = 2;
 #endif
 
+// x's packed lines per line of an int8 panel: four k as one lane of u8 (x + 128) where the tile
+// multiplies with VNNI, else two lanes of int16 pairs, (x[4 k4], x[4 k4 + 2]) then (x[4 k4 + 1], x[4 k4 + 3]),
+// for the sign-extended even and odd weights. The portable loops read the VNNI layout.
+#if (defined(__AVX512F__) && defined(__AVX512VNNI__)) || (!defined(__AVX512F__) && defined(__AVXVNNI__)) || \
+    !(defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__)))
+constexpr int64_t kXLinesPerQuad = 1;
+#else
+constexpr int64_t kXLinesPerQuad = 2;
+#endif
+constexpr int64_t kInt8Trailer = 2;  // an int8 panel's lines after its weights: scales, then -128 * sums
+
 struct Tile {
   const float* x;  // the tile's rows, k-major: [K, rows] (bf16 panels: kXLinesPerPair lines per pair)
   const float* w;  // the panel, [K, kPanel] (bf16 panels: [K2, kPanel] lanes, each a pair of bf16)
@@ -112,6 +143,7 @@ struct Tile {
   const float* next;  // this tile's share of the next panel, pulled into L2; null after a thread's last
   int64_t next_lines;
   int64_t every;      // k per prefetched line: the tile count, so the tiles together fetch all K lines
+  const float* xscale;  // int8 panels: the tile's rows' scales (sx); else null
 };
 
 // The prefetches of one tile, issued once per k: its share of the next panel into L2 (see the top),
@@ -189,6 +221,29 @@ inline const float* opaque(const float* p) {
   return p;
 }
 
+// opaque(p) once per byte J of a lane: the weight-only int8 tiles read a line four times, and GCC
+// merged four identical opaque() into one read, then kept the line on the stack.
+template <int J>
+inline const float* opaque_for(const float* p) {
+  __asm__("" : "+r"(p) : "i"(J));
+  return p;
+}
+
+// v, but the compiler must hold it in a register here: the widened int8 tiles add the even k's
+// products into the accumulators, then the odd k's, and GCC otherwise reassociated the integer sums
+// so that the even products of every row waited in registers (spilled) for the odd ones.
+template <class V>
+inline void settle(V& v) {
+  __asm__("" : "+v"(v));
+}
+
+// The 32-bit lane at p (a packed line of x holds lanes of u8 or int16 for the int8 tiles), as an int.
+inline int32_t lane_at(const float* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
 #ifdef __AVX512BF16__
 // Pairs [k2_0, K2) of a tile's rows -> out [K2, rows], lanes of (bf16(x[2 k2]), bf16(x[2 k2 + 1])), the
 // first in the low half as vdpbf16ps pairs them; an odd K's last value paired with a zero.
@@ -201,6 +256,46 @@ inline void copy_pairs(const float* x, int64_t sx, int64_t rows, int64_t k2_0, i
     }
 }
 #endif
+
+// x [K] -> q [K] rounded to int8 on x's own symmetric scale, returned: sx = max |x| / 127 and
+// q = round(x * (127 / max |x|)) to nearest even (within [-127, 127] by construction); a row of zeros
+// has scale 0. The weights' columns and the activations' rows both take this rounding.
+inline float quantize_row(const float* x, int64_t K, int8_t* q) {
+  float amax = 0.f;
+  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(x[k]));
+  if (!(amax > 0.f)) {
+    std::memset(q, 0, K);
+    return 0.f;
+  }
+  const float inv = 127.f / amax;
+  for (int64_t k = 0; k < K; ++k) q[k] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(x[k] * inv))));
+  return amax * (1.f / 127.f);
+}
+
+// One row of x quantized -> its packed lanes for the int8 tiles (kXLinesPerQuad per K4) and its scale.
+// `q` holds 4 K4 bytes of scratch; the pad k are x = 0 (u8 128), against zero weights.
+inline float int8_lanes(const float* x, int64_t K, int8_t* q, uint32_t* lanes) {
+  const int64_t K4 = (K + 3) / 4;
+  const float scale = quantize_row(x, K, q);
+  std::memset(q + K, 0, 4 * K4 - K);
+  for (int64_t k4 = 0; k4 < K4; ++k4) {
+    const uint32_t u0 = uint8_t(q[4 * k4]) ^ 0x80u, u1 = uint8_t(q[4 * k4 + 1]) ^ 0x80u;  // x + 128
+    const uint32_t u2 = uint8_t(q[4 * k4 + 2]) ^ 0x80u, u3 = uint8_t(q[4 * k4 + 3]) ^ 0x80u;
+    if (kXLinesPerQuad == 1) {
+      lanes[k4] = u0 | u1 << 8 | u2 << 16 | u3 << 24;
+    } else {
+      lanes[2 * k4] = u0 | u2 << 16;
+      lanes[2 * k4 + 1] = u1 | u3 << 16;
+    }
+  }
+  return scale;
+}
+
+// Lanes [k0, lines) of a tile's rows ([rows, lines], row after row) -> out [lines, rows].
+inline void copy_lanes(const uint32_t* lanes, int64_t rows, int64_t k0, int64_t lines, float* out) {
+  for (int64_t k = k0; k < lines; ++k)
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(out + k * rows + r, lanes + r * lines + k, sizeof(uint32_t));
+}
 
 #ifdef __AVX512F__
 inline __m512 silu_times(__m512 gate, __m512 up) {
@@ -387,6 +482,117 @@ inline void pack_rows_bf16(const float* x, int64_t sx, int64_t rows, int64_t K, 
   copy_columns_rounded(x, sx, rows, k0, K, (K + 1) / 2 * 2, out);
 }
 #endif
+// The int8 tiles' sums (started from the panel's -128 * weight sums) -> fp32: sum * sw * sx, then as
+// every tile ends. The panel's scales and sums are its two lines after the weights.
+template <int R>
+__attribute__((always_inline)) inline void finish_int8(const Tile& t, const __m512i (&lo)[R], const __m512i (&hi)[R]) {
+  const float* sw = t.w + t.K * kPanel;
+  const __m512 s0 = _mm512_loadu_ps(sw), s1 = _mm512_loadu_ps(sw + 16);
+  __m512 flo[R], fhi[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    const __m512 xs = _mm512_set1_ps(t.xscale[r]);
+    flo[r] = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(lo[r]), s0), xs);
+    fhi[r] = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(hi[r]), s1), xs);
+  }
+  finish<R>(t, flo, fhi);
+}
+
+#ifdef __AVX512VNNI__
+// acc + the four products u8 x s8 of each lane of x and w, as _mm512_dpbusd_epi32 but in place: with
+// the intrinsic GCC stored every accumulator of a tile of 14 rows to the stack on every k.
+inline __m512i dpbusd(__m512i acc, __m512i x, __m512i w) {
+  __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w));
+  return acc;
+}
+#endif
+
+// int8 panels: a line's lanes are four int8 weights of a column, x's lanes its four u8 values (x + 128)
+// of those k (see the top). 2 x 14 int32 accumulators, the line's two vectors and a broadcast.
+template <int R>
+void tile_int8(const Tile& t) {
+  const float* sums = t.w + (t.K + 1) * kPanel;
+  const __m512i o0 = _mm512_loadu_si512(sums), o1 = _mm512_loadu_si512(sums + 16);
+  __m512i lo[R], hi[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) lo[r] = o0, hi[r] = o1;
+  const float* w = t.w;
+  PanelPrefetch pull(t, R >= 8 && t.every == 1);
+  for (int64_t k = 0; k < t.K; ++k, w += kPanel) {
+    pull.at(k, w);
+#ifdef __AVX512VNNI__
+    const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 16);
+    const float* xk = t.x + k * R;
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512i xv = _mm512_set1_epi32(lane_at(xk + r));
+      lo[r] = dpbusd(lo[r], xv, w0);
+      hi[r] = dpbusd(hi[r], xv, w1);
+    }
+#else
+    // Without VNNI: the even k of each lane (its low bytes, shifted up and back with their sign), then
+    // the odd k (the high bytes, shifted down), each into x's int16 pairs of those k.
+    const float* xk = t.x + 2 * k * R;
+    const __m512i e0 = _mm512_srai_epi16(_mm512_slli_epi16(_mm512_loadu_si512(w), 8), 8);
+    const __m512i e1 = _mm512_srai_epi16(_mm512_slli_epi16(_mm512_loadu_si512(w + 16), 8), 8);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512i xv = _mm512_set1_epi32(lane_at(xk + r));
+      lo[r] = _mm512_add_epi32(lo[r], _mm512_madd_epi16(xv, e0));
+      hi[r] = _mm512_add_epi32(hi[r], _mm512_madd_epi16(xv, e1));
+      settle(lo[r]), settle(hi[r]);
+    }
+    const float* again = opaque(w);
+    const __m512i o0 = _mm512_srai_epi16(_mm512_loadu_si512(again), 8);
+    const __m512i o1 = _mm512_srai_epi16(_mm512_loadu_si512(again + 16), 8);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512i xv = _mm512_set1_epi32(lane_at(xk + R + r));
+      lo[r] = _mm512_add_epi32(lo[r], _mm512_madd_epi16(xv, o0));
+      hi[r] = _mm512_add_epi32(hi[r], _mm512_madd_epi16(xv, o1));
+    }
+#endif
+  }
+  finish_int8<R>(t, lo, hi);
+}
+// Weight-only int8 panels (see the top): byte J of each lane of a line, sign-extended, as fp32.
+template <int J>
+inline __m512 widen_byte(const float* line) {
+  return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(_mm512_loadu_si512(line), 24 - 8 * J), 24));
+}
+
+// Weights k = 4 k4 + J of a line (its two vectors widened) into x's values of that k. The line is read
+// again for each J (opaque_for): 2 x 14 accumulators, the widened pair and a broadcast fill the registers.
+template <int J, int R>
+__attribute__((always_inline)) inline void fma_byte(const float* w, const float* xk, __m512 (&lo)[R], __m512 (&hi)[R]) {
+  const float* line = opaque_for<J>(w);
+  const __m512 w0 = widen_byte<J>(line), w1 = widen_byte<J>(line + 16);
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    const __m512 xv = _mm512_set1_ps(xk[J * R + r]);
+    lo[r] = _mm512_fmadd_ps(xv, w0, lo[r]);
+    hi[r] = _mm512_fmadd_ps(xv, w1, hi[r]);
+  }
+}
+
+template <int R>
+void tile_int8w(const Tile& t) {
+  __m512 lo[R], hi[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+  const float* w = t.w;
+  PanelPrefetch pull(t, R >= 8 && t.every == 1);
+  for (int64_t k = 0; k < t.K; ++k, w += kPanel) {
+    pull.at(k, w);
+    const float* xk = t.x + 4 * k * R;
+    fma_byte<0>(w, xk, lo, hi), fma_byte<1>(w, xk, lo, hi), fma_byte<2>(w, xk, lo, hi), fma_byte<3>(w, xk, lo, hi);
+  }
+  const float* sw = t.w + t.K * kPanel;
+  const __m512 s0 = _mm512_loadu_ps(sw), s1 = _mm512_loadu_ps(sw + 16);
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) lo[r] = _mm512_mul_ps(lo[r], s0), hi[r] = _mm512_mul_ps(hi[r], s1);
+  finish<R>(t, lo, hi);
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 // Lane i of the mask is set where i < n (n in [0, 8]).
 inline __m256i first_lanes(int64_t n) {
@@ -528,6 +734,106 @@ inline void pack_rows_bf16(const float* x, int64_t sx, int64_t rows, int64_t K, 
   const int64_t k0 = pack_blocks(rows, K, out, [&](int r, int64_t k) { return round_bf16(_mm256_loadu_ps(x + r * sx + k)); });
   copy_columns_rounded(x, sx, rows, k0, K, (K + 1) / 2 * 2, out);
 }
+
+// The int8 tiles' sums -> fp32: see the AVX-512 one.
+template <int R>
+__attribute__((always_inline)) inline void finish_int8(const Tile& t, const __m256i (&lo)[R], const __m256i (&hi)[R]) {
+  const float* sw = t.w + t.K * kPanel;
+  const __m256 s0 = _mm256_loadu_ps(sw), s1 = _mm256_loadu_ps(sw + 8);
+  __m256 flo[R], fhi[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    const __m256 xs = _mm256_set1_ps(t.xscale[r]);
+    flo[r] = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(lo[r]), s0), xs);
+    fhi[r] = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(hi[r]), s1), xs);
+  }
+  finish<R>(t, flo, fhi);
+}
+
+// int8 panels, as AVX-512's tile_int8: vpdpbusd with AVX-VNNI, else the even and odd k sign-extended
+// and multiplied by vpmaddwd (2 x 6 accumulators, two weight vectors, a broadcast and a product: 16).
+template <int R>
+void tile_int8(const Tile& t) {
+  const __m256i* sums = reinterpret_cast<const __m256i*>(t.w + (t.K + 1) * kPanel);
+  const __m256i o0 = _mm256_loadu_si256(sums), o1 = _mm256_loadu_si256(sums + 1);
+  __m256i lo[R], hi[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) lo[r] = o0, hi[r] = o1;
+  const float* w = t.w;
+  PanelPrefetch pull(t, false);
+  for (int64_t k = 0; k < t.K; ++k, w += kPanel) {
+    pull.at(k, w);
+    const __m256i* line = reinterpret_cast<const __m256i*>(w);
+#ifdef __AVXVNNI__
+    const __m256i w0 = _mm256_loadu_si256(line), w1 = _mm256_loadu_si256(line + 1);
+    const float* xk = t.x + k * R;
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m256i xv = _mm256_set1_epi32(lane_at(xk + r));
+      lo[r] = _mm256_dpbusd_avx_epi32(lo[r], xv, w0);
+      hi[r] = _mm256_dpbusd_avx_epi32(hi[r], xv, w1);
+    }
+#else
+    const float* xk = t.x + 2 * k * R;
+    const __m256i e0 = _mm256_srai_epi16(_mm256_slli_epi16(_mm256_loadu_si256(line), 8), 8);
+    const __m256i e1 = _mm256_srai_epi16(_mm256_slli_epi16(_mm256_loadu_si256(line + 1), 8), 8);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m256i xv = _mm256_set1_epi32(lane_at(xk + r));
+      lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(xv, e0));
+      hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(xv, e1));
+      settle(lo[r]), settle(hi[r]);
+    }
+    const __m256i* again = reinterpret_cast<const __m256i*>(opaque(w));
+    const __m256i o0 = _mm256_srai_epi16(_mm256_loadu_si256(again), 8);
+    const __m256i o1 = _mm256_srai_epi16(_mm256_loadu_si256(again + 1), 8);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m256i xv = _mm256_set1_epi32(lane_at(xk + R + r));
+      lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(xv, o0));
+      hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(xv, o1));
+    }
+#endif
+  }
+  finish_int8<R>(t, lo, hi);
+}
+// Weight-only int8 panels: see the AVX-512 ones (2 x 6 accumulators, the widened pair, a broadcast).
+template <int J>
+inline __m256 widen_byte(const float* line) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));
+  return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 8 * J), 24));
+}
+
+template <int J, int R>
+__attribute__((always_inline)) inline void fma_byte(const float* w, const float* xk, __m256 (&lo)[R], __m256 (&hi)[R]) {
+  const float* line = opaque_for<J>(w);
+  const __m256 w0 = widen_byte<J>(line), w1 = widen_byte<J>(line + 8);
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    const __m256 xv = _mm256_broadcast_ss(xk + J * R + r);
+    lo[r] = _mm256_fmadd_ps(xv, w0, lo[r]);
+    hi[r] = _mm256_fmadd_ps(xv, w1, hi[r]);
+  }
+}
+
+template <int R>
+void tile_int8w(const Tile& t) {
+  __m256 lo[R], hi[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  const float* w = t.w;
+  PanelPrefetch pull(t, false);
+  for (int64_t k = 0; k < t.K; ++k, w += kPanel) {
+    pull.at(k, w);
+    const float* xk = t.x + 4 * k * R;
+    fma_byte<0>(w, xk, lo, hi), fma_byte<1>(w, xk, lo, hi), fma_byte<2>(w, xk, lo, hi), fma_byte<3>(w, xk, lo, hi);
+  }
+  const float* sw = t.w + t.K * kPanel;
+  const __m256 s0 = _mm256_loadu_ps(sw), s1 = _mm256_loadu_ps(sw + 8);
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) lo[r] = _mm256_mul_ps(lo[r], s0), hi[r] = _mm256_mul_ps(hi[r], s1);
+  finish<R>(t, lo, hi);
+}
 #else
 // Portable: the same tiles with the compiler's vectors, and one epilogue.
 template <int R>
@@ -577,6 +883,49 @@ void tile_bf16(const Tile& t) {
   finish<R>(t, acc);
 }
 
+// int8 panels: each lane's four weights into x's four u8 values (x + 128) of their k, in int32.
+template <int R>
+void tile_int8(const Tile& t) {
+  int32_t sums[kPanel], acc[R][kPanel];
+  std::memcpy(sums, t.w + (t.K + 1) * kPanel, sizeof sums);
+  for (int r = 0; r < R; ++r) std::memcpy(acc[r], sums, sizeof sums);
+  const float* w = t.w;
+  for (int64_t k = 0; k < t.K; ++k, w += kPanel) {
+    const int8_t* wb = reinterpret_cast<const int8_t*>(w);
+    const uint8_t* xk = reinterpret_cast<const uint8_t*>(t.x + k * R);
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* xr = xk + 4 * r;
+      for (int64_t c = 0; c < kPanel; ++c)
+        acc[r][c] += xr[0] * wb[4 * c] + xr[1] * wb[4 * c + 1] + xr[2] * wb[4 * c + 2] + xr[3] * wb[4 * c + 3];
+    }
+  }
+  const float* sw = t.w + t.K * kPanel;
+  float out[R][kPanel];
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < kPanel; ++c) out[r][c] = float(acc[r][c]) * sw[c] * t.xscale[r];
+  finish<R>(t, out);
+}
+
+// Weight-only int8 panels: each lane's four weights widened, into x's fp32 values of their k.
+template <int R>
+void tile_int8w(const Tile& t) {
+  float acc[R][kPanel] = {};
+  const float* w = t.w;
+  for (int64_t k = 0; k < t.K; ++k, w += kPanel) {
+    const int8_t* wb = reinterpret_cast<const int8_t*>(w);
+    for (int j = 0; j < 4; ++j)
+      for (int r = 0; r < R; ++r) {
+        const float xv = t.x[(4 * k + j) * R + r];
+#pragma omp simd
+        for (int64_t c = 0; c < kPanel; ++c) acc[r][c] += xv * float(wb[4 * c + j]);
+      }
+  }
+  const float* sw = t.w + t.K * kPanel;
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < kPanel; ++c) acc[r][c] *= sw[c];
+  finish<R>(t, acc);
+}
+
 inline void pack_rows(const float* x, int64_t sx, int64_t rows, int64_t K, float* out) {
   copy_columns(x, sx, rows, 0, K, out);
 }
@@ -586,19 +935,66 @@ inline void pack_rows_bf16(const float* x, int64_t sx, int64_t rows, int64_t K, 
 }
 #endif
 
-using TileFn = void (*)(const Tile&);
-template <bool Bf16, size_t... R>
-constexpr std::array<TileFn, kMaxRows + 1> tiles_up_to(std::index_sequence<R...>) {
-  return {nullptr, (Bf16 ? tile_bf16<int(R) + 1> : tile<int(R) + 1>)...};
+// x for tile_int8: a tile's rows quantized (their scales to `scales`), then transposed as 32-bit lanes
+// -> out [K4 kXLinesPerQuad, rows].
+inline void pack_rows_int8(const float* x, int64_t sx, int64_t rows, int64_t K, float* out, float* scales) {
+  const int64_t lines = (K + 3) / 4 * kXLinesPerQuad;
+  std::vector<uint32_t> lanes(rows * lines);
+  std::vector<int8_t> q((K + 3) / 4 * 4);
+  for (int64_t r = 0; r < rows; ++r) scales[r] = int8_lanes(x + r * sx, K, q.data(), lanes.data() + r * lines);
+  const float* rows_of = reinterpret_cast<const float*>(lanes.data());
+  int64_t k0 = 0;
+#if defined(__AVX512F__)
+  k0 = pack_blocks(rows, lines, out, [&](int r, int64_t k) { return _mm512_loadu_ps(rows_of + r * lines + k); });
+#elif defined(__AVX2__) && defined(__FMA__)
+  k0 = pack_blocks(rows, lines, out, [&](int r, int64_t k) { return _mm256_loadu_ps(rows_of + r * lines + k); });
+#endif
+  copy_lanes(lanes.data(), rows, k0, lines, out);
 }
-constexpr auto kTiles = tiles_up_to<false>(std::make_index_sequence<kMaxRows>{});
-constexpr auto kTilesBf16 = tiles_up_to<true>(std::make_index_sequence<kMaxRows>{});
+
+// x for tile_int8w: [4 K4, rows] in fp32, the pad k zero.
+inline void pack_rows_padded(const float* x, int64_t sx, int64_t rows, int64_t K, float* out) {
+  pack_rows(x, sx, rows, K, out);
+  std::fill(out + K * rows, out + (K + 3) / 4 * 4 * rows, 0.f);
+}
+
+using TileFn = void (*)(const Tile&);
+enum class Weights { kFloat, kBf16, kInt8, kInt8Weights };
+template <Weights W, int R>
+constexpr TileFn tile_for() {
+  if constexpr (W == Weights::kBf16) return tile_bf16<R>;
+  else if constexpr (W == Weights::kInt8) return tile_int8<R>;
+  else if constexpr (W == Weights::kInt8Weights) return tile_int8w<R>;
+  else return tile<R>;
+}
+template <Weights W, size_t... R>
+constexpr std::array<TileFn, kMaxRows + 1> tiles_up_to(std::index_sequence<R...>) {
+  return {nullptr, tile_for<W, int(R) + 1>()...};
+}
+constexpr auto kTiles = tiles_up_to<Weights::kFloat>(std::make_index_sequence<kMaxRows>{});
+constexpr auto kTilesBf16 = tiles_up_to<Weights::kBf16>(std::make_index_sequence<kMaxRows>{});
+constexpr auto kTilesInt8 = tiles_up_to<Weights::kInt8>(std::make_index_sequence<kMaxRows>{});
+constexpr auto kTilesInt8Weights = tiles_up_to<Weights::kInt8Weights>(std::make_index_sequence<kMaxRows>{});
 
 constexpr const char* kIsa =
 #if defined(__AVX512BF16__)
     "avx512-bf16";
 #elif defined(__AVX512F__)
     "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+    "avx2";
+#else
+    "portable";
+#endif
+
+// The int8 tiles' products: vpdpbusd, or sign-extended vpmaddwd without VNNI, or portable loops.
+constexpr const char* kInt8Path =
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+    "avx512-vnni";
+#elif defined(__AVX512F__)
+    "avx512";
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__AVXVNNI__)
+    "avx-vnni";
 #elif defined(__AVX2__) && defined(__FMA__)
     "avx2";
 #else
@@ -660,22 +1056,98 @@ at::Tensor pack_weight_gated_bf16(at::Tensor weight) {
 }
 
 namespace {
-// x [..., K] times the panels -> [..., N]; gated: N = I outputs of silu(gate) * up.
+// W [rows, K] float32 or bfloat16 -> (int8 [rows, K], fp32 scales [rows]): each row on its own scale.
+std::pair<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& weight, const char* what) {
+  TORCH_CHECK((weight.dtype() == at::kFloat || weight.dtype() == at::kBFloat16) && weight.dim() == 2,
+              "float32 or bfloat16 ", what, " weight only, got ", weight.sizes(), " ", weight.scalar_type());
+  const auto w = weight.to(at::kFloat).contiguous();
+  const int64_t rows = w.size(0), K = w.size(1);
+  auto q = at::empty({rows, K}, w.options().dtype(at::kChar));
+  auto scales = at::empty({rows}, w.options());
+  const float* wp = w.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* sp = scales.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) sp[n] = quantize_row(wp + n * K, K, qp + n * K);
+  });
+  return {q, scales};
+}
+
+// q [P kPanel, K] int8 and scales [P kPanel], already in the panels' column order -> int8 panels
+// [P, K4 + 2, 4 kPanel]: K4 lines of lanes of four k (K zero-padded to 4 K4), the scales' line, and
+// the line of -128 * each column's weight sum (see the top).
+at::Tensor int8_panels(const at::Tensor& q, const at::Tensor& scales, int64_t P) {
+  const int64_t K = q.size(1), K4 = (K + 3) / 4;
+  auto padded = at::zeros({P * kPanel, 4 * K4}, q.options());
+  padded.narrow(1, 0, K).copy_(q);
+  auto panels = at::empty({P, K4 + kInt8Trailer, 4 * kPanel}, q.options());
+  panels.narrow(1, 0, K4).view({P, K4, kPanel, 4}).copy_(padded.view({P, kPanel, K4, 4}).permute({0, 2, 1, 3}));
+  panels.select(1, K4).copy_(scales.view({P, kPanel}).view(at::kChar));
+  const auto sums = padded.to(at::kInt).sum(1, false, at::kInt).mul_(-128);
+  panels.select(1, K4 + 1).copy_(sums.view({P, kPanel}).view(at::kChar));
+  return panels;
+}
+}  // namespace
+
+// x [M, K] float32 -> (int8 [M, K], scales [M] float32): each row rounded on its own symmetric scale,
+// as the int8 panels round x's rows and their weights' columns (what the tests compare against).
+std::tuple<at::Tensor, at::Tensor> quantize_int8(at::Tensor x) {
+  TORCH_CHECK(x.dim() == 2, "[M, K] only, got ", x.sizes());
+  auto [q, scales] = quantize_rows(x, "[M, K]");
+  return {q, scales};
+}
+
+// W [N, K] -> int8 panels [ceil(N / kPanel), K4 + 2, 4 kPanel] (see the top); the last panel's
+// missing columns have zero weights and scales.
+at::Tensor pack_weight_int8(at::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2, "[N, K] weight only, got ", weight.sizes());
+  const int64_t N = weight.size(0), K = weight.size(1), P = (N + kPanel - 1) / kPanel;
+  auto [q, scales] = quantize_rows(weight, "[N, K]");
+  auto q_cols = at::zeros({P * kPanel, K}, q.options());
+  q_cols.narrow(0, 0, N).copy_(q);
+  auto s_cols = at::zeros({P * kPanel}, scales.options());
+  s_cols.narrow(0, 0, N).copy_(scales);
+  return int8_panels(q_cols, s_cols, P);
+}
+
+// W [2I, K] (gate rows, then up rows) -> int8 panels [ceil(I / kHalf), K4 + 2, 4 kPanel]: the columns
+// of pack_weight_gated, the lanes of pack_weight_int8.
+at::Tensor pack_weight_gated_int8(at::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) % 2 == 0, "[2I, K] weight only, got ", weight.sizes());
+  const int64_t I = weight.size(0) / 2, K = weight.size(1), P = (I + kHalf - 1) / kHalf;
+  auto [q, scales] = quantize_rows(weight, "[2I, K]");
+  auto q_halves = at::zeros({2, P * kHalf, K}, q.options());
+  q_halves.narrow(1, 0, I).copy_(q.view({2, I, K}));
+  auto s_halves = at::zeros({2, P * kHalf}, scales.options());
+  s_halves.narrow(1, 0, I).copy_(scales.view({2, I}));
+  return int8_panels(q_halves.view({2, P, kHalf, K}).transpose(0, 1).reshape({P * kPanel, K}),
+                     s_halves.view({2, P, kHalf}).transpose(0, 1).reshape({P * kPanel}), P);
+}
+
+namespace {
+// x [..., K] times the panels -> [..., N]; gated: N = I outputs of silu(gate) * up. int8_x: int8
+// panels multiply x rounded to int8 per row; else x as it is (weight-only int8).
 at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
-                      int64_t N, bool gated) {
+                      int64_t N, bool gated, bool int8_x) {
   TORCH_CHECK(x.dtype() == at::kFloat, "x must be float32, got ", x.scalar_type());
-  const bool bf16 = panels.dtype() == at::kBFloat16;
-  TORCH_CHECK(bf16 || panels.dtype() == at::kFloat, "panels must be float32 or bfloat16, got ", panels.scalar_type());
-  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == (bf16 ? 2 : 1) * kPanel && panels.is_contiguous(),
-              "panels must come from pack_weight", bf16 ? "_bf16" : "", ", got ", panels.sizes());
-  // lines: the panels' lines per column (K, or K2 pairs of k); x_lines: x's packed lines.
-  const int64_t K = x.size(-1), lines = panels.size(1), P = panels.size(0), width = gated ? kHalf : kPanel;
-  if (bf16) {
+  const bool bf16 = panels.dtype() == at::kBFloat16, int8 = panels.dtype() == at::kChar;
+  TORCH_CHECK(bf16 || int8 || panels.dtype() == at::kFloat, "panels must be float32, bfloat16 or int8, got ",
+              panels.scalar_type());
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == (int8 ? 4 : bf16 ? 2 : 1) * kPanel && panels.is_contiguous(),
+              "panels must come from pack_weight", int8 ? "_int8" : bf16 ? "_bf16" : "", ", got ", panels.sizes());
+  // lines: the panels' lines of weights per column (K, K2 pairs or K4 quads of k); stride: a panel's
+  // lines in all; x_lines: x's packed lines.
+  const int64_t K = x.size(-1), P = panels.size(0), width = gated ? kHalf : kPanel;
+  const int64_t stride = panels.size(1), lines = int8 ? stride - kInt8Trailer : stride;
+  if (int8) {
+    TORCH_CHECK((K + 3) / 4 == lines, "x has ", K, " features, the weight ", 4 * lines - 3, " to ", 4 * lines);
+  } else if (bf16) {
     TORCH_CHECK((K + 1) / 2 == lines, "x has ", K, " features, the weight ", 2 * lines - 1, " or ", 2 * lines);
   } else {
     TORCH_CHECK(K == lines, "x has ", K, " features, the weight ", lines);
   }
-  const int64_t x_lines = bf16 ? lines * kXLinesPerPair : K;
+  const bool int8_w = int8 && !int8_x;  // weight-only: x's fp32 values, 4 lines per quad of k
+  const int64_t x_lines = int8_w ? 4 * lines : int8 ? lines * kXLinesPerQuad : bf16 ? lines * kXLinesPerPair : K;
   TORCH_CHECK(N > (P - 1) * width && N <= P * width, "N = ", N, " does not fit ", P, " panels");
   auto x2 = x.reshape({-1, K});
   if (x2.stride(1) != 1) x2 = x2.contiguous();
@@ -691,8 +1163,9 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const c10::
     bias_padded.narrow(0, 0, N).copy_(bias->reshape({N}));
   }
   const float* xp = x2.data_ptr<float>();
-  // bf16 panels are read as 32-bit lanes, each a pair of weights, through the vector loads (or memcpy).
-  const float* wp = bf16 ? static_cast<const float*>(panels.data_ptr()) : panels.data_ptr<float>();
+  // bf16 and int8 panels are read as 32-bit lanes, each a pair or quad of weights, through the vector
+  // loads (or memcpy).
+  const float* wp = static_cast<const float*>(panels.data_ptr());
   const float* bp = bias_padded.defined() ? bias_padded.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t sx = x2.stride(0);
@@ -702,22 +1175,31 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const c10::
   auto tile_first_row = [&](int64_t i) { return i * base + std::min(i, extra); };
   auto packed_x = at::empty({M * x_lines}, x.options());
   float* xq = packed_x.data_ptr<float>();
+  at::Tensor x_scales;
+  if (int8 && int8_x) x_scales = at::empty({M}, x.options());
+  float* xs = x_scales.defined() ? x_scales.data_ptr<float>() : nullptr;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r0 = tile_first_row(i);
-      (bf16 ? pack_rows_bf16 : pack_rows)(xp + r0 * sx, sx, tile_rows(i), K, xq + r0 * x_lines);
+      if (int8_w) {
+        pack_rows_padded(xp + r0 * sx, sx, tile_rows(i), K, xq + r0 * x_lines);
+      } else if (int8) {
+        pack_rows_int8(xp + r0 * sx, sx, tile_rows(i), K, xq + r0 * x_lines, xs + r0);
+      } else {
+        (bf16 ? pack_rows_bf16 : pack_rows)(xp + r0 * sx, sx, tile_rows(i), K, xq + r0 * x_lines);
+      }
     }
   });
-  const auto& tile_fns = bf16 ? kTilesBf16 : kTiles;
+  const auto& tile_fns = int8_w ? kTilesInt8Weights : int8 ? kTilesInt8 : bf16 ? kTilesBf16 : kTiles;
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
       for (int64_t i = 0; i < tiles; ++i) {
         const int64_t rows = tile_rows(i), r0 = tile_first_row(i);
         const int64_t line0 = lines * i / tiles, line1 = lines * (i + 1) / tiles;
-        const float* next = j + 1 < end ? wp + ((j + 1) * lines + line0) * kPanel : nullptr;
-        const Tile t{xq + r0 * x_lines, wp + j * lines * kPanel, lines, yp + r0 * N + j * width, N,
+        const float* next = j + 1 < end ? wp + ((j + 1) * stride + line0) * kPanel : nullptr;
+        const Tile t{xq + r0 * x_lines, wp + j * stride * kPanel, lines, yp + r0 * N + j * width, N,
                      bp == nullptr ? nullptr : bp + j * kPanel, std::min(width, N - j * width), gated,
-                     next, next == nullptr ? 0 : line1 - line0, tiles};
+                     next, next == nullptr ? 0 : line1 - line0, tiles, xs == nullptr ? nullptr : xs + r0};
         tile_fns[rows](t);
       }
     }
@@ -726,25 +1208,33 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const c10::
 }
 }  // namespace
 
-// x [..., K] float32 (rows contiguous), panels of pack_weight or pack_weight_bf16, bias [N] or None
-// -> [..., N] float32
-at::Tensor panel_linear(at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias, int64_t N) {
-  return run_panels(x, panels, bias, N, false);
+// x [..., K] float32 (rows contiguous), panels of pack_weight, pack_weight_bf16 or pack_weight_int8, bias [N] or None
+// -> [..., N] float32. int8 panels: int8_x rounds x's rows to int8, else x multiplies as it is.
+at::Tensor panel_linear(at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias, int64_t N, bool int8_x) {
+  return run_panels(x, panels, bias, N, false, int8_x);
 }
 
-// x [..., K], panels of pack_weight_gated(_bf16) for I outputs -> silu(x Wg^T) * (x Wu^T) [..., I]
-at::Tensor panel_linear_gated(at::Tensor x, at::Tensor panels, int64_t I) {
-  return run_panels(x, panels, c10::nullopt, I, true);
+// x [..., K], panels of pack_weight_gated(_bf16, _int8) for I outputs -> silu(x Wg^T) * (x Wu^T) [..., I]
+at::Tensor panel_linear_gated(at::Tensor x, at::Tensor panels, int64_t I, bool int8_x) {
+  return run_panels(x, panels, c10::nullopt, I, true, int8_x);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Without the GIL: the host plans the next step while a forward runs (async batching).
   using nogil = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("pack_weight", &pack_weight, "W [N, K] -> column panels (CPU, float32)", nogil{});
-  m.def("panel_linear", &panel_linear, "x W^T + bias with W packed by pack_weight(_bf16)", nogil{});
+  namespace py = pybind11;
+  m.def("panel_linear", &panel_linear, "x W^T + bias with W packed by pack_weight(_bf16, _int8)", py::arg("x"),
+        py::arg("panels"), py::arg("bias"), py::arg("N"), py::arg("int8_x") = true, nogil{});
   m.def("pack_weight_gated", &pack_weight_gated, "[gate; up] [2I, K] -> gated column panels", nogil{});
-  m.def("panel_linear_gated", &panel_linear_gated, "silu(x Wg^T) * (x Wu^T) with pack_weight_gated(_bf16)'s panels", nogil{});
+  m.def("panel_linear_gated", &panel_linear_gated, "silu(x Wg^T) * (x Wu^T) with pack_weight_gated(_bf16, _int8)'s panels",
+        py::arg("x"), py::arg("panels"), py::arg("I"), py::arg("int8_x") = true, nogil{});
   m.def("pack_weight_bf16", &pack_weight_bf16, "W [N, K] -> bf16 column panels of pairs of k", nogil{});
   m.def("pack_weight_gated_bf16", &pack_weight_gated_bf16, "[gate; up] [2I, K] -> gated bf16 column panels", nogil{});
+  m.def("pack_weight_int8", &pack_weight_int8, "W [N, K] -> int8 column panels of quads of k, per-column scales", nogil{});
+  m.def("pack_weight_gated_int8", &pack_weight_gated_int8, "[gate; up] [2I, K] -> gated int8 column panels", nogil{});
+  m.def("quantize_int8", &quantize_int8, "x [M, K] -> (int8 [M, K], scales [M]) as the int8 panels round rows", nogil{});
   m.def("isa", [] { return std::string(kIsa); }, "the vector path compiled: avx512-bf16, avx512, avx2 or portable");
+  m.def("int8_path", [] { return std::string(kInt8Path); },
+        "the int8 panels' products: avx512-vnni, avx512, avx-vnni, avx2 or portable");
 }
