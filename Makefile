@@ -81,6 +81,7 @@ FRESH := --hypothesis-profile=fresh --hypothesis-seed=$(SEED)
 test: $(TEST_STAMP) model
 	$(BIN)/ruff check services tests scripts
 	$(BIN)/lint-imports --no-cache
+	$(BIN)/mypy services
 	$(BIN)/pytest -q
 	@$(MAKE) --no-print-directory fuzz SEED=$(SEED)
 
@@ -145,6 +146,8 @@ docs: $(RUNTIME_STAMP)
 
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check services tests scripts
+	$(BIN)/lint-imports --no-cache
+	$(BIN)/mypy services
 
 clean:
 	rm -rf $(VENV)

@@ -56,7 +56,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 
@@ -70,7 +70,7 @@ from services.common.config import CBConfig
 from services.common.heap import ask_huge_pages, keep_freed_memory
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    from transformers import GenerationMixin, PreTrainedModel
 
     from services.bench.peers import PeerProcess, PeerSpec
     from services.bench.stack import StackSystem
@@ -80,7 +80,7 @@ T = TypeVar("T")
 
 # transformers' continuous batching, configured as when it was first measured as the baseline
 # (docs/performance.md); fixed whatever engine settings are benchmarked.
-HF_CB_SETTINGS: dict[str, int] = {"page_size": 32, "num_blocks": 512, "max_batch_tokens": 512}
+HF_CB_SETTINGS: dict[str, Any] = {"page_size": 32, "num_blocks": 512, "max_batch_tokens": 512}
 
 # Token ids for the warm-up requests: fewer than one page, so a prefix cache cannot keep anything from
 # them that W1 (random ids) would hit.
@@ -167,13 +167,13 @@ def run(args: argparse.Namespace) -> int:
     engines: dict[str, Engine] = {}
     stack: StackSystem | None = None
     peers: dict[str, PeerProcess] = {}
+
+    def engine_runner(name: str, dtype: str) -> Callable[[int | None], SystemResult]:
+        settings = engine_settings | _quantized(name) | {"dtype": dtype}
+        return lambda c: run_engine(engines[name], settings, workload, c, name)
+
     runners: dict[str, Callable[[int | None], SystemResult]] = {
-        **{
-            name: lambda c, name=name, dtype=dtype: run_engine(
-                engines[name], engine_settings | _quantized(name) | {"dtype": dtype}, workload, c, name
-            )
-            for name, dtype in engine_dtypes.items()
-        },
+        **{name: engine_runner(name, dtype) for name, dtype in engine_dtypes.items()},
         "stack": lambda c: run_stack(_need(stack), workload, c),
         "stack-streamed": lambda c: run_stack(_need(stack), workload, c, streamed=True),
         "hf-cb": lambda c: run_hf_cb(_need(hf_model), workload, c),
@@ -548,7 +548,7 @@ def run_hf_cb(model: PreTrainedModel, workload: Workload, max_in_flight: int | N
         max_generated_length=max(workload.max_new_tokens),
         num_requests=workload.num_requests,
     )
-    manager = model.init_continuous_batching(
+    manager = cast("GenerationMixin", model).init_continuous_batching(
         generation_config=gen_config, continuous_batching_config=cb_config, workload_hints=hints
     )
     try:
@@ -656,7 +656,9 @@ def _hf_generate(
     config = GenerationConfig(
         do_sample=False, max_new_tokens=new_tokens, eos_token_id=[], pad_token_id=pad_id, use_cache=True
     )
-    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+    out = cast("GenerationMixin", model).generate(
+        input_ids=input_ids, attention_mask=attention_mask, generation_config=config
+    )
     return out[:, width:].tolist()
 
 
@@ -746,7 +748,7 @@ def _print_table(
     header += ["GFLOP/s", "% mm"] + ([] if in_flight is None else ["ms/tok/stream"])
     with_rss = any("peak_rss_bytes" in r.extra for r in results.values())
     header += ["peak RSS MiB"] if with_rss else []
-    rows = [tuple(header)]
+    rows: list[tuple[str, ...]] = [tuple(header)]
     for r in results.values():
         gflops = useful_flop / r.wall_s / 1e9
         equal = (
@@ -765,8 +767,8 @@ def _print_table(
             row.append("-" if rss is None else f"{rss / 2**20:.0f}")
         rows.append(tuple(row))
     widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
-    for row in rows:
-        cells = zip(row, widths, strict=True)
+    for line in rows:
+        cells = zip(line, widths, strict=True)
         print("  ".join(cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(cells)))
     for r in results.values():
         if r.wasted_output_tokens:

@@ -29,7 +29,7 @@ changes with the sequence length, biases on the MLP, another activation, or no n
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -61,7 +61,8 @@ class _Layer:
 
 
 def _supported(model: nn.Module) -> bool:
-    config = model.config
+    config: Any = model.config
+    head = cast(nn.Linear, model.lm_head)
     inner = getattr(model, "model", None)
     rotary = getattr(inner, "rotary_emb", None)
     return (
@@ -70,7 +71,7 @@ def _supported(model: nn.Module) -> bool:
         and getattr(rotary, "rope_type", "default") in STATIC_ROPE
         and getattr(config, "hidden_act", "silu") == "silu"
         and not getattr(config, "mlp_bias", False)
-        and model.lm_head.bias is None
+        and head.bias is None
         and next(model.parameters()).device.type == "cpu"
         and next(model.parameters()).dtype in WEIGHT_DTYPES
     )
@@ -79,13 +80,15 @@ def _supported(model: nn.Module) -> bool:
 class FusedLlama:
     def __init__(self, model: nn.Module, ops: Any, linear_ops: Any, head_ops: Any) -> None:
         """`linear_ops`: the layers' linears' `PanelLinear`; `head_ops`: the LM head's."""
-        inner = model.model
-        config = model.config
+        # transformers' modules: their attributes are the architecture's, unknown to nn.Module's types
+        inner: Any = model.model
+        config: Any = model.config
+        head = cast(nn.Linear, model.lm_head)
         self.ops = ops
         self.eps = float(config.rms_norm_eps)
         self.embed = inner.embed_tokens.weight
         self.final_norm = inner.norm.weight.detach().float()
-        self.lm_head = PackedWeight.of(head_ops, model.lm_head, many_rows=False)  # sampled rows only
+        self.lm_head = PackedWeight.of(head_ops, head, many_rows=False)  # sampled rows only
         attn0 = inner.layers[0].self_attn
         self.head_dim = int(attn0.head_dim)
         self.num_heads = int(config.num_attention_heads)

@@ -145,7 +145,8 @@ class ModelRunner:
         storage once (tied and concatenated weights share theirs)."""
         packed = [m.packed for m in self.model.modules() if isinstance(m, PackedLinear)]
         packed += self.fused.packed_weights() if self.fused is not None else []
-        tensors = [p for p in self.model.parameters() if p.device.type != "meta"]  # meta: let go (int8)
+        # meta: weights let go (int8 layers hold only their panels)
+        tensors: list[torch.Tensor] = [p for p in self.model.parameters() if p.device.type != "meta"]
         tensors += [t for w in packed for t in (w.packed, w.many_rows) if t is not None]
         storages: dict[int, int] = {}
         for t in tensors:

@@ -46,7 +46,7 @@ class PackedWeight:
     gated: bool = False
 
     @classmethod
-    def of(cls, ops: Any, *linears: nn.Module, many_rows: bool = True, gated: bool = False) -> PackedWeight:
+    def of(cls, ops: Any, *linears: nn.Linear, many_rows: bool = True, gated: bool = False) -> PackedWeight:
         """Several linears' weights are concatenated once, and each linear's parameter becomes a view
         of its rows: one plain copy of the weights stays, besides the packed one and, where this
         CPU's crossover sends many rows to torch's GEMM, its prepared one. `many_rows=False` spares
