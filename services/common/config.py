@@ -71,10 +71,9 @@ class CBConfig:
     # request never waits for it. 0: off.
     arrival_gap_ms: float = 8.0
     # The host plans, round-trips and builds step N+1 while step N's forward runs (engine.py). None: on
-    # where decode steps replay CUDA graphs, whose forward leaves the host idle (on an H200: 1.83x the
-    # output tokens/s of graphs alone, the same tokens; scripts/gpu_check.py); off elsewhere. An eager
-    # forward launches its kernels from Python, on the GIL the host work needs: eager with async ran
-    # 0.79x eager alone there. On a CPU that host work competes with the forward's threads for the cores.
+    # where decode steps replay CUDA graphs, whose forward leaves the host idle; off elsewhere. An eager
+    # forward launches its kernels from Python, on the GIL the host work needs, so the two would slow
+    # each other. On a CPU that host work competes with the forward's threads for the cores.
     use_async_batching: bool | None = None
 
     def __post_init__(self) -> None:

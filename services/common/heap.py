@@ -4,21 +4,17 @@ and large tensors sit on huge pages.
 glibc hands a freed block larger than its mmap threshold back to the kernel and trims the top of its
 heap beyond a threshold; both adapt to the sizes seen, but not to a forward's pattern of several
 megabyte-sized activations alive at once, all freed and allocated again every step. The next step
-then faults every page in again, zeroed by the kernel. Measured on the 2-core EPYC (2026-12-02): a
-640-token prompt computed in one step took 770 ms with glibc's defaults (median of 6), 545 ms with
-the settings below and 565 ms with tcmalloc preloaded, which is what vLLM's CPU guide does for the
-same reason. Blocks up to glibc's largest mmap threshold (32 MiB) then come from the heap and the heap
-never shrinks: a process keeps the peak of its transient memory (the stack's peak RSS on W1 was
-2,629-2,655 MiB in four runs before, 2,649 and 2,652 in two after). Larger blocks (the weights, a KV
-pool) are mapped and unmapped as before.
+then faults every page in again, zeroed by the kernel: a large prompt's step pays for it in full
+(vLLM's CPU guide preloads tcmalloc for the same reason; the settings below do as well without it).
+Blocks up to glibc's largest mmap threshold (32 MiB) then come from the heap and the heap never
+shrinks: a process keeps the peak of its transient memory, which the peak RSS already counted. Larger
+blocks (the weights, a KV pool) are mapped and unmapped as before.
 
-Huge pages: with the kernel's transparent huge pages in `madvise` mode (this machine's, and many
-distributions' default) no page of ours was huge. torch's CPU allocator asks for them (2 MiB-aligned
-blocks with MADV_HUGEPAGE) for tensors of 2 MiB or more where `THP_MEM_ALLOC_ENABLE` is set before
-its first such allocation. In-process, a cold 640-token prompt (2026-12-04, Zen 4, 5 processes of 6
-rounds each, alternating) took a median 821 ms that way against 888 without; each process's rounds
-also scattered less (787-807 ms against 783-959 in one pair of processes), since which physical pages
-back the panels and activations no longer varies from one process to the next.
+Huge pages: with the kernel's transparent huge pages in `madvise` mode (many distributions' default)
+no page of ours would be huge. torch's CPU allocator asks for them (2 MiB-aligned blocks with
+MADV_HUGEPAGE) for tensors of 2 MiB or more where `THP_MEM_ALLOC_ENABLE` is set before its first such
+allocation: fewer TLB misses over the panels and activations, and step times that vary less from one
+process to the next, since which physical pages back them no longer does.
 """
 
 from __future__ import annotations

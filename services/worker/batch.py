@@ -81,8 +81,8 @@ class GroupIndex:
 # A prefill row group pads every request to its longest query and key lengths; a request joins a
 # group only while the padded work stays within a factor of the real work, by device type. On a CPU
 # the attention's work is the cost. On a GPU a group costs about fifteen kernel launches a layer and
-# the padded work next to nothing: an H200's prefill steps ran ~930 launches each, 43-60 ms, with
-# its matrix products busy ~2 ms of a step (scripts/gpu_check.py --sections profile).
+# the padded work next to nothing: launches, not FLOPs, bound a GPU's eager prefill step
+# (`scripts/gpu_check.py --sections profile` shows it).
 PADDING_WASTE = {"cpu": 1.25, "cuda": 8.0}
 
 
@@ -250,12 +250,9 @@ class BatchBuilder:
         """`_build_any` for one-token items: the same batch, its per-request values computed on Python
         lists, turned into a few tensors for the device, and expanded there into the `[B, L]` slots
         (and, without the native decode kernel, the mask). A decode step builds between two forwards,
-        with the caches cold, where each op costs 10-15 us on a CPU: in-process, at 1 and 16 requests
-        in flight, this build took 0.30-0.35 ms a step where the general one took 0.47-0.81. On a GPU
-        the host's work between replays bounds a decode step (the H200's took ~6 ms, mostly host work):
-        for a graph's bucket of 64 requests, with the mask SDPA needs, this build took 0.73-0.94 ms a
-        step against 1.13-1.27 for the general one (a CPU standing in for the device, in-process; 0.42
-        against 0.81 ms built back to back), with about half the device operations and copies."""
+        with the caches cold, where each torch op costs microseconds: fewer ops make a shorter build.
+        On a GPU the host's work between graph replays bounds a decode step, and this build issues
+        about half the general one's device operations and copies."""
         if shape is not None:
             if len(items) > shape.tokens:
                 raise ValueError(f"a {shape} bucket takes at most {shape.tokens} one-token requests")

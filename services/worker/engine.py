@@ -262,7 +262,7 @@ class Engine:
         process die, whatever a client has seen is cached, and a re-submission recomputes at most one
         partial page. It runs after this step's batch is built, just before its forward: the
         processes that news wakes (a gateway, its clients) would otherwise take the cores from the
-        build, which ran 4-5 ms a W1 step in the stack instead of 1.4."""
+        build and slow it several times over."""
         times = self.last_step_times = StepPhases()
         t0 = time.perf_counter()
         previous = self._in_flight[-1] if self._in_flight else None

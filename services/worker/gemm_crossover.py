@@ -1,32 +1,23 @@
 """Which GEMM runs a linear of M rows on this CPU: the panel kernel (csrc/panel_linear.cpp) or torch's
 (`torch_gemm`: oneDNN's matmul on weights reordered once, where torch has oneDNN).
 
-The panel kernel wins where the weights' reads set the pace (the few rows of a decode step: 2x torch's
-at one row). Where FMAs set it (a prefill chunk's hundreds of rows) the winner depends on the CPU: on
-an Intel machine with AVX-512, MKL's `F.linear` ran 1.2x the panels at 512 rows (W1's prefill linears
-12.8 s against 10.0 s); on one AMD machine the panels ran ahead of oneDNN at every size tried (1.07x
-at 512 rows), and on another (Zen 5) oneDNN on reordered weights ran 1.09-1.21x the panels at
-256-2048 rows. So the crossover is measured, once per CPU, torch build, thread count and version of
+The panel kernel wins where the weights' reads set the pace (the few rows of a decode step). Where
+FMAs set it (a prefill chunk's hundreds of rows) the winner depends on the CPU, its vector units, the
+BLAS torch brings and the cache it shares (docs/performance.md, "Measurements behind the code", has
+machines where each won). So the crossover is measured, once per CPU, torch build, thread count and version of
 the kernels and of this measurement (a hash of their sources), and kept in `$CBSERVE_HOME/kernels`: the
 same machine always makes the same choice, and results (equal up to fp32 summation order either way)
 do not change from one start to the next.
 
 The measurement must hold on a host whose load comes and goes (other tenants): each size is timed in
-15 paired rounds and judged by the median round's ratio. One whose weights sat in cache, best-of-5
-per kernel, chose the panels at every size on one start and torch from 256 or 512 rows on others;
-where it chose the panels, W1 ran 0.91x (5 rounds, alternating with a crossover of 512 rows).
+15 paired rounds and judged by the median round's ratio, on weights that come from memory as a
+model's do (a best-of-few on cached weights chose differently from one start to the next).
 
-Nor may a choice be kept that was measured while other work held the cores. Beside one busy loop
-the measurement's threads got 0.60 of their wall time on the cores (0.95-0.98 on a quiet host) and
-its choices were 512 rows once and the panels once; the panels ran 1.1-1.4x torch at every size on
-the quiet host. So a measurement below QUIET is repeated, and if none is quiet the last one serves
-this start only: the next start measures again. What this does not see: on the Zen 3 machine the
-choice kept since 2026-12-03 (torch from 128 rows; panels 76-91 GFLOP/s, torch 90-120), under
-conditions not recorded, was wrong on 2026-12-04 (the stack's 128-token prefill step 182-208 ms
-with the panels, 228-245 with torch), and that day the winner at 512-640 rows flipped twice in
-about seventy minutes, the second time within three (the panels 177, 99 and 150 GFLOP/s; torch 155,
-120 and 138) while the cores' FMA peak stayed at 181-197: other tenants' use of the shared cache and
-memory, we think, which CPU time does not show.
+Nor may a choice be kept that was measured while other work held the cores: the threads' share of
+their wall time on the cores is measured beside the timings, a measurement below QUIET is repeated,
+and if none is quiet the last one serves this start only (the next start measures again). What this
+does not see is other tenants' use of the shared cache and memory, which CPU time does not show: a
+choice kept from a quiet hour can be wrong in another (`CBSERVE_GEMM_CROSSOVER` pins one).
 """
 
 from __future__ import annotations
@@ -83,9 +74,8 @@ def choose(timings: dict[int, tuple[float, float]]) -> int:
     crossover at a timed size (torch from there up, the panels below), the one whose time summed over
     the timed sizes is least, each size's time taken relative to the panels' (so that every size
     weighs alike); NEVER unless that beats the panels alone by MARGIN. A sum, not a test at each size
-    in turn, so that one size misjudged (on a busy host the panels once measured 1.06x torch at 256
-    rows, between losses of 1.13x at 128 and 1.22x at 512) does not send every size below it to the
-    slower kernel."""
+    in turn, so that one size misjudged on a busy host (a narrow win between two losses) does not send
+    every size below it to the slower kernel."""
     sizes = sorted(timings)
 
     def total(crossover: int) -> float:
@@ -134,7 +124,7 @@ def measure(
 
     Each timing reads a layer no recent one did, and the layers of both kernels together outgrow the
     last-level cache, so that the weights come from memory as a model's do: with them in cache the
-    panels measured ahead at 512 rows where, in W1, torch's GEMM from 512 rows ran 1.07x faster."""
+    panels look faster at many rows than they run in a real step."""
     gen = torch.Generator().manual_seed(0)
     layer_bytes = _LAYER_PARAMS * dtype.itemsize
     num_layers = max(2, math.ceil(1.25 * last_level_cache_bytes() / (2 * layer_bytes)))

@@ -26,11 +26,10 @@ log = structlog.get_logger(__name__)
 
 NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)  # the pages the native attention kernels read
 
-# SDPA without cuDNN: on an H200 torch 2.11 picks cuDNN's attention for the row groups' masked calls,
-# and cuDNN builds a plan for every new shape (45-60 ms each, scripts/gpu_check.py --sections profile).
-# A prefill step brings new (requests, queries, keys) shapes in most layers' groups: eager steps took
-# 0.37-2.8 s where the same shapes, planned, took 43-60 ms. The memory-efficient kernel takes the same
-# masks with no plan (0.1 ms a first call there).
+# SDPA without cuDNN: torch may pick cuDNN's attention for the row groups' masked calls, and cuDNN
+# builds a plan for every new shape, tens of ms each. A prefill step brings new (requests, queries,
+# keys) shapes in most layers' groups, so planning would outweigh the step. The memory-efficient kernel
+# takes the same masks with no plan.
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

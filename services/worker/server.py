@@ -224,10 +224,9 @@ class WorkerServer:
         """While every request is still to start, wait for those still arriving (`arrival_gap_ms`).
 
         A burst reaches the worker over a few ms (each request passes the router and a gateway on its
-        own: a closed-loop client's wave of 4 through smg came 4-5 ms apart). Stepping at the first
-        arrival prefilled it alone, and the rest waited a whole prefill for the next step: a wave of 4
-        prompts of 128 tokens took a step of 128 then one of 384 (TTFT 1.1-1.3 s for three of them,
-        against 1.0-1.1 s for one step of 512 on that CPU).
+        own, milliseconds apart). Stepping at the first arrival would prefill it alone, and the rest
+        would wait a whole prefill for the next step: one step for the whole wave gives every one of
+        them an earlier first token.
 
         It stops early once the wave is in: as many requests as had finished before it began (a lone
         client's next request then waits no gap at all). A wave nobody finished for (the first, a new

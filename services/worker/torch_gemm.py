@@ -2,11 +2,9 @@
 
 Where torch has oneDNN (its x86 builds), a weight is reordered once into oneDNN's blocked layout and
 a product calls oneDNN's matmul on it (brgemm, with AVX-512 where the CPU has it); elsewhere it is
-`F.linear` on the plain weight, with no copy. On the AMD machine (Zen 5, 2 threads, 30 layers of
-SmolLM2's shapes, 2026-12-02) oneDNN on reordered weights ran 1.09-1.11x the panel kernel at 256-1024
-rows and 1.21x at 2048, where `F.linear` (MKL, which takes no AVX-512 path on AMD) ran about half the
-panels' rate; the panels stay ahead at 64 rows and below. `gemm_crossover` measures which serves from
-how many rows on each machine. Results equal the panels' up to fp32 summation order.
+`F.linear` on the plain weight, with no copy. oneDNN is preferred over `F.linear` because MKL takes
+no AVX-512 path on AMD CPUs. `gemm_crossover` measures which of this and the panels serves from how
+many rows on each machine. Results equal the panels' up to fp32 summation order.
 """
 
 from __future__ import annotations
