@@ -39,12 +39,15 @@ from services.gateway.worker_client import WorkerClient
 
 log = structlog.get_logger(__name__)
 
-FINISH_REASONS = {
-    "eos": pb.FINISH_REASON_EOS,
-    "stop_token": pb.FINISH_REASON_STOP_SEQUENCE,
-    "length": pb.FINISH_REASON_LENGTH,
-    "aborted": pb.FINISH_REASON_ABORTED,
+# A worker's finish reason -> cbserve.v1's FinishReason, and what OpenAI's API calls that end (the
+# VllmEngine service's `finish_reason`, which smg passes on).
+FINISH_REASONS: dict[str, tuple[int, str]] = {
+    "eos": (pb.FINISH_REASON_EOS, "stop"),
+    "stop_token": (pb.FINISH_REASON_STOP_SEQUENCE, "stop"),
+    "length": (pb.FINISH_REASON_LENGTH, "length"),
+    "aborted": (pb.FINISH_REASON_ABORTED, "abort"),
 }
+OPENAI_FINISH_REASONS = {code: openai for code, openai in FINISH_REASONS.values()}
 # Ends the worker reported itself: it holds nothing more of the request, so nothing to abort there.
 WORKER_ENDS = frozenset(FINISH_REASONS)
 # A long prompt's logprobs (up to 21 candidates with their text per token) go out in parts of this
@@ -116,20 +119,20 @@ class TextGenerationService(_TextGenerationServicer):
     async def Generate(self, request: Any, context: CallContext) -> AsyncGenerator[Any, None]:
         arrival = time.monotonic()
         if request is None:
-            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "the request does not parse")
+            await self.refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "the request does not parse")
         metadata = dict(context.invocation_metadata() or ())
         try:
             given = str(metadata.get("x-request-id") or "")
             trace_id = request_id(request.request_id, given, self.settings.limits)
         except InvalidRequest as exc:
-            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await self.refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         await context.send_initial_metadata((("x-request-id", trace_id),))
         structlog.contextvars.bind_contextvars(request_id=trace_id)
         facts = await self._admit(context)
         try:
             prepared = prepare(request, self.tokenizer, facts, self.settings.limits)
         except InvalidRequest as exc:
-            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await self.refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         internal = f"r{next(self._ids)}"
         queue = self.client.submit(
             NewRequest(internal, prepared.prompt_ids, prepared.params, request.priority, request.cache_salt,
@@ -165,21 +168,28 @@ class TextGenerationService(_TextGenerationServicer):
             )
             structlog.contextvars.unbind_contextvars("request_id")
 
-    async def _admit(self, context: CallContext) -> Any:
+    async def worker_facts(self, context: CallContext, *, ready: bool = False) -> Any:
+        """The worker's facts; the call ends UNAVAILABLE (a counted refusal) while there are none
+        yet, or, with `ready`, while the worker does not answer (no new work is sent to it then)."""
         facts = self.client.facts
+        if facts is None or (ready and not self.client.ready):
+            await self.refuse(context, grpc.StatusCode.UNAVAILABLE, "worker not ready")
+        return facts
+
+    async def _admit(self, context: CallContext) -> Any:
         if self.draining:
-            await self._abort(context, grpc.StatusCode.UNAVAILABLE, "server is draining")
-        if not self.client.ready or facts is None:
-            await self._abort(context, grpc.StatusCode.UNAVAILABLE, "worker not ready")
+            await self.refuse(context, grpc.StatusCode.UNAVAILABLE, "server is draining")
+        facts = await self.worker_facts(context, ready=True)
         if self.waiting >= self.settings.max_queue_size:
-            await self._abort(
+            await self.refuse(
                 context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"queue full: {self.waiting} requests wait (max_queue_size {self.settings.max_queue_size})",
             )
         return facts
 
-    async def _abort(self, context: CallContext, code: grpc.StatusCode, details: str) -> NoReturn:
+    async def refuse(self, context: CallContext, code: grpc.StatusCode, details: str) -> NoReturn:
+        """End the call with `code`, counted and logged as a refusal."""
         self.count_refusal(code, details)
         await context.abort(code, details)
 
@@ -206,7 +216,7 @@ class TextGenerationService(_TextGenerationServicer):
             out = await queue.get()
             if out.code:
                 stream.code = out.code
-                await self._abort(context, grpc.StatusCode[out.code], out.error)
+                await self.refuse(context, grpc.StatusCode[out.code], out.error)
             self._observe(stream, out)
             text, matched = "", None
             if detok is not None:
@@ -240,7 +250,7 @@ class TextGenerationService(_TextGenerationServicer):
             if out.finish:
                 stop_token = stream.last_token if out.finish == "stop_token" else None
                 stream.end = out.finish
-                yield self._final(stream, trace_id, FINISH_REASONS[out.finish], stop_token_id=stop_token)
+                yield self._final(stream, trace_id, FINISH_REASONS[out.finish][0], stop_token_id=stop_token)
                 return
 
     def _prompt_logprob_parts(self, out: RequestOutput) -> list[list[Any]]:
@@ -310,9 +320,7 @@ class TextGenerationService(_TextGenerationServicer):
     # ------------------------------------------------------------------------------ unary methods
 
     async def GetModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        facts = self.client.facts
-        if facts is None:
-            await self._abort(context, grpc.StatusCode.UNAVAILABLE, "worker not ready")
+        facts = await self.worker_facts(context)
         return pb.ModelInfo(
             **self.model_info,
             vocab_size=facts.vocab_size,
@@ -326,33 +334,28 @@ class TextGenerationService(_TextGenerationServicer):
         )
 
     async def GetLoad(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if not self.client.ready:
-            await self._abort(context, grpc.StatusCode.UNAVAILABLE, "worker not ready")
+        await self.worker_facts(context, ready=True)
         try:
             load = await self.client.query_load()
         except TimeoutError:
-            await self._abort(context, grpc.StatusCode.UNAVAILABLE, "worker did not answer the load query")
+            await self.refuse(context, grpc.StatusCode.UNAVAILABLE, "worker did not answer the load query")
         fields = {f: getattr(load, f) for f in pb.Load.DESCRIPTOR.fields_by_name}
         return pb.Load(**fields)
 
     async def Tokenize(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        facts = self.client.facts
-        if facts is None:
-            await self._abort(context, grpc.StatusCode.UNAVAILABLE, "worker not ready")
+        facts = await self.worker_facts(context)
         try:
             ids = tokenize_input(request, self.tokenizer, facts, self.settings.limits)
         except InvalidRequest as exc:
-            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await self.refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return pb.TokenizeResponse(token_ids=ids)
 
     async def Detokenize(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        facts = self.client.facts
-        if facts is None:
-            await self._abort(context, grpc.StatusCode.UNAVAILABLE, "worker not ready")
+        facts = await self.worker_facts(context)
         try:
             ids = detokenize_input(request, self.tokenizer, facts)
         except InvalidRequest as exc:
-            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await self.refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         text = self.tokenizer.decode(ids, skip_special_tokens=request.skip_special_tokens)
         return pb.DetokenizeResponse(text=text)
 

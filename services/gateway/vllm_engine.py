@@ -50,10 +50,10 @@ from smg_grpc_proto import vllm_engine_pb2_grpc as vllm_grpc
 from smg_grpc_proto.generated import common_pb2
 
 from services.common.messages import StoredBlock
-from services.gateway.api import pb
 from services.gateway.handlers import register
 from services.gateway.inputs import InvalidRequest
 from services.gateway.kv_event_log import KvBatch
+from services.gateway.text_generation import OPENAI_FINISH_REASONS
 from services.gateway.vllm_requests import to_cbserve, vllm_field_names
 
 if TYPE_CHECKING:
@@ -61,12 +61,6 @@ if TYPE_CHECKING:
 
 SERVICE_NAME: str = vllm.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 GENERATE_METHOD = f"/{SERVICE_NAME}/Generate"
-FINISH_REASONS = {
-    pb.FINISH_REASON_EOS: "stop",
-    pb.FINISH_REASON_STOP_SEQUENCE: "stop",
-    pb.FINISH_REASON_LENGTH: "length",
-    pb.FINISH_REASON_ABORTED: "abort",
-}
 TOKENIZER_CHUNK_BYTES = 64 << 10
 # What a caller needs to build the model's tokenizer and chat template where it runs (GetTokenizer).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -192,17 +186,11 @@ class VllmEngineService(vllm_grpc.VllmEngineServicer):
         self._calls: dict[str, _Call] = {}
         self._version = _version()
 
-    async def _refuse(
-        self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str
-    ) -> NoReturn:
-        self.text.count_refusal(code, details)
-        await context.abort(code, details)
-
     # ----------------------------------------------------------------------------------- Generate
 
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         if request is None:
-            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "the request does not parse")
+            await self.text.refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "the request does not parse")
         self.last_receive = time.time()
         rid = request.request_id
         try:
@@ -210,7 +198,7 @@ class VllmEngineService(vllm_grpc.VllmEngineServicer):
                 raise InvalidRequest(f"request_id {rid!r} is already in flight")
             translated = to_cbserve(request)
         except InvalidRequest as exc:
-            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await self.text.refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         responses: asyncio.Queue[Any] = asyncio.Queue()
 
         async def run() -> None:
@@ -283,7 +271,7 @@ class VllmEngineService(vllm_grpc.VllmEngineServicer):
         usage = final.usage
         complete = vllm.GenerateComplete(
             output_ids=ids,
-            finish_reason=FINISH_REASONS[final.finish_reason],
+            finish_reason=OPENAI_FINISH_REASONS[final.finish_reason],
             prompt_tokens=usage.prompt_tokens,
             completion_tokens=usage.completion_tokens,
             cached_tokens=usage.cached_prompt_tokens,
@@ -319,14 +307,8 @@ class VllmEngineService(vllm_grpc.VllmEngineServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker not ready")
         return vllm.HealthCheckResponse(healthy=True, message="serving")
 
-    async def _facts(self, context: grpc.aio.ServicerContext) -> Any:
-        facts = self.text.client.facts
-        if facts is None:
-            await self._refuse(context, grpc.StatusCode.UNAVAILABLE, "worker not ready")
-        return facts
-
     async def GetModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        facts = await self._facts(context)
+        facts = await self.text.worker_facts(context)
         info = self.text.model_info
         return vllm.GetModelInfoResponse(
             model_path=info["model_id"],  # the served name: clients are not told where it lies
@@ -341,7 +323,7 @@ class VllmEngineService(vllm_grpc.VllmEngineServicer):
         )
 
     async def GetServerInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        facts = await self._facts(context)
+        facts = await self.text.worker_facts(context)
         return vllm.GetServerInfoResponse(
             active_requests=self.text.active,
             is_paused=self.text.draining,
@@ -356,11 +338,13 @@ class VllmEngineService(vllm_grpc.VllmEngineServicer):
     async def GetLoads(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         """The counters GetLoad reports, for rank 0 (a stack is one rank; `dp_rank` and `include`
         select nothing else)."""
-        facts = await self._facts(context)
+        facts = await self.text.worker_facts(context)
         try:
             load = await self.text.client.query_load()
         except TimeoutError:
-            await self._refuse(context, grpc.StatusCode.UNAVAILABLE, "worker did not answer the load query")
+            await self.text.refuse(
+                context, grpc.StatusCode.UNAVAILABLE, "worker did not answer the load query"
+            )
         total = load.kv_blocks_total * facts.page_size
         used = load.kv_blocks_used * facts.page_size
         queries = load.prefix_cache_queries
@@ -383,17 +367,17 @@ class VllmEngineService(vllm_grpc.VllmEngineServicer):
         )
 
     async def FlushCache(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await self._facts(context)
+        await self.text.worker_facts(context)
         try:
             blocks = await self.text.client.flush_cache()
         except TimeoutError:
-            await self._refuse(context, grpc.StatusCode.UNAVAILABLE, "worker did not answer the flush")
+            await self.text.refuse(context, grpc.StatusCode.UNAVAILABLE, "worker did not answer the flush")
         if blocks < 0:
             return common_pb2.FlushCacheResponse(success=False, message="the worker reached no cachemgr")
         return common_pb2.FlushCacheResponse(success=True, message=f"dropped {blocks} cached blocks")
 
     async def SubscribeKvEvents(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        facts = await self._facts(context)
+        facts = await self.text.worker_facts(context)
         log = self.text.client.kv_events
         async for batch in log.subscribe(int(request.start_sequence_number)):
             yield _kv_event_batch(batch, facts.page_size, complete=log.complete)
@@ -401,7 +385,9 @@ class VllmEngineService(vllm_grpc.VllmEngineServicer):
     async def GetTokenizer(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         """The model's tokenizer files as one zip archive, in chunks; the last carries its SHA-256."""
         if not self.text.model_info["has_tokenizer"]:
-            await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer")
+            await self.text.refuse(
+                context, grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer"
+            )
         data = await asyncio.to_thread(_tokenizer_zip, self.model_dir)
         digest = hashlib.sha256(data).hexdigest()
         for start in range(0, len(data), TOKENIZER_CHUNK_BYTES):
