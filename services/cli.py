@@ -101,7 +101,7 @@ def _up(args: argparse.Namespace) -> int:
     directory = model_dir(args.model)  # refused (or the default prepared) once here, not in each child
     router: list[str] = []
     if args.http_port:
-        from services.router import RouterUnavailable, router_argv
+        from services.router import RouterUnavailable, http_url, router_argv
 
         try:
             router = router_argv(
@@ -120,6 +120,7 @@ def _up(args: argparse.Namespace) -> int:
     return run_up(
         args.model, args.device, args.dtype, args.port, args.metrics_port, args.host,
         settings_env(settings), drain_grace_s=args.drain_grace, router=router,
+        http_url=http_url(args.host, args.http_port) if router else None,
     )  # fmt: skip
 
 

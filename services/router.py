@@ -45,6 +45,11 @@ def _dialable(host: str) -> str:
     return f"[{address}]" if address.version == 6 else str(address)
 
 
+def http_url(host: str, port: int) -> str:
+    """The URL of smg's OpenAI API when it listens on `host:port`, as a client here dials it."""
+    return f"http://{_dialable(host)}:{port}"
+
+
 def gateway_url(host: str, port: int) -> str:
     """The URL smg dials for a gateway listening on `host:port`."""
     return f"grpc://{_dialable(host)}:{port}"
@@ -79,6 +84,9 @@ def smg_command(
         "--prometheus-port", str(metrics_port),
         # smg registers a gateway once it serves; by default it would look again only every 30 s.
         "--worker-startup-check-interval", "1",
+        # On SIGTERM smg waits half this (at most 5 s) even with no request in flight: a stop of
+        # `cbserve up` gives requests over HTTP a second, not a pause on every Ctrl-C.
+        "--shutdown-grace-period-secs", "1",
         "--log-json",
     ]  # fmt: skip
 

@@ -2,8 +2,10 @@
 
 The cachemgr, worker and gateway run as child processes (`cbserve cachemgr|worker|gateway`) on
 `ipc://` sockets in a private runtime folder; with `--http-port`, the smg router (router.py) runs in
-front of the gateway as a fourth. Their JSON logs go straight to this terminal (they
-inherit stderr). A child that dies is started again (the worker re-attaches to the cachemgr, whose
+front of the gateway as a fourth, started once the gateway serves (its ready file), so that the router
+finds it at once instead of warning every second that it cannot. Their JSON logs go straight to this
+terminal's stderr (the router's too, which it writes to stdout): stdout holds the gateway's one
+`serving` line. A child that dies is started again (the worker re-attaches to the cachemgr, whose
 KV pool outlived it), unless it exited with the configuration-error status (a port in use, a bad
 setting): then it would fail again, and the whole stack stops with that status. SIGTERM or Ctrl-C
 stops the router first, then the gateway, so that it drains its streams, then the worker, then the
@@ -28,6 +30,7 @@ from types import FrameType
 
 import structlog
 
+from services.common import ready_file
 from services.common.cli_args import CONFIG_ERROR_EXIT
 from services.common.wire import INTERNAL_KEY_ENV
 
@@ -46,12 +49,18 @@ class Child:
     started_at: float = 0.0
     due_at: float = 0.0  # when a dead child is started again
     history: list[float] = field(default_factory=list)
+    after: Path | None = None  # a ready file (common/ready_file.py): the child starts once it is ready
+    logs_to_stdout: bool = False  # its logs go to stdout, which is sent to stderr
 
     def start(self, env: dict[str, str]) -> None:
         # Own session: a terminal's Ctrl-C reaches only the supervisor, which stops the children in
         # order (gateway first, so it drains) instead of all at once.
         self.process = subprocess.Popen(
-            self.argv, env=env, start_new_session=True, preexec_fn=die_with_parent
+            self.argv,
+            env=env,
+            stdout=sys.stderr if self.logs_to_stdout else None,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
         )
         self.started_at = time.monotonic()
         log.info("started", child=self.name, child_pid=self.process.pid)
@@ -96,7 +105,8 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
         for child in self.children:
-            child.start(self.env)
+            if child.after is None:
+                child.start(self.env)
         try:
             while not self.stopping:
                 time.sleep(POLL_S)
@@ -125,6 +135,8 @@ class Supervisor:
                 child.process, child.due_at = None, now + delay
                 child.restarts += 1
             if child.process is None and now >= child.due_at:
+                if child.after is not None and not ready_file.is_ready(child.after):
+                    continue
                 child.start(self.env)
                 child.history.append(now)
 
@@ -171,6 +183,7 @@ def run_up(
     settings_env: dict[str, str],
     drain_grace_s: float,
     router: Sequence[str] = (),  # the smg command line (router.py); empty: no router
+    http_url: str | None = None,  # where the router serves OpenAI's API (the `serving` line names it)
 ) -> int:
     runtime = Path(tempfile.mkdtemp(prefix="cbserve-"))
     cachemgr_address = f"ipc://{runtime}/cachemgr.sock"
@@ -182,8 +195,11 @@ def run_up(
     env["CBSERVE_DEVICE"], env["CBSERVE_DTYPE"] = device, dtype
     if model is not None:
         env["CBSERVE_MODEL"] = model
+    gateway_ready = runtime / "gateway.ready"
     gateway = ["gateway", "--worker-address", worker_address, "--host", host, "--port", str(port),
-               "--metrics-port", str(metrics_port)]  # fmt: skip
+               "--metrics-port", str(metrics_port), "--ready-file", str(gateway_ready)]  # fmt: skip
+    if router and http_url:
+        gateway += ["--announce-http", http_url]
     children = [
         Child("cachemgr", cbserve_argv("cachemgr", "--cachemgr-address", cachemgr_address)),
         Child("worker", cbserve_argv("worker", "--worker-address", worker_address,
@@ -191,7 +207,7 @@ def run_up(
         Child("gateway", cbserve_argv(*gateway)),
     ]  # fmt: skip
     if router:
-        children.append(Child("router", list(router)))
+        children.append(Child("router", list(router), after=gateway_ready, logs_to_stdout=True))
     log.info("stack starting", runtime=str(runtime), port=port, metrics_port=metrics_port)
     try:
         return Supervisor(children, env, stop_timeout_s=drain_grace_s + 10).run()

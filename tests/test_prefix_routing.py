@@ -29,9 +29,9 @@ from smg_grpc_proto.generated import common_pb2
 from transformers import AutoTokenizer
 
 from services.router import gateway_url, smg_command
-from services.supervisor import die_with_parent, stop_process
+from services.supervisor import die_with_parent, free_port, stop_process
 from tests.conftest import TINY_STACK_SETTINGS
-from tests.stack import Stack, free_port
+from tests.stack import Stack
 from tests.test_router import client, wait_router
 from tests.tiny_models import tiny_text_model_dir
 

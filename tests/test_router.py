@@ -25,12 +25,12 @@ import openai
 import pytest
 
 from services.gateway.api import pb
-from services.gateway.vllm_engine import FINISH_REASONS
+from services.gateway.text_generation import OPENAI_FINISH_REASONS
 from services.router import gateway_url, smg_command
-from services.supervisor import die_with_parent, stop_process
+from services.supervisor import die_with_parent, free_port, stop_process
 from tests.conftest import TINY_STACK_SETTINGS
 from tests.interop.node_runner import needs_node, node_openai_stream
-from tests.stack import Stack, free_port
+from tests.stack import Stack
 from tests.test_cli import run_main
 from tests.test_stack_requests import CHAT, chat_request
 from tests.tiny_models import tiny_text_model_dir
@@ -159,7 +159,7 @@ def test_a_node_fetch_client_streams_the_cbserve_answer(routed: tuple[Stack, int
     out = node_openai_stream(f"http://127.0.0.1:{http}/v1", kind, body)
     assert "error" not in out, out
     assert text and out["text"] == text
-    assert out["finish_reason"] == FINISH_REASONS[final.finish_reason]
+    assert out["finish_reason"] == OPENAI_FINISH_REASONS[final.finish_reason]
     assert (out["usage"]["prompt_tokens"], out["usage"]["completion_tokens"]) == (
         final.usage.prompt_tokens, final.usage.completion_tokens,
     )  # fmt: skip
@@ -176,6 +176,18 @@ def test_a_client_that_goes_away_frees_its_request(routed: tuple[Stack, int]) ->
     events.close()  # smg cancels its call to the gateway, which aborts the request in the worker
     stack.wait_idle(timeout_s=5)
     stack.assert_idle()
+
+
+def test_the_serving_line_names_the_http_port_once_it_lists_the_model(routed: tuple[Stack, int]) -> None:
+    """The router starts once the gateway serves (no warm-up warnings of a gateway it cannot reach),
+    and the `serving` line comes once the HTTP port lists the model, and names it."""
+    stack, http = routed
+    deadline = time.monotonic() + ROUTER_START_S
+    while not (lines := [x for x in stack.log_tail(10_000).splitlines() if x.startswith("serving ")]):
+        assert time.monotonic() < deadline, stack.log_tail()
+        time.sleep(0.2)
+    assert len(lines) == 1 and f", OpenAI HTTP on http://127.0.0.1:{http}," in lines[0], lines
+    assert "grpc health check failed" not in stack.log_tail(10_000)  # smg's warning while it waits
 
 
 def test_the_router_is_a_supervised_child(routed: tuple[Stack, int]) -> None:

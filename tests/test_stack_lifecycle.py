@@ -27,7 +27,7 @@ from services.common.gateway_messages import NewRequest
 from services.common.sampling_params import SamplingParams
 from services.common.tensor_handles import SHM_PREFIX, shm_dir
 from services.gateway.api import SERVICE_NAME, pb, pb_grpc
-from services.supervisor import cbserve_argv, die_with_parent
+from services.supervisor import cbserve_argv, die_with_parent, free_port
 from tests.openai_penalties import openai_greedy, penalized_request
 from tests.stack import (
     REPO,
@@ -35,7 +35,6 @@ from tests.stack import (
     Stack,
     collect_finals,
     dealer,
-    free_port,
     greedy_request,
     keyed,
     rss_kib,

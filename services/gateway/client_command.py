@@ -75,8 +75,8 @@ def add_health_arguments(parser: argparse.ArgumentParser) -> None:
     add_env_argument(parser, "--target", default="127.0.0.1:50051", help="gateway host:port")
     parser.add_argument("--service", default="", help='service name ("" = the whole server)')
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
-    parser.add_argument("--ready-file", help="instead of asking a gateway: SERVING while the worker that "
-                            "was given this --ready-file is attached and warm")  # fmt: skip
+    parser.add_argument("--ready-file", help="instead of asking a gateway: SERVING while the worker "
+                            "(or gateway) given this --ready-file is warm (or serves)")  # fmt: skip
     add_client_arguments(parser)
 
 

@@ -46,6 +46,11 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
                      help="seconds without a worker status before it is presumed dead")  # fmt: skip
     add_env_argument(parser, "--resubmit-timeout", type=bounded(float, 0), default=60.0,
                      help="seconds streams of a lost worker wait for a new one")  # fmt: skip
+    add_env_argument(parser, "--ready-file", help="a file that exists while the gateway serves, for "
+                     "`cbserve health --ready-file` (containers' health checks)")  # fmt: skip
+    add_env_argument(parser, "--announce-http", metavar="URL",
+                     help="the OpenAI HTTP endpoint in front of this gateway: the `serving` line waits "
+                          "until its /v1/models lists the model, and names it")  # fmt: skip
 
     access = parser.add_argument_group("the public port's security (docs/deployment.md)")
     add_env_argument(access, "--tls-cert", help="PEM certificate (chain): the gRPC port speaks TLS")
@@ -129,6 +134,8 @@ def public_port(args: argparse.Namespace) -> tuple[TlsFiles | None, Access]:
 
 
 def gateway_settings(args: argparse.Namespace) -> GatewaySettings:
+    from pathlib import Path
+
     from services.gateway.inputs import Limits
     from services.gateway.settings import GatewaySettings
 
@@ -146,6 +153,8 @@ def gateway_settings(args: argparse.Namespace) -> GatewaySettings:
         access=access,
         health_port=args.health_port or None,
         served_model_name=args.served_model_name,
+        ready_path=Path(args.ready_file) if args.ready_file else None,
+        http_url=args.announce_http,
     )
 
 

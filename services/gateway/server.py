@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common import ready_file
 from services.common.cli_args import CONFIG_ERROR_EXIT
 from services.common.gateway_messages import WorkerFacts
 from services.common.wire import internal_key
@@ -32,6 +34,10 @@ from services.gateway.worker_client import WorkerClient
 log = structlog.get_logger(__name__)
 
 HEALTH_SERVICES = ("", SERVICE_NAME)
+# How long the `serving` line waits for the HTTP endpoint in front (the router registers this gateway
+# once it serves), and how often it asks.
+HTTP_ANNOUNCE_TIMEOUT_S = 60.0
+HTTP_POLL_S = 0.25
 HEALTH_SERVICE: str = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -62,8 +68,18 @@ def _model_info(model_dir: str, name: str | None) -> tuple[Any, dict[str, Any]]:
     }
 
 
-def _announce(model: str, address: str, metrics: str | None, facts: WorkerFacts) -> None:
-    """The stack serves: one line for the person who started it (stdout), and its facts in the log."""
+async def _announce(
+    model: str, address: str, metrics: str | None, facts: WorkerFacts, http_url: str | None
+) -> None:
+    """The stack serves: one line for the person who started it (stdout), and its facts in the log.
+    With an HTTP endpoint in front (`http_url`), only once it lists the model: a line that names a
+    port must not come before that port answers."""
+    if http_url is not None:
+        listed = await _http_lists_model(http_url, HTTP_ANNOUNCE_TIMEOUT_S)
+        if not listed:
+            log.warning(
+                "the HTTP endpoint lists no model yet", url=http_url, waited_s=HTTP_ANNOUNCE_TIMEOUT_S
+            )
     tokens = facts.total_blocks * facts.page_size
     pool = f"KV cache {facts.total_blocks:,} blocks = {tokens:,} tokens"
     about = [facts.kv_dtype] if facts.kv_dtype else []
@@ -71,10 +87,31 @@ def _announce(model: str, address: str, metrics: str | None, facts: WorkerFacts)
         gib = facts.kv_bytes / (1 << 30)
         about.insert(0, f"{gib:.1f} GiB" if gib >= 1 else f"{facts.kv_bytes / (1 << 20):.0f} MiB")
     pool += f" ({', '.join(about)})" if about else ""
-    where = f", metrics on http://{metrics}/metrics" if metrics else ""
+    where = f", OpenAI HTTP on {http_url}" if http_url else ""
+    where += f", metrics on http://{metrics}/metrics" if metrics else ""
     print(f"serving {model} in {facts.dtype} on {address}{where}; {pool}", flush=True)
     log.info("stack serving", model=model, address=address, metrics=metrics, kv_blocks=facts.total_blocks,
              kv_tokens=tokens, kv_bytes=facts.kv_bytes, device=facts.device, dtype=facts.dtype)  # fmt: skip
+
+
+async def _http_lists_model(url: str, timeout_s: float) -> bool:
+    """Whether `url`/v1/models lists a model within `timeout_s` (asked every HTTP_POLL_S)."""
+    import json
+    import urllib.request
+
+    def lists() -> bool:
+        try:
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=HTTP_POLL_S) as answer:
+                return bool(json.load(answer).get("data"))
+        except (OSError, ValueError):  # not listening yet, an error status, or no JSON
+            return False
+
+    deadline = time.monotonic() + timeout_s
+    while not await asyncio.to_thread(lists):
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(HTTP_POLL_S)
+    return True
 
 
 def _interceptors(access: Access, service: TextGenerationService) -> list[grpc.aio.ServerInterceptor]:
@@ -109,6 +146,14 @@ async def serve(
         await health_servicer.set(name, NOT_SERVING)
     service: TextGenerationService | None = None
     announced = False
+    pending: set[asyncio.Task[None]] = set()  # held until done: the loop keeps only weak references
+
+    def spawn(work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+
+    ready_file.mark(settings.ready_path, False)  # a killed predecessor's
 
     def serving() -> bool:
         return client.ready and not (service is not None and service.draining)
@@ -117,11 +162,14 @@ async def serve(
         nonlocal announced
         status = SERVING if serving() else NOT_SERVING
         for name in HEALTH_SERVICES:
-            asyncio.get_running_loop().create_task(health_servicer.set(name, status))
+            spawn(health_servicer.set(name, status))
+        ready_file.mark(settings.ready_path, status == SERVING)
         if status == SERVING and not announced and client.facts is not None:
             announced = True
             metrics_address = f"{host}:{metrics_port}" if metrics_port else None
-            _announce(info["model_id"], f"{host}:{bound}", metrics_address, client.facts)
+            spawn(_announce(
+                info["model_id"], f"{host}:{bound}", metrics_address, client.facts, settings.http_url
+            ))  # fmt: skip
 
     metrics: GatewayMetrics
     client = WorkerClient(
@@ -205,6 +253,7 @@ async def serve(
     # Drain: health turns NOT_SERVING at once (load balancers stop routing here), new calls get
     # UNAVAILABLE, and the streams in flight may finish within the grace period.
     service.draining = True
+    ready_file.mark(settings.ready_path, False)
     await health_servicer.enter_graceful_shutdown()
     log.info("gateway draining", in_flight=service.active, grace_s=settings.drain_grace_s)
     deadline = time.monotonic() + settings.drain_grace_s

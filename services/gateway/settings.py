@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from services.gateway.inputs import Limits
 from services.gateway.security import Access, TlsFiles
@@ -23,3 +24,7 @@ class GatewaySettings:
     access: Access = field(default_factory=Access)
     health_port: int | None = None  # a plaintext port serving grpc.health.v1 alone, for probes
     served_model_name: str | None = None  # None: the model directory's name
+    ready_path: Path | None = None  # a file that exists while the gateway serves (common/ready_file.py)
+    # The OpenAI HTTP endpoint in front of this gateway (`cbserve up --http-port`), or None: the
+    # `serving` line waits until it lists the model, and names it.
+    http_url: str | None = None
