@@ -190,6 +190,18 @@ def test_the_serving_line_names_the_http_port_once_it_lists_the_model(routed: tu
     assert "grpc health check failed" not in stack.log_tail(10_000)  # smg's warning while it waits
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_bad_request_is_a_400_streamed_or_not(routed: tuple[Stack, int], stream: bool) -> None:
+    """A request the gateway refuses (max_tokens beyond the model's context) is HTTP 400 before any
+    byte of an answer, streamed as well: the gateway refuses before it sends its headers."""
+    stack, http = routed
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        reply = client(http).completions.create(model=stack.info.model_id, prompt=PROMPT, max_tokens=100_000,
+                                                stream=stream)  # fmt: skip
+        if stream:
+            list(reply)  # type: ignore[arg-type]
+
+
 def test_the_router_is_a_supervised_child(routed: tuple[Stack, int]) -> None:
     stack, http = routed
     os.kill(stack.child_pid("router"), signal.SIGKILL)

@@ -126,13 +126,16 @@ class TextGenerationService(_TextGenerationServicer):
             trace_id = request_id(request.request_id, given, self.settings.limits)
         except InvalidRequest as exc:
             await self.refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        await context.send_initial_metadata((("x-request-id", trace_id),))
         structlog.contextvars.bind_contextvars(request_id=trace_id)
         facts = await self._admit(context)
         try:
             prepared = prepare(request, self.tokenizer, facts, self.settings.limits)
         except InvalidRequest as exc:
             await self.refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        # Headers only once the request is taken: a refusal before them is a trailers-only answer,
+        # which a proxy sees before it commits its own response (smg then answers HTTP 400, not an
+        # HTTP 200 stream that carries the error as an event).
+        await context.send_initial_metadata((("x-request-id", trace_id),))
         internal = f"r{next(self._ids)}"
         queue = self.client.submit(
             NewRequest(internal, prepared.prompt_ids, prepared.params, request.priority, request.cache_salt,
