@@ -37,8 +37,15 @@ from hypothesis.stateful import (
 
 from services.cachemgr.allocator import RECYCLED, pages_for
 from services.cachemgr.block_manager import BlockManager, CacheState, block_hash
+from services.common.cachemgr_messages import (
+    PROTOCOL_VERSION,
+    KvEvents,
+    PlanEntry,
+    StepGrant,
+    StepPlan,
+    StoredBlock,
+)
 from services.common.kv_geometry import RESERVED_CHUNKS, KVGeometry
-from services.common.messages import PROTOCOL_VERSION, KvEvents, PlanEntry, StepGrant, StepPlan, StoredBlock
 
 P = 4  # page_size of every geometry below
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.common.messages import StepGrant, StepPlan
+from services.common.cachemgr_messages import StepGrant, StepPlan
 from services.worker.engine import Engine
 from tests.tiny_models import FAMILIES
 

@@ -40,9 +40,7 @@ from transformers import AutoConfig
 from services.cachemgr.block_manager import BlockManager, CacheState
 from services.cachemgr.kv_cache import KVCache
 from services.cachemgr.server import CacheServer
-from services.common.config import CBConfig
-from services.common.gateway_messages import GatewayMessage, NewRequest
-from services.common.messages import (
+from services.common.cachemgr_messages import (
     Attach,
     Attached,
     Failure,
@@ -52,6 +50,8 @@ from services.common.messages import (
     StepGrant,
     StepPlan,
 )
+from services.common.config import CBConfig
+from services.common.gateway_messages import GatewayMessage, NewRequest
 from services.common.sampling_params import SamplingParams
 from services.gateway.api import pb
 from tests.stack import REPO, Stack, collect_finals, dealer, greedy_request, keyed

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.common.messages import KvEvents, StoredBlock
+from services.common.cachemgr_messages import KvEvents, StoredBlock
 from services.gateway.kv_event_log import KvBatch, KvEventLog
 
 

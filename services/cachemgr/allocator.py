@@ -7,7 +7,7 @@ only need the window, so pages that fell out of it are recycled (returned to the
 
 from __future__ import annotations
 
-from services.cachemgr.block_pool import ChunkPool
+from services.cachemgr.chunk_pool import ChunkPool
 
 RECYCLED = -1
 

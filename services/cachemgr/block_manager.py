@@ -34,10 +34,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from services.cachemgr.allocator import FullAttentionAllocator, SlidingAttentionAllocator, pages_for
-from services.cachemgr.block_pool import ChunkPool
+from services.cachemgr.chunk_pool import ChunkPool
 from services.cachemgr.swap_space import SwapSpace
-from services.common.kv_geometry import KVGeometry
-from services.common.messages import (
+from services.common.cachemgr_messages import (
     PROTOCOL_VERSION,
     Flushed,
     Granted,
@@ -48,6 +47,7 @@ from services.common.messages import (
     StepPlan,
     StoredBlock,
 )
+from services.common.kv_geometry import KVGeometry
 
 
 class CacheState(Enum):
@@ -133,7 +133,7 @@ class BlockManager:
         # The hashes of the full pages in flight (granted, not settled): see the module docstring.
         self._computing: set[bytes] = set()
         self.stats = CacheStats()
-        # KV events (see messages.KvEvents): the announced pages, in the order announced, so that
+        # KV events (see cachemgr_messages.KvEvents): the announced pages, in the order announced, so that
         # evicting a salted page (never announced) is not announced either, and so that a subscriber
         # joining late can be given the whole live set (`kv_snapshot`).
         self._announced: dict[bytes, StoredBlock] = {}

@@ -16,10 +16,10 @@ import torch
 from services.cachemgr.block_manager import BlockManager
 from services.cachemgr.pool_memory import PoolMemory, create_pool_memory
 from services.cachemgr.sizing import CacheSizing, meminfo_bytes, size_cache
+from services.common.cachemgr_messages import Flushed, KvEvents, StepGrant, StepPlan
 from services.common.config import CBConfig
 from services.common.kv_geometry import RESERVED_CHUNKS, KVGeometry
 from services.common.kv_int8 import scale_bytes
-from services.common.messages import Flushed, KvEvents, StepGrant, StepPlan
 from services.common.precision import dtype_name
 
 log = structlog.get_logger(__name__)

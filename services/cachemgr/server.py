@@ -19,8 +19,7 @@ import torch
 import zmq
 
 from services.cachemgr.kv_cache import KVCache
-from services.common.config import CBConfig
-from services.common.messages import (
+from services.common.cachemgr_messages import (
     PROTOCOL_VERSION,
     Attach,
     Attached,
@@ -34,6 +33,7 @@ from services.common.messages import (
     StepPlan,
     ToCachemgr,
 )
+from services.common.config import CBConfig
 from services.common.precision import kv_cache_dtype
 from services.common.tensor_handles import remove_stale_shm
 from services.common.wire import internal_key, key_matches

@@ -12,7 +12,7 @@ The pool's bytes, first match wins:
   (`VLLM_CPU_KVCACHE_SPACE=4`) and holds about 90k tokens of SmolLM2 in fp32: more context than two
   cores compute in any reasonable time.
 On CUDA "free" is `cudaMemGetInfo`; on CPU it is MemAvailable (and the free space of /dev/shm when the
-pool lives there). A host pool's pages are committed only when first written (see `block_pool`).
+pool lives there). A host pool's pages are committed only when first written (see `chunk_pool`).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
-from services.common.messages import KvEvents
+from services.common.cachemgr_messages import KvEvents
 from services.common.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1

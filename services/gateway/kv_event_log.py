@@ -1,6 +1,6 @@
 """The replica's prefix-cache changes, numbered for subscribers (SMG's `SubscribeKvEvents`).
 
-The worker forwards each step's `KvEvents` (see `common/messages.py`); every one becomes a batch with
+The worker forwards each step's `KvEvents` (see `common/cachemgr_messages.py`); every one becomes a batch with
 the next sequence number. The log keeps the last `history` batches, so that a subscriber resuming
 from a sequence number it has seen replays what it missed, and a mirror of the live cached pages, so
 that a subscriber without a usable cursor (0, or older than the history) starts from a snapshot: the
@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from services.common.messages import KvEvents, StoredBlock
+from services.common.cachemgr_messages import KvEvents, StoredBlock
 
 DEFAULT_HISTORY = 4096
 

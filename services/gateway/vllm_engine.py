@@ -49,7 +49,7 @@ from smg_grpc_proto import vllm_engine_pb2 as vllm
 from smg_grpc_proto import vllm_engine_pb2_grpc as vllm_grpc
 from smg_grpc_proto.generated import common_pb2
 
-from services.common.messages import StoredBlock
+from services.common.cachemgr_messages import StoredBlock
 from services.gateway.handlers import register
 from services.gateway.inputs import InvalidRequest
 from services.gateway.kv_event_log import KvBatch

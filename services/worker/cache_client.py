@@ -20,8 +20,7 @@ import zmq
 from services.cachemgr.pool_memory import PoolHandles, PoolMemory, attach_pool_memory
 from services.cachemgr.sizing import CacheSizing
 from services.common.awake_clock import poll_awake
-from services.common.kv_geometry import KVGeometry
-from services.common.messages import (
+from services.common.cachemgr_messages import (
     PROTOCOL_VERSION,
     Attach,
     Attached,
@@ -38,6 +37,7 @@ from services.common.messages import (
     StepPlan,
     ToCachemgr,
 )
+from services.common.kv_geometry import KVGeometry
 
 log = structlog.get_logger(__name__)
 

@@ -24,10 +24,10 @@ import torch
 from transformers import PreTrainedModel
 
 from services.cachemgr.kv_cache import KVCache
+from services.common.cachemgr_messages import KvEvents, StepGrant
 from services.common.config import CBConfig
 from services.common.kv_geometry import KVGeometry
 from services.common.kv_int8 import scale_bytes
-from services.common.messages import KvEvents, StepGrant
 from services.common.model_source import load_model
 from services.common.precision import kv_cache_dtype
 from services.common.sampling_params import SamplingParams

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from services.common.cachemgr_messages import KvEvents
 from services.common.gateway_messages import (
     NewRequest,
     RequestOutput,
@@ -26,7 +27,6 @@ from services.common.gateway_messages import (
     WorkerMessage,
     WorkerStatus,
 )
-from services.common.messages import KvEvents
 from services.worker.request import FinishReason, Request
 
 log = structlog.get_logger(__name__)

@@ -25,8 +25,8 @@ import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from services.common.cachemgr_messages import PlanEntry, StepGrant, StepPlan
 from services.common.config import CBConfig
-from services.common.messages import PlanEntry, StepGrant, StepPlan
 from services.worker.request import FinishReason, Request, RequestStatus
 
 _CLASS_ORDER = {
