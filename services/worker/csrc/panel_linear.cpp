@@ -58,25 +58,36 @@
 // multiply-adds per lane per instruction; elsewhere it widens each lane into the two fp32 weights (by
 // shifts) and runs fp32 FMAs on x's rounded values. The bf16 instructions read denormals as
 // zero (below 2^-126, far under any weight or activation's scale).
-// int8 panels (pack_weight_int8) quarter the bytes of fp32 ones. Each output column's weights are
-// rounded to int8 on one symmetric scale of its own (sw[n] = max |W[n]| / 127), four k to a 32-bit lane
-// ([K4, kPanel] lanes per panel, K4 = ceil(K / 4), a K short of a multiple of 4 padded with zeros), so
-// that a line is again as many bytes as an fp32 panel's and the tiles, prefetches and split are the
-// same code with K4 lines. Each row of x is rounded to int8 as it is packed, on a scale of its own
-// (sx = max |x| / 127: dynamic, per token). The products are exact int32 sums, so every path gives the
-// same sums and only the final y = sx * sw[n] * sum + bias rounds (in fp32). With VNNI (AVX512-VNNI,
-// or AVX-VNNI in an AVX2 build) vpdpbusd adds the four products of each lane into its int32
-// accumulator; it takes x unsigned, so x is packed as x + 128 (in 1 .. 255) and the tile's sums start
-// from -128 * the column's weight sum, computed at pack time (started there rather than subtracted at
-// the end, where the 2 x 14 accumulators, the scales and the bias fill the registers: GCC then kept
-// every accumulator on the stack through the loop). Without VNNI each lane is split into its even and
-// odd k sign-extended to int16 (two shifts) and multiplied by vpmaddwd, two products per lane into
-// int32, on x's values of those k as int16 pairs (two packed lines per K4 line): exact too, where
-// vpmaddubsw's int16 sums of (x + 128) * w would saturate. Each panel ends with two more lines: the
-// columns' fp32 scales, then their -128 * weight sums (int32).
+// int8 panels (pack_weight_int8) hold a quarter of the bytes of fp32 ones, plus their scales. As in
+// llama.cpp's Q8_0, each output column's weights are rounded to int8 in groups of kGroup consecutive
+// k, each (column, group) on a symmetric scale of its own (sw = max |W| / 127 over the group), four
+// k to a 32-bit lane, so that a line is again as many bytes as an fp32 panel's and the tiles,
+// prefetches and split are the same code. A panel holds, group after group, the group's kGroup / 4
+// lines of lanes (the last group's fewer where kGroup does not divide K, a K short of a multiple of 4
+// padded with zeros), then a line of the columns' fp32 scales, then a line of -128 * the columns'
+// weight sums over the group (int32, see below): K4 + 2 ceil(K / kGroup) lines of kPanel lanes, K4 =
+// ceil(K / 4). Each row of x is rounded to int8 as it is packed, in the same groups, each (row, group)
+// on a scale of its own (sx = max |x| / 127 over the group: dynamic, per token). A group's products
+// are an exact int32 sum (at most 127^2 kGroup, exact in fp32 too), so every path gives the same
+// sums; at the end of each group the tile adds float(sum) * sw * sx into fp32 accumulators, and only
+// those fp32 steps (and the bias) round. One scale per column or row over all of K let one large
+// weight or activation coarsen the rounding of all the others (docs/kernels.md gives the agreement
+// with fp32 and the speed for groups of 32, 64 and 128 k against one scale per column).
+// With VNNI (AVX512-VNNI, or AVX-VNNI in an AVX2 build) vpdpbusd adds the four products of each lane
+// into its int32 accumulator; it takes x unsigned, so x is packed as x + 128 (in 1 .. 255) and a
+// group's sums start from its offsets, -128 * the column's weight sum over the group, computed at
+// pack time (a copy per group, where subtracting them at the end would take an add). Without VNNI
+// each lane is split into its even and odd k sign-extended to int16 (two shifts) and multiplied by
+// vpmaddwd, two products per lane into int32, on x's values of those k as int16 pairs (two packed
+// lines per K4 line): exact too, where vpmaddubsw's int16 sums of (x + 128) * w would saturate.
+// A tile holds int32 and fp32 accumulators for both halves of the panel: 4 x 7 for 7 rows, the
+// line's two vectors and a broadcast, 31 of the 32 registers (AVX2: 4 x 3, two, a broadcast and
+// vpmaddwd's product, 16), so int8 tiles take up to 7 rows (3). Tiles of 14 rows that ran the two
+// halves in turn (2 x 14 accumulators, x read twice) were no faster at 256 rows, slower at 1-16.
 // The same panels also multiply x unrounded (`int8_x` false: weight-only int8): each lane's four
-// weights widened to fp32 in turn (a shift up and an arithmetic shift down, then a conversion) and
-// multiplied into x's fp32 values of their k by FMAs, the columns' scales applied at the end.
+// weights widened to fp32 in turn (a shift up and an arithmetic shift down, then a conversion),
+// multiplied by their group's column scales (one multiply per widened vector, shared by all the
+// tile's rows) and into x's fp32 values of their k by FMAs.
 // Only the headers used: <torch/extension.h> (all of libtorch's C++ API) tripled the compile time.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -131,7 +142,8 @@ constexpr int64_t kXLinesPerQuad = 1;
 #else
 constexpr int64_t kXLinesPerQuad = 2;
 #endif
-// int8 panels: k per group, each group of a column on a scale of its own (whole lanes of four k).
+// int8 panels: k per group, each group of a column on a scale of its own (whole lanes of four k). A
+// build may set another (-DCBSERVE_INT8_GROUP=64) to measure it; the tests read it (int8_group()).
 #ifndef CBSERVE_INT8_GROUP
 #define CBSERVE_INT8_GROUP 32
 #endif
