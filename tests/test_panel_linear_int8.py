@@ -1,15 +1,21 @@
 """int8 weights in the packed panel linears (csrc/panel_linear.cpp), on every vector path.
 
-The reference is computed from the same quantized operands the kernel multiplies: the module's own
-`quantize_int8` rounds W's rows (output channels) and x's rows (tokens), itself checked against torch's
-rounding. The kernel's integer sums must then be exact, so the only rounding left is the fp32
-epilogue: float(sum) * sw * sx, plus the bias, four fp32 roundings (a sum beyond 2^24 converts with
-one of them), so each output may differ from the float64 reference by at most 5 u (|sum sw sx| + |b|)
-with u = 2^-24. One product off by one in a sum (a mis-paired k, a column's offset short) is off by
-far more than that: a relative 1/|sum| of the output, and |sum| stays below 127^2 K.
+The panels' format: W's rows (output columns) are rounded to int8 in groups of G consecutive k (the
+module's `int8_group()`, the last group shorter where G does not divide K), each (column, group) on
+a scale of its own, and with `int8_x` x's rows are rounded in the same groups, each (row, group) on
+its own scale. The reference is computed from the same quantized operands the kernel multiplies: the
+module's own `quantize_int8` rounds both, itself checked against torch's rounding. Each group's
+integer sum S_g must then be exact (|S_g| <= 127^2 G < 2^24 converts to fp32 exactly), so the only
+rounding left is the fp32 epilogue: y = sum over the NG groups of S_g sw_g sx_g, plus the bias. Each
+term takes two roundings (its two scales), the NG terms' sum NG more and the bias one, so each output
+may differ from the float64 reference by at most (NG + 4) u sum_g |S_g sw_g sx_g| + 5 u |b| with
+u = 2^-24 (one u spare for the second-order terms). One product off in a group (a mis-paired k, a
+group's offset short) moves its output by at least a product of two int8 values times its scales,
+hundreds of times that bound on these random operands.
 
-Weight-only int8 (`int8_x=False`) multiplies x unrounded: its sums are fp32 sums of K products
-x_k q_k (each |q_k| <= 127), within (K + 3) u sum |x_k q_k sw| + u |b| of float64's.
+Weight-only int8 (`int8_x=False`) multiplies x unrounded by each weight times its group's scale
+(one rounding): its sums are fp32 sums of K products, within (K + 3) u sum_k |x_k q_k sw_k| + 5 u |b|
+of float64's.
 
 The lower paths (AVX-512 without VNNI, AVX2, portable) are compiled with CBSERVE_CPU_ISA in a
 subprocess each, which runs the same checks and asserts that the module names its path.
@@ -35,7 +41,8 @@ U = 2.0**-24
 # Rows: none, one tile (1, 5, the tallest AVX-512 tile 14), uneven splits into several (15, 38, 600).
 ROWS = [0, 1, 5, 14, 15, 38, 600]
 # (K, N): K short of a multiple of 4 by 3, 1 and 2 (33, 575, 577 pad the last lane), whole (64, 96);
-# N a partial last panel (17; 200 = 6 x 32 + 8 or 12 x 16 + 8) and whole ones (64).
+# whole groups and a shorter last one (at G = 32: 33 = 32 + 1, 64, 96, 575 = 17 x 32 + 31, 577 =
+# 18 x 32 + 1); N a partial last panel (17; 200 = 6 x 32 + 8 or 12 x 16 + 8) and whole ones (64).
 SHAPES = [(33, 17), (64, 64), (96, 200), (575, 200), (577, 64)]
 # (K, I) of gated products: a partial last gated panel (100 = 6 x 16 + 4 or 12 x 8 + 4, 17), whole (64).
 GATED_SHAPES = [(33, 17), (64, 64), (577, 100)]
@@ -52,9 +59,16 @@ def native_int8_path() -> str:
 
 
 def quantized(ops: Any, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """t's rows as the kernel rounds them, in float64: (q, scale [rows, 1])."""
+    """t's rows as the kernel rounds them, in float64: (q [rows, K], scales [rows, NG] of the groups)."""
     q, scale = ops.quantize_int8(t.contiguous())
-    return q.double(), scale.double().unsqueeze(1)
+    groups = -(-t.shape[-1] // ops.int8_group())
+    assert scale.shape == (t.shape[0], groups) and scale.dtype == torch.float32
+    return q.double(), scale.double()
+
+
+def group_slices(ops: Any, k: int) -> list[slice]:
+    g = ops.int8_group()
+    return [slice(k0, min(k0 + g, k)) for k0 in range(0, k, g)]
 
 
 def reference(
@@ -62,14 +76,17 @@ def reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The product of the quantized operands in float64, and the bound of the module docstring."""
     qw, sw = quantized(ops, w)
+    groups = group_slices(ops, x.shape[-1])
     if int8_x:
         qx, sx = quantized(ops, x)
-        product = (qx @ qw.T) * sx * sw.T
-        bound = 5 * U * product.abs()
+        terms = [(qx[:, k] @ qw[:, k].T) * sx[:, g : g + 1] * sw[:, g] for g, k in enumerate(groups)]
+        product = sum(terms, torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64))
+        bound = (len(groups) + 4) * U * sum((t.abs() for t in terms), torch.zeros_like(product))
     else:
         xd = x.double()
-        product = (xd @ qw.T) * sw.T
-        bound = (x.shape[-1] + 3) * U * (xd.abs() @ qw.abs().T) * sw.T
+        scaled = torch.cat([qw[:, k] * sw[:, g : g + 1] for g, k in enumerate(groups)], dim=1)  # q_k sw_k
+        product = xd @ scaled.T
+        bound = (x.shape[-1] + 3) * U * (xd.abs() @ scaled.abs().T)
     if bias is not None:
         product = product + bias.double()
         bound = bound + 5 * U * bias.double().abs()
@@ -83,30 +100,73 @@ def assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor) ->
 
 
 def check_quantize(ops: Any) -> None:
-    """Each row: q = round(x * (127 / max|x|)) to nearest even, scale = max|x| * fp32(1/127); a zero row
-    has scale 0. Exactly torch's arithmetic in float32."""
+    """Each group of G k of a row (the last one shorter): q = round(x * (127 / max|x|)) to nearest even,
+    scale = max|x| * fp32(1/127) over the group; a group of zeros has scale 0. Exactly torch's
+    arithmetic in float32."""
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(40, 577, generator=gen) * torch.logspace(-3, 3, 40).unsqueeze(1)
+    g, k = ops.int8_group(), 577
+    x = torch.randn(40, k, generator=gen) * torch.logspace(-3, 3, 40).unsqueeze(1)
     x[7] = 0
-    x[9, 5] = 0.5 * x[9].abs().max() / 127  # about half a step: rounds as torch rounds it
+    x[8, g : 2 * g] = 0  # one group of zeros in a row of others
+    x[9, 5] = 0.5 * x[9, :g].abs().max() / 127  # about half a step: rounds as torch rounds it
+    x[10, -1] = 1e6  # the short last group's own scale
     q, scale = ops.quantize_int8(x)
-    amax = x.abs().amax(1, keepdim=True)
-    want = torch.where(amax > 0, torch.round(x * (127 / amax)), 0).to(torch.int8)
+    groups = -(-k // g)
+    padded = torch.zeros(40, groups * g)
+    padded[:, :k] = x
+    amax = padded.view(40, groups, g).abs().amax(-1, keepdim=True)
+    want = torch.where(amax > 0, torch.round(padded.view(40, groups, g) * (127 / amax)), 0)
+    want = want.view(40, groups * g)[:, :k].to(torch.int8)
     assert q.dtype == torch.int8 and torch.equal(q, want)
-    assert torch.equal(scale, (amax * torch.tensor(1 / 127, dtype=torch.float32)).squeeze(1))
-    assert q[7].abs().sum() == 0 and scale[7] == 0
+    assert torch.equal(scale, (amax * torch.tensor(1 / 127, dtype=torch.float32)).squeeze(-1))
+    assert q[7].abs().sum() == 0 and scale[7].abs().sum() == 0
+    assert scale[8, 1] == 0 and scale[8, 0] > 0 and q[8, g : 2 * g].abs().sum() == 0
+    assert q[10, -1] == 127 and scale[10, -1] == torch.tensor(1e6) * torch.tensor(1 / 127)
+
+
+def check_layout(ops: Any) -> None:
+    """The panels as the kernel's top comment describes them: per group of G k, its lines of four k
+    per column lane, then its line of the columns' fp32 scales, then its line of -128 * the columns'
+    int32 weight sums over the group; the last panel's missing columns zero."""
+    k, n = 2 * ops.int8_group() + 5, 40
+    w = torch.randn(n, k)
+    packed = ops.pack_weight_int8(w)
+    q, scale = ops.quantize_int8(w)
+    panel = packed.shape[2] // 4  # columns per panel
+    p = -(-n // panel)
+    cols = torch.zeros(p * panel, k, dtype=torch.int8)
+    cols[:n] = q
+    scales = torch.zeros(p * panel, scale.shape[1])
+    scales[:n] = scale
+    line = 0
+    for gi, ks in enumerate(group_slices(ops, k)):
+        lines = -(-(ks.stop - ks.start) // 4)
+        want = torch.zeros(p, panel, 4 * lines, dtype=torch.int8)
+        want[:, :, : ks.stop - ks.start] = cols[:, ks].view(p, panel, -1)
+        got = packed[:, line : line + lines].view(p, lines, panel, 4).permute(0, 2, 1, 3)
+        assert torch.equal(got.reshape(p, panel, -1), want)
+        line += lines
+        assert torch.equal(packed[:, line].contiguous().view(torch.float32), scales[:, gi].view(p, panel))
+        sums = -128 * cols[:, ks].int().sum(1).view(p, panel)
+        assert torch.equal(packed[:, line + 1].contiguous().view(torch.int32), sums)
+        line += 2
+    assert line == packed.shape[1]
 
 
 def check_linear(ops: Any, rows: int, k: int, n: int, bias: bool, int8_x: bool = True) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + k + n)
     w = torch.randn(n, k, generator=gen)
     w[n // 2] = 0  # a column of zeros: scale 0
+    w[n - 1, : ops.int8_group()] = 0  # a column's first group of zeros
     b = torch.randn(n, generator=gen) if bias else None
     packed = ops.pack_weight_int8(w)
-    assert packed.dtype == torch.int8 and packed.shape[1] == (k + 3) // 4 + 2
+    groups = len(group_slices(ops, k))
+    assert packed.dtype == torch.int8 and packed.shape[1] == (k + 3) // 4 + 2 * groups
     x = torch.randn(rows, k, generator=gen) * 3
     if rows > 1:
         x[1] = 0  # a row of zeros: scale 0, only the bias (the offsets must cancel exactly)
+    if rows > 2:
+        x[2, : ops.int8_group()] = 0  # a row's first group of zeros
     want, bound = reference(ops, x, w, b, int8_x)
     got = ops.panel_linear(x, packed, b, n, int8_x)
     assert_within(got, want, bound)
@@ -147,6 +207,7 @@ def check_packing(ops: Any) -> None:
 
 def check_every_case(ops: Any) -> None:
     check_quantize(ops)
+    check_layout(ops)
     check_packing(ops)
     for rows in ROWS:
         for k, n in SHAPES:
@@ -182,6 +243,10 @@ def test_rows_and_columns_round_as_torch_rounds_them() -> None:
     check_quantize(module())
 
 
+def test_panels_hold_each_groups_weights_then_its_scales_and_offsets() -> None:
+    check_layout(module())
+
+
 def test_bf16_weights_and_gated_panels_pack_as_their_values() -> None:
     check_packing(module())
 
@@ -212,8 +277,12 @@ def test_bad_inputs_name_the_offending_value() -> None:
         ops.panel_linear(torch.randn(3, 37), packed, None, 40)
     with pytest.raises(RuntimeError, match="x must be float32, got BFloat16"):
         ops.panel_linear(torch.randn(3, 33).bfloat16(), packed, None, 40)
-    with pytest.raises(RuntimeError, match=r"panels must come from pack_weight_int8, got \[2, 11, 64\]"):
+    not_int8 = "panels must come from pack_weight_int8, got"
+    with pytest.raises(RuntimeError, match=rf"{not_int8} \[2, {packed.shape[1]}, 64\]"):
         ops.panel_linear(torch.randn(3, 33), packed[:, :, :64].contiguous(), None, 40)
+    group = ops.int8_group() // 4 + 2  # a group's lines; a panel that ends with a group of no weights:
+    with pytest.raises(RuntimeError, match=rf"{not_int8} \[2, {group + 2}, 128\]"):
+        ops.panel_linear(torch.randn(3, 33), torch.zeros(2, group + 2, 128, dtype=torch.int8), None, 40)
     with pytest.raises(RuntimeError, match=r"float32 or bfloat16 \[N, K\] weight only, got \[40, 33\] Half"):
         ops.pack_weight_int8(w.half())
     with pytest.raises(RuntimeError, match=r"\[2I, K\] weight only, got \[41, 33\]"):

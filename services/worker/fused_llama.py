@@ -16,10 +16,11 @@ only each linear's input is rounded to bfloat16 for its products, which accumula
 KV pool may be either dtype apart from the weights'.
 
 `--quantization int8` packs every linear of the layers (q|k|v, o, gate|up, down) as int8 panels
-instead, over either dtype: each output channel's weights on a scale of their own, each linear's input
-rounded to int8 per token as it is multiplied, exact int32 sums scaled back to float32;
-`int8-weight-only` the same panels with the inputs multiplied in float32. The LM head, the embedding
-and the norms stay in the model's dtype (`HEAD_QUANTIZED`).
+instead, over either dtype: each output channel's weights in groups of 32 inputs, each on a scale of
+its own, each linear's input rounded to int8 per token in the same groups as it is multiplied, each
+group's exact int32 sum scaled back to float32; `int8-weight-only` the same panels with the inputs
+multiplied in float32. The LM head, the embedding and the norms stay in the model's dtype
+(`HEAD_QUANTIZED`).
 
 In float32, results equal transformers' up to fp32 summation order; `FusedLlama.build` returns None (the model
 then runs transformers' forward) for anything else: another architecture, a rotary embedding that

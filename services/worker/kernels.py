@@ -174,11 +174,11 @@ class PanelLinear:
     `pack_weight_gated([Wg; Wu] [2I, K])`, then `packed_linear_gated(x, packed, I) -> silu(x Wg^T) *
     (x Wu^T) [..., I]`. x and the outputs are float32; `dtype` is the weights' in the panels: float32,
     bfloat16 (x is then rounded to bfloat16 for the products, which accumulate in float32), or int8
-    (each output column's weights on a scale of their own; with `int8_x` each row of x is rounded to
-    int8 on its own scale as it is multiplied and the sums are exact int32, else x multiplies as it is,
-    in float32). Products of `torch_from_rows` rows or more
-    run faster on torch's GEMM on this CPU (`gemm_crossover`, `torch_gemm`): their callers send them
-    there.
+    (each output column's weights in groups of consecutive inputs, each group on a scale of its own;
+    with `int8_x` each row of x is rounded to int8 in the same groups as it is multiplied, each
+    group's sum exact in int32 and scaled into float32, else x multiplies as it is, in float32).
+    Products of `torch_from_rows` rows or more run faster on torch's GEMM on this CPU
+    (`gemm_crossover`, `torch_gemm`): their callers send them there.
     """
 
     def __init__(

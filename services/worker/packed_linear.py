@@ -12,8 +12,10 @@ order, as any change of batch shape does.
 Weights may be bfloat16 (`FusedLlama` on a bfloat16 model): the panels then hold them in bfloat16,
 the inputs and outputs stay float32, and each product is bf16(x) times the weights, summed in float32,
 on the panels and on torch's GEMM alike. Or int8 (`--quantization int8`): the panels hold the only
-copy, rounded per output channel, and the plain weights are let go (the linears' parameters become
-meta tensors of their shape), so that the weights' bytes drop to about a quarter of float32's.
+copy, rounded in groups of 32 consecutive inputs of each output channel, each group on a float32
+scale of its own (llama.cpp's Q8_0), and the plain weights are let go (the linears' parameters
+become meta tensors of their shape), so that the weights' bytes drop to about (1/4 + 2/32) of
+float32's: a quarter, plus each group's line of scales and line of offsets.
 """
 
 from __future__ import annotations

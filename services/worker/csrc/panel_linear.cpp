@@ -58,25 +58,36 @@
 // multiply-adds per lane per instruction; elsewhere it widens each lane into the two fp32 weights (by
 // shifts) and runs fp32 FMAs on x's rounded values. The bf16 instructions read denormals as
 // zero (below 2^-126, far under any weight or activation's scale).
-// int8 panels (pack_weight_int8) quarter the bytes of fp32 ones. Each output column's weights are
-// rounded to int8 on one symmetric scale of its own (sw[n] = max |W[n]| / 127), four k to a 32-bit lane
-// ([K4, kPanel] lanes per panel, K4 = ceil(K / 4), a K short of a multiple of 4 padded with zeros), so
-// that a line is again as many bytes as an fp32 panel's and the tiles, prefetches and split are the
-// same code with K4 lines. Each row of x is rounded to int8 as it is packed, on a scale of its own
-// (sx = max |x| / 127: dynamic, per token). The products are exact int32 sums, so every path gives the
-// same sums and only the final y = sx * sw[n] * sum + bias rounds (in fp32). With VNNI (AVX512-VNNI,
-// or AVX-VNNI in an AVX2 build) vpdpbusd adds the four products of each lane into its int32
-// accumulator; it takes x unsigned, so x is packed as x + 128 (in 1 .. 255) and the tile's sums start
-// from -128 * the column's weight sum, computed at pack time (started there rather than subtracted at
-// the end, where the 2 x 14 accumulators, the scales and the bias fill the registers: GCC then kept
-// every accumulator on the stack through the loop). Without VNNI each lane is split into its even and
-// odd k sign-extended to int16 (two shifts) and multiplied by vpmaddwd, two products per lane into
-// int32, on x's values of those k as int16 pairs (two packed lines per K4 line): exact too, where
-// vpmaddubsw's int16 sums of (x + 128) * w would saturate. Each panel ends with two more lines: the
-// columns' fp32 scales, then their -128 * weight sums (int32).
+// int8 panels (pack_weight_int8) hold a quarter of the bytes of fp32 ones, plus their scales. As in
+// llama.cpp's Q8_0, each output column's weights are rounded to int8 in groups of kGroup consecutive
+// k, each (column, group) on a symmetric scale of its own (sw = max |W| / 127 over the group), four
+// k to a 32-bit lane, so that a line is again as many bytes as an fp32 panel's and the tiles,
+// prefetches and split are the same code. A panel holds, group after group, the group's kGroup / 4
+// lines of lanes (the last group's fewer where kGroup does not divide K, a K short of a multiple of 4
+// padded with zeros), then a line of the columns' fp32 scales, then a line of -128 * the columns'
+// weight sums over the group (int32, see below): K4 + 2 ceil(K / kGroup) lines of kPanel lanes, K4 =
+// ceil(K / 4). Each row of x is rounded to int8 as it is packed, in the same groups, each (row, group)
+// on a scale of its own (sx = max |x| / 127 over the group: dynamic, per token). A group's products
+// are an exact int32 sum (at most 127^2 kGroup, exact in fp32 too), so every path gives the same
+// sums; at the end of each group the tile adds float(sum) * sw * sx into fp32 accumulators, and only
+// those fp32 steps (and the bias) round. One scale per column or row over all of K let one large
+// weight or activation coarsen the rounding of all the others (docs/kernels.md gives the agreement
+// with fp32 and the speed for groups of 32, 64 and 128 k against one scale per column).
+// With VNNI (AVX512-VNNI, or AVX-VNNI in an AVX2 build) vpdpbusd adds the four products of each lane
+// into its int32 accumulator; it takes x unsigned, so x is packed as x + 128 (in 1 .. 255) and a
+// group's sums start from its offsets, -128 * the column's weight sum over the group, computed at
+// pack time (a copy per group, where subtracting them at the end would take an add). Without VNNI
+// each lane is split into its even and odd k sign-extended to int16 (two shifts) and multiplied by
+// vpmaddwd, two products per lane into int32, on x's values of those k as int16 pairs (two packed
+// lines per K4 line): exact too, where vpmaddubsw's int16 sums of (x + 128) * w would saturate.
+// A tile holds int32 and fp32 accumulators for both halves of the panel: 4 x 7 for 7 rows, the
+// line's two vectors and a broadcast, 31 of the 32 registers (AVX2: 4 x 3, two, a broadcast and
+// vpmaddwd's product, 16), so int8 tiles take up to 7 rows (3). Tiles of 14 rows that ran the two
+// halves in turn (2 x 14 accumulators, x read twice) were no faster at 256 rows, slower at 1-16.
 // The same panels also multiply x unrounded (`int8_x` false: weight-only int8): each lane's four
-// weights widened to fp32 in turn (a shift up and an arithmetic shift down, then a conversion) and
-// multiplied into x's fp32 values of their k by FMAs, the columns' scales applied at the end.
+// weights widened to fp32 in turn (a shift up and an arithmetic shift down, then a conversion),
+// multiplied by their group's column scales (one multiply per widened vector, shared by all the
+// tile's rows) and into x's fp32 values of their k by FMAs.
 // Only the headers used: <torch/extension.h> (all of libtorch's C++ API) tripled the compile time.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -104,9 +115,11 @@ namespace {
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 constexpr int64_t kPanel = 16;  // output columns per panel: one 64-byte line per k
 constexpr int kMaxRows = 6;     // rows per tile: 2 x 6 accumulators
+constexpr int kMaxRowsInt8 = 3;  // int8 tiles (x rounded): 2 x 3 int32 and 2 x 3 fp32 accumulators
 #else
 constexpr int64_t kPanel = 32;  // output columns per panel: two 64-byte lines per k
 constexpr int kMaxRows = 14;    // rows per tile: 2 x 14 accumulators
+constexpr int kMaxRowsInt8 = 7;  // int8 tiles (x rounded): 2 x 7 int32 and 2 x 7 fp32 accumulators
 #endif
 constexpr int64_t kHalf = kPanel / 2;  // a gated panel's outputs
 constexpr int64_t kLinesPerK = kPanel * 4 / 64;
@@ -129,7 +142,16 @@ constexpr int64_t kXLinesPerQuad = 1;
 #else
 constexpr int64_t kXLinesPerQuad = 2;
 #endif
-constexpr int64_t kInt8Trailer = 2;  // an int8 panel's lines after its weights: scales, then -128 * sums
+// int8 panels: k per group, each group of a column on a scale of its own (whole lanes of four k). A
+// build may set another (-DCBSERVE_INT8_GROUP=64) to measure it; the tests read it (int8_group()).
+#ifndef CBSERVE_INT8_GROUP
+#define CBSERVE_INT8_GROUP 32
+#endif
+constexpr int64_t kGroup = CBSERVE_INT8_GROUP;
+static_assert(kGroup % 4 == 0 && kGroup > 0 && 127 * 127 * kGroup < (1 << 24), "whole lanes; sums exact in fp32");
+constexpr int64_t kGroupLines = kGroup / 4;
+constexpr int64_t kInt8Trailer = 2;  // an int8 group's lines after its weights: scales, then -128 * sums
+inline int64_t int8_groups(int64_t K) { return (K + kGroup - 1) / kGroup; }
 
 struct Tile {
   const float* x;  // the tile's rows, k-major: [K, rows] (bf16 panels: kXLinesPerPair lines per pair)
@@ -143,7 +165,7 @@ struct Tile {
   const float* next;  // this tile's share of the next panel, pulled into L2; null after a thread's last
   int64_t next_lines;
   int64_t every;      // k per prefetched line: the tile count, so the tiles together fetch all K lines
-  const float* xscale;  // int8 panels: the tile's rows' scales (sx); else null
+  const float* xscale;  // int8 panels: the tile's rows' scales (sx), [groups, rows]; else null
 };
 
 // The prefetches of one tile, issued once per k: its share of the next panel into L2 (see the top),
@@ -272,11 +294,17 @@ inline float quantize_row(const float* x, int64_t K, int8_t* q) {
   return amax * (1.f / 127.f);
 }
 
-// One row of x quantized -> its packed lanes for the int8 tiles (kXLinesPerQuad per K4) and its scale.
-// `q` holds 4 K4 bytes of scratch; the pad k are x = 0 (u8 128), against zero weights.
-inline float int8_lanes(const float* x, int64_t K, int8_t* q, uint32_t* lanes) {
+// x [K] -> q [K], each group of kGroup k (the last one shorter) rounded on its own scale: scales[g].
+inline void quantize_groups(const float* x, int64_t K, int8_t* q, float* scales) {
+  for (int64_t k0 = 0, g = 0; k0 < K; k0 += kGroup, ++g)
+    scales[g] = quantize_row(x + k0, std::min(kGroup, K - k0), q + k0);
+}
+
+// One row of x quantized -> its packed lanes for the int8 tiles (kXLinesPerQuad per K4) and its
+// groups' scales. `q` holds 4 K4 bytes of scratch; the pad k are x = 0 (u8 128), against zero weights.
+inline void int8_lanes(const float* x, int64_t K, int8_t* q, uint32_t* lanes, float* scales) {
   const int64_t K4 = (K + 3) / 4;
-  const float scale = quantize_row(x, K, q);
+  quantize_groups(x, K, q, scales);
   std::memset(q + K, 0, 4 * K4 - K);
   for (int64_t k4 = 0; k4 < K4; ++k4) {
     const uint32_t u0 = uint8_t(q[4 * k4]) ^ 0x80u, u1 = uint8_t(q[4 * k4 + 1]) ^ 0x80u;  // x + 128
@@ -288,7 +316,6 @@ inline float int8_lanes(const float* x, int64_t K, int8_t* q, uint32_t* lanes) {
       lanes[2 * k4 + 1] = u1 | u3 << 16;
     }
   }
-  return scale;
 }
 
 // Lanes [k0, lines) of a tile's rows ([rows, lines], row after row) -> out [lines, rows].
@@ -482,20 +509,20 @@ inline void pack_rows_bf16(const float* x, int64_t sx, int64_t rows, int64_t K, 
   copy_columns_rounded(x, sx, rows, k0, K, (K + 1) / 2 * 2, out);
 }
 #endif
-// The int8 tiles' sums (started from the panel's -128 * weight sums) -> fp32: sum * sw * sx, then as
-// every tile ends. The panel's scales and sums are its two lines after the weights.
+// The end of an int8 tile's group: its int32 sums (started from the group's -128 * weight sums) into
+// the fp32 accumulators, acc += float(sum) * sw * sx. `sw`: the group's line of scales (its line of
+// offsets follows); xs: the rows' scales of the group. The int32 sums die here: each is converted in
+// its own register, and x's scale is a broadcast operand of the FMA.
 template <int R>
-__attribute__((always_inline)) inline void finish_int8(const Tile& t, const __m512i (&lo)[R], const __m512i (&hi)[R]) {
-  const float* sw = t.w + t.K * kPanel;
+__attribute__((always_inline)) inline void add_group(const float* sw, const float* xs, __m512i (&lo)[R],
+                                                     __m512i (&hi)[R], __m512 (&flo)[R], __m512 (&fhi)[R]) {
   const __m512 s0 = _mm512_loadu_ps(sw), s1 = _mm512_loadu_ps(sw + 16);
-  __m512 flo[R], fhi[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
-    const __m512 xs = _mm512_set1_ps(t.xscale[r]);
-    flo[r] = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(lo[r]), s0), xs);
-    fhi[r] = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(hi[r]), s1), xs);
+    const __m512 x = _mm512_set1_ps(xs[r]);
+    flo[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(lo[r]), s0), x, flo[r]);
+    fhi[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(hi[r]), s1), x, fhi[r]);
   }
-  finish<R>(t, flo, fhi);
 }
 
 #ifdef __AVX512VNNI__
@@ -508,65 +535,84 @@ inline __m512i dpbusd(__m512i acc, __m512i x, __m512i w) {
 #endif
 
 // int8 panels: a line's lanes are four int8 weights of a column, x's lanes its four u8 values (x + 128)
-// of those k (see the top). 2 x 14 int32 accumulators, the line's two vectors and a broadcast.
+// of those k (see the top). Per group, 2 x R int32 accumulators start from its offsets and take its
+// lines, then go into 2 x R fp32 ones: 4 x 7, the line's two vectors and a broadcast.
 template <int R>
 void tile_int8(const Tile& t) {
-  const float* sums = t.w + (t.K + 1) * kPanel;
-  const __m512i o0 = _mm512_loadu_si512(sums), o1 = _mm512_loadu_si512(sums + 16);
-  __m512i lo[R], hi[R];
+  __m512 flo[R], fhi[R];
 #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) lo[r] = o0, hi[r] = o1;
+  for (int r = 0; r < R; ++r) flo[r] = fhi[r] = _mm512_setzero_ps();
   const float* w = t.w;
+  const float* xs = t.xscale;
   PanelPrefetch pull(t, R >= 8 && t.every == 1);
-  for (int64_t k = 0; k < t.K; ++k, w += kPanel) {
-    pull.at(k, w);
+  for (int64_t q0 = 0; q0 < t.K; q0 += kGroupLines, xs += R) {
+    const int64_t q1 = std::min(q0 + kGroupLines, t.K);
+    const float* sums = w + (q1 - q0 + 1) * kPanel;
+    __m512i lo[R], hi[R];
+    {
+      const __m512i o0 = _mm512_loadu_si512(sums), o1 = _mm512_loadu_si512(sums + 16);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) lo[r] = o0, hi[r] = o1;
+    }
+    for (int64_t k = q0; k < q1; ++k, w += kPanel) {
+      pull.at(k, w);
 #ifdef __AVX512VNNI__
-    const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 16);
-    const float* xk = t.x + k * R;
+      const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 16);
+      const float* xk = t.x + k * R;
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const __m512i xv = _mm512_set1_epi32(lane_at(xk + r));
-      lo[r] = dpbusd(lo[r], xv, w0);
-      hi[r] = dpbusd(hi[r], xv, w1);
-    }
+      for (int r = 0; r < R; ++r) {
+        const __m512i xv = _mm512_set1_epi32(lane_at(xk + r));
+        lo[r] = dpbusd(lo[r], xv, w0);
+        hi[r] = dpbusd(hi[r], xv, w1);
+      }
 #else
-    // Without VNNI: the even k of each lane (its low bytes, shifted up and back with their sign), then
-    // the odd k (the high bytes, shifted down), each into x's int16 pairs of those k.
-    const float* xk = t.x + 2 * k * R;
-    const __m512i e0 = _mm512_srai_epi16(_mm512_slli_epi16(_mm512_loadu_si512(w), 8), 8);
-    const __m512i e1 = _mm512_srai_epi16(_mm512_slli_epi16(_mm512_loadu_si512(w + 16), 8), 8);
+      // Without VNNI: the even k of each lane (its low bytes, shifted up and back with their sign),
+      // then the odd k (the high bytes, shifted down), each into x's int16 pairs of those k.
+      const float* xk = t.x + 2 * k * R;
+      const __m512i e0 = _mm512_srai_epi16(_mm512_slli_epi16(_mm512_loadu_si512(w), 8), 8);
+      const __m512i e1 = _mm512_srai_epi16(_mm512_slli_epi16(_mm512_loadu_si512(w + 16), 8), 8);
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const __m512i xv = _mm512_set1_epi32(lane_at(xk + r));
-      lo[r] = _mm512_add_epi32(lo[r], _mm512_madd_epi16(xv, e0));
-      hi[r] = _mm512_add_epi32(hi[r], _mm512_madd_epi16(xv, e1));
-      settle(lo[r]), settle(hi[r]);
-    }
-    const float* again = opaque(w);
-    const __m512i o0 = _mm512_srai_epi16(_mm512_loadu_si512(again), 8);
-    const __m512i o1 = _mm512_srai_epi16(_mm512_loadu_si512(again + 16), 8);
+      for (int r = 0; r < R; ++r) {
+        const __m512i xv = _mm512_set1_epi32(lane_at(xk + r));
+        lo[r] = _mm512_add_epi32(lo[r], _mm512_madd_epi16(xv, e0));
+        hi[r] = _mm512_add_epi32(hi[r], _mm512_madd_epi16(xv, e1));
+        settle(lo[r]), settle(hi[r]);
+      }
+      const float* again = opaque(w);
+      const __m512i o0 = _mm512_srai_epi16(_mm512_loadu_si512(again), 8);
+      const __m512i o1 = _mm512_srai_epi16(_mm512_loadu_si512(again + 16), 8);
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const __m512i xv = _mm512_set1_epi32(lane_at(xk + R + r));
-      lo[r] = _mm512_add_epi32(lo[r], _mm512_madd_epi16(xv, o0));
-      hi[r] = _mm512_add_epi32(hi[r], _mm512_madd_epi16(xv, o1));
-    }
+      for (int r = 0; r < R; ++r) {
+        const __m512i xv = _mm512_set1_epi32(lane_at(xk + R + r));
+        lo[r] = _mm512_add_epi32(lo[r], _mm512_madd_epi16(xv, o0));
+        hi[r] = _mm512_add_epi32(hi[r], _mm512_madd_epi16(xv, o1));
+      }
 #endif
+    }
+    pull.at(q1, w), pull.at(q1, w + kPanel);
+    add_group<R>(w, xs, lo, hi, flo, fhi);
+    w += kInt8Trailer * kPanel;
   }
-  finish_int8<R>(t, lo, hi);
-}
-// Weight-only int8 panels (see the top): byte J of each lane of a line, sign-extended, as fp32.
-template <int J>
-inline __m512 widen_byte(const float* line) {
-  return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(_mm512_loadu_si512(line), 24 - 8 * J), 24));
+  finish<R>(t, flo, fhi);
 }
 
-// Weights k = 4 k4 + J of a line (its two vectors widened) into x's values of that k. The line is read
-// again for each J (opaque_for): 2 x 14 accumulators, the widened pair and a broadcast fill the registers.
+// Weight-only int8 panels (see the top): byte J of each lane of a line, sign-extended, as fp32, times
+// the group's scales of the columns (at `scales`).
+template <int J>
+inline __m512 widen_byte(const float* line, const float* scales) {
+  const __m512i v = _mm512_srai_epi32(_mm512_slli_epi32(_mm512_loadu_si512(line), 24 - 8 * J), 24);
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_loadu_ps(scales));
+}
+
+// Weights k = 4 k4 + J of a line (its two vectors widened and scaled) into x's values of that k. The
+// line is read again for each J (opaque_for), its scales too, from `back` floats past it (not from
+// a fixed pointer, which GCC would hoist out of the group's loop into two more registers): 2 x 14
+// accumulators, the widened pair and a broadcast fill the registers.
 template <int J, int R>
-__attribute__((always_inline)) inline void fma_byte(const float* w, const float* xk, __m512 (&lo)[R], __m512 (&hi)[R]) {
+__attribute__((always_inline)) inline void fma_byte(const float* w, int64_t back, const float* xk, __m512 (&lo)[R],
+                                                    __m512 (&hi)[R]) {
   const float* line = opaque_for<J>(w);
-  const __m512 w0 = widen_byte<J>(line), w1 = widen_byte<J>(line + 16);
+  const __m512 w0 = widen_byte<J>(line, line + back), w1 = widen_byte<J>(line + 16, line + back + 16);
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
     const __m512 xv = _mm512_set1_ps(xk[J * R + r]);
@@ -582,15 +628,17 @@ void tile_int8w(const Tile& t) {
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
   const float* w = t.w;
   PanelPrefetch pull(t, R >= 8 && t.every == 1);
-  for (int64_t k = 0; k < t.K; ++k, w += kPanel) {
-    pull.at(k, w);
-    const float* xk = t.x + 4 * k * R;
-    fma_byte<0>(w, xk, lo, hi), fma_byte<1>(w, xk, lo, hi), fma_byte<2>(w, xk, lo, hi), fma_byte<3>(w, xk, lo, hi);
+  for (int64_t q0 = 0; q0 < t.K; q0 += kGroupLines) {
+    const int64_t q1 = std::min(q0 + kGroupLines, t.K);
+    for (int64_t k = q0, back = (q1 - q0) * kPanel; k < q1; ++k, w += kPanel, back -= kPanel) {
+      pull.at(k, w);
+      const float* xk = t.x + 4 * k * R;
+      fma_byte<0>(w, back, xk, lo, hi), fma_byte<1>(w, back, xk, lo, hi);
+      fma_byte<2>(w, back, xk, lo, hi), fma_byte<3>(w, back, xk, lo, hi);
+    }
+    pull.at(q1, w), pull.at(q1, w + kPanel);
+    w += kInt8Trailer * kPanel;
   }
-  const float* sw = t.w + t.K * kPanel;
-  const __m512 s0 = _mm512_loadu_ps(sw), s1 = _mm512_loadu_ps(sw + 16);
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) lo[r] = _mm512_mul_ps(lo[r], s0), hi[r] = _mm512_mul_ps(hi[r], s1);
   finish<R>(t, lo, hi);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -735,79 +783,93 @@ inline void pack_rows_bf16(const float* x, int64_t sx, int64_t rows, int64_t K, 
   copy_columns_rounded(x, sx, rows, k0, K, (K + 1) / 2 * 2, out);
 }
 
-// The int8 tiles' sums -> fp32: see the AVX-512 one.
+// The end of an int8 tile's group: see the AVX-512 one.
 template <int R>
-__attribute__((always_inline)) inline void finish_int8(const Tile& t, const __m256i (&lo)[R], const __m256i (&hi)[R]) {
-  const float* sw = t.w + t.K * kPanel;
+__attribute__((always_inline)) inline void add_group(const float* sw, const float* xs, __m256i (&lo)[R],
+                                                     __m256i (&hi)[R], __m256 (&flo)[R], __m256 (&fhi)[R]) {
   const __m256 s0 = _mm256_loadu_ps(sw), s1 = _mm256_loadu_ps(sw + 8);
-  __m256 flo[R], fhi[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
-    const __m256 xs = _mm256_set1_ps(t.xscale[r]);
-    flo[r] = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(lo[r]), s0), xs);
-    fhi[r] = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(hi[r]), s1), xs);
+    const __m256 x = _mm256_broadcast_ss(xs + r);
+    flo[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(lo[r]), s0), x, flo[r]);
+    fhi[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(hi[r]), s1), x, fhi[r]);
+  }
+}
+
+// int8 panels, as AVX-512's tile_int8: vpdpbusd with AVX-VNNI, else the even and odd k sign-extended
+// and multiplied by vpmaddwd (2 x 3 int32 and 2 x 3 fp32 accumulators, two weight vectors, a
+// broadcast and a product: 16).
+template <int R>
+void tile_int8(const Tile& t) {
+  __m256 flo[R], fhi[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) flo[r] = fhi[r] = _mm256_setzero_ps();
+  const float* w = t.w;
+  const float* xs = t.xscale;
+  PanelPrefetch pull(t, false);
+  for (int64_t q0 = 0; q0 < t.K; q0 += kGroupLines, xs += R) {
+    const int64_t q1 = std::min(q0 + kGroupLines, t.K);
+    const __m256i* sums = reinterpret_cast<const __m256i*>(w + (q1 - q0 + 1) * kPanel);
+    __m256i lo[R], hi[R];
+    {
+      const __m256i o0 = _mm256_loadu_si256(sums), o1 = _mm256_loadu_si256(sums + 1);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) lo[r] = o0, hi[r] = o1;
+    }
+    for (int64_t k = q0; k < q1; ++k, w += kPanel) {
+      pull.at(k, w);
+      const __m256i* line = reinterpret_cast<const __m256i*>(w);
+#ifdef __AVXVNNI__
+      const __m256i w0 = _mm256_loadu_si256(line), w1 = _mm256_loadu_si256(line + 1);
+      const float* xk = t.x + k * R;
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv = _mm256_set1_epi32(lane_at(xk + r));
+        lo[r] = _mm256_dpbusd_avx_epi32(lo[r], xv, w0);
+        hi[r] = _mm256_dpbusd_avx_epi32(hi[r], xv, w1);
+      }
+#else
+      const float* xk = t.x + 2 * k * R;
+      const __m256i e0 = _mm256_srai_epi16(_mm256_slli_epi16(_mm256_loadu_si256(line), 8), 8);
+      const __m256i e1 = _mm256_srai_epi16(_mm256_slli_epi16(_mm256_loadu_si256(line + 1), 8), 8);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv = _mm256_set1_epi32(lane_at(xk + r));
+        lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(xv, e0));
+        hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(xv, e1));
+        settle(lo[r]), settle(hi[r]);
+      }
+      const __m256i* again = reinterpret_cast<const __m256i*>(opaque(w));
+      const __m256i o0 = _mm256_srai_epi16(_mm256_loadu_si256(again), 8);
+      const __m256i o1 = _mm256_srai_epi16(_mm256_loadu_si256(again + 1), 8);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv = _mm256_set1_epi32(lane_at(xk + R + r));
+        lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(xv, o0));
+        hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(xv, o1));
+      }
+#endif
+    }
+    pull.at(q1, w), pull.at(q1, w + kPanel);
+    add_group<R>(w, xs, lo, hi, flo, fhi);
+    w += kInt8Trailer * kPanel;
   }
   finish<R>(t, flo, fhi);
 }
 
-// int8 panels, as AVX-512's tile_int8: vpdpbusd with AVX-VNNI, else the even and odd k sign-extended
-// and multiplied by vpmaddwd (2 x 6 accumulators, two weight vectors, a broadcast and a product: 16).
-template <int R>
-void tile_int8(const Tile& t) {
-  const __m256i* sums = reinterpret_cast<const __m256i*>(t.w + (t.K + 1) * kPanel);
-  const __m256i o0 = _mm256_loadu_si256(sums), o1 = _mm256_loadu_si256(sums + 1);
-  __m256i lo[R], hi[R];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) lo[r] = o0, hi[r] = o1;
-  const float* w = t.w;
-  PanelPrefetch pull(t, false);
-  for (int64_t k = 0; k < t.K; ++k, w += kPanel) {
-    pull.at(k, w);
-    const __m256i* line = reinterpret_cast<const __m256i*>(w);
-#ifdef __AVXVNNI__
-    const __m256i w0 = _mm256_loadu_si256(line), w1 = _mm256_loadu_si256(line + 1);
-    const float* xk = t.x + k * R;
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const __m256i xv = _mm256_set1_epi32(lane_at(xk + r));
-      lo[r] = _mm256_dpbusd_avx_epi32(lo[r], xv, w0);
-      hi[r] = _mm256_dpbusd_avx_epi32(hi[r], xv, w1);
-    }
-#else
-    const float* xk = t.x + 2 * k * R;
-    const __m256i e0 = _mm256_srai_epi16(_mm256_slli_epi16(_mm256_loadu_si256(line), 8), 8);
-    const __m256i e1 = _mm256_srai_epi16(_mm256_slli_epi16(_mm256_loadu_si256(line + 1), 8), 8);
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const __m256i xv = _mm256_set1_epi32(lane_at(xk + r));
-      lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(xv, e0));
-      hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(xv, e1));
-      settle(lo[r]), settle(hi[r]);
-    }
-    const __m256i* again = reinterpret_cast<const __m256i*>(opaque(w));
-    const __m256i o0 = _mm256_srai_epi16(_mm256_loadu_si256(again), 8);
-    const __m256i o1 = _mm256_srai_epi16(_mm256_loadu_si256(again + 1), 8);
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const __m256i xv = _mm256_set1_epi32(lane_at(xk + R + r));
-      lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(xv, o0));
-      hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(xv, o1));
-    }
-#endif
-  }
-  finish_int8<R>(t, lo, hi);
-}
 // Weight-only int8 panels: see the AVX-512 ones (2 x 6 accumulators, the widened pair, a broadcast).
 template <int J>
-inline __m256 widen_byte(const float* line) {
+inline __m256 widen_byte(const float* line, const float* scales) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));
-  return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 8 * J), 24));
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 8 * J), 24)),
+                       _mm256_loadu_ps(scales));
 }
 
 template <int J, int R>
-__attribute__((always_inline)) inline void fma_byte(const float* w, const float* xk, __m256 (&lo)[R], __m256 (&hi)[R]) {
+__attribute__((always_inline)) inline void fma_byte(const float* w, int64_t back, const float* xk, __m256 (&lo)[R],
+                                                    __m256 (&hi)[R]) {
   const float* line = opaque_for<J>(w);
-  const __m256 w0 = widen_byte<J>(line), w1 = widen_byte<J>(line + 8);
+  const __m256 w0 = widen_byte<J>(line, line + back), w1 = widen_byte<J>(line + 8, line + back + 8);
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
     const __m256 xv = _mm256_broadcast_ss(xk + J * R + r);
@@ -823,15 +885,17 @@ void tile_int8w(const Tile& t) {
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
   const float* w = t.w;
   PanelPrefetch pull(t, false);
-  for (int64_t k = 0; k < t.K; ++k, w += kPanel) {
-    pull.at(k, w);
-    const float* xk = t.x + 4 * k * R;
-    fma_byte<0>(w, xk, lo, hi), fma_byte<1>(w, xk, lo, hi), fma_byte<2>(w, xk, lo, hi), fma_byte<3>(w, xk, lo, hi);
+  for (int64_t q0 = 0; q0 < t.K; q0 += kGroupLines) {
+    const int64_t q1 = std::min(q0 + kGroupLines, t.K);
+    for (int64_t k = q0, back = (q1 - q0) * kPanel; k < q1; ++k, w += kPanel, back -= kPanel) {
+      pull.at(k, w);
+      const float* xk = t.x + 4 * k * R;
+      fma_byte<0>(w, back, xk, lo, hi), fma_byte<1>(w, back, xk, lo, hi);
+      fma_byte<2>(w, back, xk, lo, hi), fma_byte<3>(w, back, xk, lo, hi);
+    }
+    pull.at(q1, w), pull.at(q1, w + kPanel);
+    w += kInt8Trailer * kPanel;
   }
-  const float* sw = t.w + t.K * kPanel;
-  const __m256 s0 = _mm256_loadu_ps(sw), s1 = _mm256_loadu_ps(sw + 8);
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) lo[r] = _mm256_mul_ps(lo[r], s0), hi[r] = _mm256_mul_ps(hi[r], s1);
   finish<R>(t, lo, hi);
 }
 #else
@@ -883,46 +947,58 @@ void tile_bf16(const Tile& t) {
   finish<R>(t, acc);
 }
 
-// int8 panels: each lane's four weights into x's four u8 values (x + 128) of their k, in int32.
+// int8 panels: per group, each lane's four weights into x's four u8 values (x + 128) of their k, in
+// int32 from the group's offsets, then float(sum) * sw * sx into the fp32 accumulators.
 template <int R>
 void tile_int8(const Tile& t) {
-  int32_t sums[kPanel], acc[R][kPanel];
-  std::memcpy(sums, t.w + (t.K + 1) * kPanel, sizeof sums);
-  for (int r = 0; r < R; ++r) std::memcpy(acc[r], sums, sizeof sums);
+  float out[R][kPanel] = {};
   const float* w = t.w;
-  for (int64_t k = 0; k < t.K; ++k, w += kPanel) {
-    const int8_t* wb = reinterpret_cast<const int8_t*>(w);
-    const uint8_t* xk = reinterpret_cast<const uint8_t*>(t.x + k * R);
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* xr = xk + 4 * r;
-      for (int64_t c = 0; c < kPanel; ++c)
-        acc[r][c] += xr[0] * wb[4 * c] + xr[1] * wb[4 * c + 1] + xr[2] * wb[4 * c + 2] + xr[3] * wb[4 * c + 3];
+  const float* xs = t.xscale;
+  for (int64_t q0 = 0; q0 < t.K; q0 += kGroupLines, xs += R) {
+    const int64_t q1 = std::min(q0 + kGroupLines, t.K);
+    int32_t sums[kPanel], acc[R][kPanel];
+    std::memcpy(sums, w + (q1 - q0 + 1) * kPanel, sizeof sums);
+    for (int r = 0; r < R; ++r) std::memcpy(acc[r], sums, sizeof sums);
+    for (int64_t k = q0; k < q1; ++k, w += kPanel) {
+      const int8_t* wb = reinterpret_cast<const int8_t*>(w);
+      const uint8_t* xk = reinterpret_cast<const uint8_t*>(t.x + k * R);
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* xr = xk + 4 * r;
+        for (int64_t c = 0; c < kPanel; ++c)
+          acc[r][c] += xr[0] * wb[4 * c] + xr[1] * wb[4 * c + 1] + xr[2] * wb[4 * c + 2] + xr[3] * wb[4 * c + 3];
+      }
     }
+    const float* sw = w;
+    for (int r = 0; r < R; ++r)
+      for (int64_t c = 0; c < kPanel; ++c) out[r][c] += float(acc[r][c]) * sw[c] * xs[r];
+    w += kInt8Trailer * kPanel;
   }
-  const float* sw = t.w + t.K * kPanel;
-  float out[R][kPanel];
-  for (int r = 0; r < R; ++r)
-    for (int64_t c = 0; c < kPanel; ++c) out[r][c] = float(acc[r][c]) * sw[c] * t.xscale[r];
   finish<R>(t, out);
 }
 
-// Weight-only int8 panels: each lane's four weights widened, into x's fp32 values of their k.
+// Weight-only int8 panels: each lane's four weights widened and scaled by their group's column
+// scales, into x's fp32 values of their k.
 template <int R>
 void tile_int8w(const Tile& t) {
   float acc[R][kPanel] = {};
   const float* w = t.w;
-  for (int64_t k = 0; k < t.K; ++k, w += kPanel) {
-    const int8_t* wb = reinterpret_cast<const int8_t*>(w);
-    for (int j = 0; j < 4; ++j)
-      for (int r = 0; r < R; ++r) {
-        const float xv = t.x[(4 * k + j) * R + r];
+  for (int64_t q0 = 0; q0 < t.K; q0 += kGroupLines) {
+    const int64_t q1 = std::min(q0 + kGroupLines, t.K);
+    const float* sw = w + (q1 - q0) * kPanel;
+    for (int64_t k = q0; k < q1; ++k, w += kPanel) {
+      const int8_t* wb = reinterpret_cast<const int8_t*>(w);
+      for (int j = 0; j < 4; ++j) {
+        float wv[kPanel];
+        for (int64_t c = 0; c < kPanel; ++c) wv[c] = float(wb[4 * c + j]) * sw[c];
+        for (int r = 0; r < R; ++r) {
+          const float xv = t.x[(4 * k + j) * R + r];
 #pragma omp simd
-        for (int64_t c = 0; c < kPanel; ++c) acc[r][c] += xv * float(wb[4 * c + j]);
+          for (int64_t c = 0; c < kPanel; ++c) acc[r][c] += xv * wv[c];
+        }
       }
+    }
+    w += kInt8Trailer * kPanel;
   }
-  const float* sw = t.w + t.K * kPanel;
-  for (int r = 0; r < R; ++r)
-    for (int64_t c = 0; c < kPanel; ++c) acc[r][c] *= sw[c];
   finish<R>(t, acc);
 }
 
@@ -935,13 +1011,17 @@ inline void pack_rows_bf16(const float* x, int64_t sx, int64_t rows, int64_t K, 
 }
 #endif
 
-// x for tile_int8: a tile's rows quantized (their scales to `scales`), then transposed as 32-bit lanes
-// -> out [K4 kXLinesPerQuad, rows].
+// x for tile_int8: a tile's rows quantized (their groups' scales to `scales` [groups, rows]), then
+// transposed as 32-bit lanes -> out [K4 kXLinesPerQuad, rows].
 inline void pack_rows_int8(const float* x, int64_t sx, int64_t rows, int64_t K, float* out, float* scales) {
-  const int64_t lines = (K + 3) / 4 * kXLinesPerQuad;
+  const int64_t lines = (K + 3) / 4 * kXLinesPerQuad, groups = int8_groups(K);
   std::vector<uint32_t> lanes(rows * lines);
   std::vector<int8_t> q((K + 3) / 4 * 4);
-  for (int64_t r = 0; r < rows; ++r) scales[r] = int8_lanes(x + r * sx, K, q.data(), lanes.data() + r * lines);
+  std::vector<float> row_scales(groups);
+  for (int64_t r = 0; r < rows; ++r) {
+    int8_lanes(x + r * sx, K, q.data(), lanes.data() + r * lines, row_scales.data());
+    for (int64_t g = 0; g < groups; ++g) scales[g * rows + r] = row_scales[g];
+  }
   const float* rows_of = reinterpret_cast<const float*>(lanes.data());
   int64_t k0 = 0;
 #if defined(__AVX512F__)
@@ -967,13 +1047,14 @@ constexpr TileFn tile_for() {
   else if constexpr (W == Weights::kInt8Weights) return tile_int8w<R>;
   else return tile<R>;
 }
+// The tiles of 1 .. sizeof...(R) rows, by their rows (null past them).
 template <Weights W, size_t... R>
 constexpr std::array<TileFn, kMaxRows + 1> tiles_up_to(std::index_sequence<R...>) {
   return {nullptr, tile_for<W, int(R) + 1>()...};
 }
 constexpr auto kTiles = tiles_up_to<Weights::kFloat>(std::make_index_sequence<kMaxRows>{});
 constexpr auto kTilesBf16 = tiles_up_to<Weights::kBf16>(std::make_index_sequence<kMaxRows>{});
-constexpr auto kTilesInt8 = tiles_up_to<Weights::kInt8>(std::make_index_sequence<kMaxRows>{});
+constexpr auto kTilesInt8 = tiles_up_to<Weights::kInt8>(std::make_index_sequence<kMaxRowsInt8>{});
 constexpr auto kTilesInt8Weights = tiles_up_to<Weights::kInt8Weights>(std::make_index_sequence<kMaxRows>{});
 
 constexpr const char* kIsa =
@@ -1056,48 +1137,71 @@ at::Tensor pack_weight_gated_bf16(at::Tensor weight) {
 }
 
 namespace {
-// W [rows, K] float32 or bfloat16 -> (int8 [rows, K], fp32 scales [rows]): each row on its own scale.
+// W [rows, K] float32 or bfloat16 -> (int8 [rows, K], fp32 scales [rows, groups]): each group of kGroup
+// k of a row on its own scale.
 std::pair<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& weight, const char* what) {
   TORCH_CHECK((weight.dtype() == at::kFloat || weight.dtype() == at::kBFloat16) && weight.dim() == 2,
               "float32 or bfloat16 ", what, " weight only, got ", weight.sizes(), " ", weight.scalar_type());
   const auto w = weight.to(at::kFloat).contiguous();
-  const int64_t rows = w.size(0), K = w.size(1);
+  const int64_t rows = w.size(0), K = w.size(1), groups = int8_groups(K);
   auto q = at::empty({rows, K}, w.options().dtype(at::kChar));
-  auto scales = at::empty({rows}, w.options());
+  auto scales = at::empty({rows, groups}, w.options());
   const float* wp = w.data_ptr<float>();
   int8_t* qp = q.data_ptr<int8_t>();
   float* sp = scales.data_ptr<float>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) sp[n] = quantize_row(wp + n * K, K, qp + n * K);
+    for (int64_t n = begin; n < end; ++n) quantize_groups(wp + n * K, K, qp + n * K, sp + n * groups);
   });
   return {q, scales};
 }
 
-// q [P kPanel, K] int8 and scales [P kPanel], already in the panels' column order -> int8 panels
-// [P, K4 + 2, 4 kPanel]: K4 lines of lanes of four k (K zero-padded to 4 K4), the scales' line, and
-// the line of -128 * each column's weight sum (see the top).
+// q [P kPanel, K] int8 and scales [P kPanel, groups], already in the panels' column order -> int8
+// panels [P, K4 + 2 groups, 4 kPanel]: per group, its lines of lanes of four k (kGroup / 4, the last
+// group's fewer, K zero-padded to 4 K4), its line of scales and its line of -128 * each column's
+// weight sum over the group (see the top).
 at::Tensor int8_panels(const at::Tensor& q, const at::Tensor& scales, int64_t P) {
-  const int64_t K = q.size(1), K4 = (K + 3) / 4;
-  auto padded = at::zeros({P * kPanel, 4 * K4}, q.options());
-  padded.narrow(1, 0, K).copy_(q);
-  auto panels = at::empty({P, K4 + kInt8Trailer, 4 * kPanel}, q.options());
-  panels.narrow(1, 0, K4).view({P, K4, kPanel, 4}).copy_(padded.view({P, kPanel, K4, 4}).permute({0, 2, 1, 3}));
-  panels.select(1, K4).copy_(scales.view({P, kPanel}).view(at::kChar));
-  const auto sums = padded.to(at::kInt).sum(1, false, at::kInt).mul_(-128);
-  panels.select(1, K4 + 1).copy_(sums.view({P, kPanel}).view(at::kChar));
+  const int64_t K = q.size(1), K4 = (K + 3) / 4, groups = int8_groups(K), stride = K4 + kInt8Trailer * groups;
+  auto panels = at::zeros({P, stride, 4 * kPanel}, q.options());
+  const auto qc = q.contiguous();
+  const auto sc = scales.contiguous();
+  const int8_t* qp = qc.data_ptr<int8_t>();
+  const float* sp = sc.data_ptr<float>();
+  int8_t* out = panels.data_ptr<int8_t>();
+  constexpr int64_t line_bytes = 4 * kPanel;
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      int8_t* line = out + p * stride * line_bytes;
+      for (int64_t g = 0, k0 = 0; g < groups; ++g, k0 += kGroup) {
+        const int64_t k1 = std::min(k0 + kGroup, K), n = (k1 - k0 + 3) / 4;
+        for (int64_t c = 0; c < kPanel; ++c) {
+          const int8_t* col = qp + (p * kPanel + c) * K;
+          int32_t sum = 0;
+          for (int64_t k = k0; k < k1; ++k) {
+            line[(k - k0) / 4 * line_bytes + 4 * c + (k - k0) % 4] = col[k];
+            sum += col[k];
+          }
+          std::memcpy(line + n * line_bytes + 4 * c, sp + (p * kPanel + c) * groups + g, sizeof(float));
+          const int32_t offset = -128 * sum;
+          std::memcpy(line + (n + 1) * line_bytes + 4 * c, &offset, sizeof offset);
+        }
+        line += (n + kInt8Trailer) * line_bytes;
+      }
+    }
+  });
   return panels;
 }
 }  // namespace
 
-// x [M, K] float32 -> (int8 [M, K], scales [M] float32): each row rounded on its own symmetric scale,
-// as the int8 panels round x's rows and their weights' columns (what the tests compare against).
+// x [M, K] float32 -> (int8 [M, K], scales [M, groups] float32): each group of kGroup k of a row
+// rounded on its own symmetric scale, as the int8 panels round x's rows and their weights' columns
+// (what the tests compare against).
 std::tuple<at::Tensor, at::Tensor> quantize_int8(at::Tensor x) {
   TORCH_CHECK(x.dim() == 2, "[M, K] only, got ", x.sizes());
   auto [q, scales] = quantize_rows(x, "[M, K]");
   return {q, scales};
 }
 
-// W [N, K] -> int8 panels [ceil(N / kPanel), K4 + 2, 4 kPanel] (see the top); the last panel's
+// W [N, K] -> int8 panels [ceil(N / kPanel), K4 + 2 groups, 4 kPanel] (see the top); the last panel's
 // missing columns have zero weights and scales.
 at::Tensor pack_weight_int8(at::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2, "[N, K] weight only, got ", weight.sizes());
@@ -1105,23 +1209,24 @@ at::Tensor pack_weight_int8(at::Tensor weight) {
   auto [q, scales] = quantize_rows(weight, "[N, K]");
   auto q_cols = at::zeros({P * kPanel, K}, q.options());
   q_cols.narrow(0, 0, N).copy_(q);
-  auto s_cols = at::zeros({P * kPanel}, scales.options());
+  auto s_cols = at::zeros({P * kPanel, scales.size(1)}, scales.options());
   s_cols.narrow(0, 0, N).copy_(scales);
   return int8_panels(q_cols, s_cols, P);
 }
 
-// W [2I, K] (gate rows, then up rows) -> int8 panels [ceil(I / kHalf), K4 + 2, 4 kPanel]: the columns
-// of pack_weight_gated, the lanes of pack_weight_int8.
+// W [2I, K] (gate rows, then up rows) -> int8 panels [ceil(I / kHalf), K4 + 2 groups, 4 kPanel]: the
+// columns of pack_weight_gated, the lanes and groups of pack_weight_int8.
 at::Tensor pack_weight_gated_int8(at::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.size(0) % 2 == 0, "[2I, K] weight only, got ", weight.sizes());
   const int64_t I = weight.size(0) / 2, K = weight.size(1), P = (I + kHalf - 1) / kHalf;
   auto [q, scales] = quantize_rows(weight, "[2I, K]");
+  const int64_t groups = scales.size(1);
   auto q_halves = at::zeros({2, P * kHalf, K}, q.options());
   q_halves.narrow(1, 0, I).copy_(q.view({2, I, K}));
-  auto s_halves = at::zeros({2, P * kHalf}, scales.options());
-  s_halves.narrow(1, 0, I).copy_(scales.view({2, I}));
+  auto s_halves = at::zeros({2, P * kHalf, groups}, scales.options());
+  s_halves.narrow(1, 0, I).copy_(scales.view({2, I, groups}));
   return int8_panels(q_halves.view({2, P, kHalf, K}).transpose(0, 1).reshape({P * kPanel, K}),
-                     s_halves.view({2, P, kHalf}).transpose(0, 1).reshape({P * kPanel}), P);
+                     s_halves.view({2, P, kHalf, groups}).transpose(0, 1).reshape({P * kPanel, groups}), P);
 }
 
 namespace {
@@ -1136,10 +1241,14 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const c10::
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == (int8 ? 4 : bf16 ? 2 : 1) * kPanel && panels.is_contiguous(),
               "panels must come from pack_weight", int8 ? "_int8" : bf16 ? "_bf16" : "", ", got ", panels.sizes());
   // lines: the panels' lines of weights per column (K, K2 pairs or K4 quads of k); stride: a panel's
-  // lines in all; x_lines: x's packed lines.
+  // lines in all (int8: with each group's two); x_lines: x's packed lines.
   const int64_t K = x.size(-1), P = panels.size(0), width = gated ? kHalf : kPanel;
-  const int64_t stride = panels.size(1), lines = int8 ? stride - kInt8Trailer : stride;
-  if (int8) {
+  const int64_t stride = panels.size(1);
+  int64_t lines = stride;
+  if (int8) {  // groups of kGroupLines lines but the last, each with its two lines of scales and offsets
+    const int64_t groups = (stride + kGroupLines + kInt8Trailer - 1) / (kGroupLines + kInt8Trailer);
+    lines = stride - kInt8Trailer * groups;
+    TORCH_CHECK(lines > (groups - 1) * kGroupLines, "panels must come from pack_weight_int8, got ", panels.sizes());
     TORCH_CHECK((K + 3) / 4 == lines, "x has ", K, " features, the weight ", 4 * lines - 3, " to ", 4 * lines);
   } else if (bf16) {
     TORCH_CHECK((K + 1) / 2 == lines, "x has ", K, " features, the weight ", 2 * lines - 1, " or ", 2 * lines);
@@ -1170,13 +1279,15 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const c10::
   float* yp = y.data_ptr<float>();
   const int64_t sx = x2.stride(0);
   // Tiles as even as possible: 30 rows run as 10 + 10 + 10, not 14 + 14 + 2.
-  const int64_t tiles = (M + kMaxRows - 1) / kMaxRows, base = M / tiles, extra = M % tiles;
+  const int64_t max_rows = int8 && int8_x ? kMaxRowsInt8 : kMaxRows;
+  const int64_t tiles = (M + max_rows - 1) / max_rows, base = M / tiles, extra = M % tiles;
   auto tile_rows = [&](int64_t i) { return base + (i < extra ? 1 : 0); };
   auto tile_first_row = [&](int64_t i) { return i * base + std::min(i, extra); };
   auto packed_x = at::empty({M * x_lines}, x.options());
   float* xq = packed_x.data_ptr<float>();
   at::Tensor x_scales;
-  if (int8 && int8_x) x_scales = at::empty({M}, x.options());
+  const int64_t groups = int8_groups(K);
+  if (int8 && int8_x) x_scales = at::empty({M * groups}, x.options());  // each tile's [groups, rows]
   float* xs = x_scales.defined() ? x_scales.data_ptr<float>() : nullptr;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -1184,7 +1295,7 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const c10::
       if (int8_w) {
         pack_rows_padded(xp + r0 * sx, sx, tile_rows(i), K, xq + r0 * x_lines);
       } else if (int8) {
-        pack_rows_int8(xp + r0 * sx, sx, tile_rows(i), K, xq + r0 * x_lines, xs + r0);
+        pack_rows_int8(xp + r0 * sx, sx, tile_rows(i), K, xq + r0 * x_lines, xs + r0 * groups);
       } else {
         (bf16 ? pack_rows_bf16 : pack_rows)(xp + r0 * sx, sx, tile_rows(i), K, xq + r0 * x_lines);
       }
@@ -1195,11 +1306,11 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const c10::
     for (int64_t j = begin; j < end; ++j) {
       for (int64_t i = 0; i < tiles; ++i) {
         const int64_t rows = tile_rows(i), r0 = tile_first_row(i);
-        const int64_t line0 = lines * i / tiles, line1 = lines * (i + 1) / tiles;
+        const int64_t line0 = stride * i / tiles, line1 = stride * (i + 1) / tiles;
         const float* next = j + 1 < end ? wp + ((j + 1) * stride + line0) * kPanel : nullptr;
         const Tile t{xq + r0 * x_lines, wp + j * stride * kPanel, lines, yp + r0 * N + j * width, N,
                      bp == nullptr ? nullptr : bp + j * kPanel, std::min(width, N - j * width), gated,
-                     next, next == nullptr ? 0 : line1 - line0, tiles, xs == nullptr ? nullptr : xs + r0};
+                     next, next == nullptr ? 0 : line1 - line0, tiles, xs == nullptr ? nullptr : xs + r0 * groups};
         tile_fns[rows](t);
       }
     }
@@ -1231,10 +1342,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("panels"), py::arg("I"), py::arg("int8_x") = true, nogil{});
   m.def("pack_weight_bf16", &pack_weight_bf16, "W [N, K] -> bf16 column panels of pairs of k", nogil{});
   m.def("pack_weight_gated_bf16", &pack_weight_gated_bf16, "[gate; up] [2I, K] -> gated bf16 column panels", nogil{});
-  m.def("pack_weight_int8", &pack_weight_int8, "W [N, K] -> int8 column panels of quads of k, per-column scales", nogil{});
+  m.def("pack_weight_int8", &pack_weight_int8, "W [N, K] -> int8 column panels of quads of k, scales per column and group of k", nogil{});
   m.def("pack_weight_gated_int8", &pack_weight_gated_int8, "[gate; up] [2I, K] -> gated int8 column panels", nogil{});
-  m.def("quantize_int8", &quantize_int8, "x [M, K] -> (int8 [M, K], scales [M]) as the int8 panels round rows", nogil{});
+  m.def("quantize_int8", &quantize_int8, "x [M, K] -> (int8 [M, K], scales [M, groups]) as the int8 panels round rows", nogil{});
   m.def("isa", [] { return std::string(kIsa); }, "the vector path compiled: avx512-bf16, avx512, avx2 or portable");
   m.def("int8_path", [] { return std::string(kInt8Path); },
         "the int8 panels' products: avx512-vnni, avx512, avx-vnni, avx2 or portable");
+  m.def("int8_group", [] { return kGroup; }, "k per group of the int8 panels' scales (and of x's rows)");
 }
