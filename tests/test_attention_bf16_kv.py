@@ -148,6 +148,11 @@ def rerun_on_lower_path(test_file: Path, path: str) -> None:
         pytest.skip(f"this run is the {os.environ[kernels.ISA_SWITCH]} path's")
     if PATHS.index(path) >= PATHS.index(expected_path()):
         pytest.skip(f"{path} is this CPU's best path: the tests above ran it")
+    run_on_path(test_file, path)
+
+
+def run_on_path(test_file: Path, path: str) -> None:
+    """`test_file`'s tests, but those named `lower_path`, in a child run built for `path`."""
     env = {**os.environ, kernels.ISA_SWITCH: path}
     tests = str(test_file.relative_to(REPO))
     child = [sys.executable, "-m", "pytest", tests, "-q", "-x", "-k", "not lower_path"]

@@ -133,6 +133,106 @@ inline const float* f32_row(const T* row, float* buf, int64_t n) {
   return buf;
 }
 
+// ------------------------------------------------------------------------- shared by both kernels
+//
+// A row's softmax, computed alike by both kernels (see "One row, one result" in the header): the
+// soft cap, e^(x - max) and the order of the sum.
+
+#ifdef __AVX512F__
+// cap * tanh(x / cap) on 16 lanes, x / cap taken as x times inv_cap = 1 / cap: Cephes's odd polynomial
+// below |x / cap| = 0.625, (1 - e^-2|y|) / (1 + e^-2|y|) above, the sign put back. The kernels' own
+// rather than libm's: a compiler's vector tanh and the scalar one it calls for a loop's last elements
+// may differ in the last bit, and both kernels must cap a score alike wherever it falls in a loop.
+inline __m512 soft_cap16(__m512 x, float cap, float inv_cap) {
+  const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(inv_cap)), a = _mm512_abs_ps(y), one = _mm512_set1_ps(1.f);
+  const __m512 t = exp_ps(_mm512_mul_ps(a, _mm512_set1_ps(-2.f)));
+  const __m512 far = _mm512_div_ps(_mm512_sub_ps(one, t), _mm512_add_ps(one, t));
+  const __m512 z = _mm512_mul_ps(a, a);
+  __m512 p = _mm512_set1_ps(-5.70498872745e-3f);
+  for (const float c : {2.06390887954e-2f, -5.37397155531e-2f, 1.33314422036e-1f, -3.33332819422e-1f})
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(c));
+  const __m512 near = _mm512_fmadd_ps(_mm512_mul_ps(p, z), a, a);
+  const __m512 mag = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(0.625f), _CMP_LT_OQ), far, near);
+  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(INT32_MIN));
+  return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(mag), sign)), _mm512_set1_ps(cap));
+}
+
+// The sum of 16 partial sums, lane l of p[0] .. p[15] for each l, in one fixed tree: p[i] + p[i + 8],
+// then + 4, + 2, + 1. The same tree as hsum16's over the lanes of one vector.
+inline __m512 sum_tree16(__m512* p) {
+  for (int w = 8; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) p[i] = _mm512_add_ps(p[i], p[i + w]);
+  return p[0];
+}
+
+// The sum of a vector's 16 lanes in sum_tree16's tree: lane i + lane i + 8, then + 4, + 2, + 1.
+inline float hsum16(__m512 v) {
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  const __m128 e = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_add_ss(e, _mm_movehdup_ps(e)));
+}
+#endif
+
+#ifdef CBSERVE_AVX2
+// soft_cap16 on 8 lanes.
+inline __m256 soft_cap8(__m256 x, float cap, float inv_cap) {
+  const __m256 y = _mm256_mul_ps(x, _mm256_set1_ps(inv_cap)), one = _mm256_set1_ps(1.f);
+  const __m256 sign_bit = _mm256_set1_ps(-0.f);
+  const __m256 a = _mm256_andnot_ps(sign_bit, y);
+  const __m256 t = exp_avx2(_mm256_mul_ps(a, _mm256_set1_ps(-2.f)));
+  const __m256 far = _mm256_div_ps(_mm256_sub_ps(one, t), _mm256_add_ps(one, t));
+  const __m256 z = _mm256_mul_ps(a, a);
+  __m256 p = _mm256_set1_ps(-5.70498872745e-3f);
+  for (const float c : {2.06390887954e-2f, -5.37397155531e-2f, 1.33314422036e-1f, -3.33332819422e-1f})
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(c));
+  const __m256 near = _mm256_fmadd_ps(_mm256_mul_ps(p, z), a, a);
+  const __m256 mag = _mm256_blendv_ps(far, near, _mm256_cmp_ps(a, _mm256_set1_ps(0.625f), _CMP_LT_OQ));
+  return _mm256_mul_ps(_mm256_or_ps(mag, _mm256_and_ps(sign_bit, y)), _mm256_set1_ps(cap));
+}
+
+// sum_tree16 for 8 partial sums: p[i] + p[i + 4], then + 2, + 1.
+inline __m256 sum_tree8(__m256* p) {
+  for (int w = 4; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) p[i] = _mm256_add_ps(p[i], p[i + w]);
+  return p[0];
+}
+
+// hsum16 for 8 lanes, in sum_tree8's tree.
+inline float hsum8(__m256 v) {
+  const __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 e = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_add_ss(e, _mm_movehdup_ps(e)));
+}
+#endif
+
+// Soft-capping (Gemma2) of n scores in place: by vectors on the vector paths (a vector's worth past
+// n is read and written through a mask or a copy), so that every score is capped by the same code.
+inline void soft_cap(float* x, int64_t n, float cap) {
+  if (cap <= 0.f) return;
+  const float inv_cap = 1.f / cap;
+  int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(x + i, soft_cap16(_mm512_loadu_ps(x + i), cap, inv_cap));
+  if (i < n) {
+    const __mmask16 tail = __mmask16((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(x + i, tail, soft_cap16(_mm512_maskz_loadu_ps(tail, x + i), cap, inv_cap));
+  }
+#elif defined(CBSERVE_AVX2)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, soft_cap8(_mm256_loadu_ps(x + i), cap, inv_cap));
+  if (i < n) {
+    alignas(32) float tail[8] = {};
+    std::copy(x + i, x + n, tail);
+    _mm256_store_ps(tail, soft_cap8(_mm256_load_ps(tail), cap, inv_cap));
+    std::copy(tail, tail + (n - i), x + i);
+  }
+#else
+  // Both kernels run this loop on the portable path: the portable prefill is the decode kernel's task.
+  for (; i < n; ++i) x[i] = std::tanh(x[i] * inv_cap) * cap;
+#endif
+}
+
 template <class T>  // the pool's element type: float, bf16 or i8
 struct Task {
   const float* q;      // [hs, G, D] of this row (contiguous: heads are adjacent in a packed row)
@@ -492,13 +592,11 @@ inline void head_weighted(const Task<T>& t, const float* w, int64_t head_off, in
   weighted_blocks_generic(t, w, head_off, j0, j1, inv, out, first, last);
 }
 
-// Softmax of one score row in place; returns 1 / its sum.
+// Softmax of one score row in place; returns 1 / its sum. On the vector paths the sum runs in the
+// order paged_prefill reproduces: partial sum l of 16 (AVX2: 8) takes the row's keys l, l + 16, ..., in
+// key order, then hsum16 (hsum8) adds the partial sums.
 inline float softmax_(float* row, int64_t n, float cap) {
-  // Built with -ffast-math (so exp vectorises): every value here stays finite, starting with this.
-  if (cap > 0.f) {
-#pragma omp simd
-    for (int64_t j = 0; j < n; ++j) row[j] = std::tanh(row[j] / cap) * cap;
-  }
+  soft_cap(row, n, cap);
 #ifdef __AVX512F__
   // By hand: the compiler left this reduction scalar, one dependent vmaxss a key (a fifth of a
   // decode step's attention).
@@ -507,19 +605,48 @@ inline float softmax_(float* row, int64_t n, float cap) {
   for (; i + 16 <= n; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(row + i));
   const __mmask16 tail = __mmask16((1u << (n - i)) - 1);
   if (i < n) mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_maskz_loadu_ps(tail, row + i));
-  const float m = _mm512_reduce_max_ps(mv);
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+  __m512 sum = _mm512_setzero_ps();
+  for (i = 0; i + 16 <= n; i += 16) {
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(row + i), m));
+    _mm512_storeu_ps(row + i, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  if (i < n) {
+    const __m512 e = _mm512_maskz_mov_ps(tail, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + i), m)));
+    _mm512_mask_storeu_ps(row + i, tail, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return 1.f / hsum16(sum);
 #elif defined(CBSERVE_AVX2)
   __m256 mv = _mm256_set1_ps(-FLT_MAX);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(row + i));
   __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  float m = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-  for (; i < n; ++i) m = std::max(m, row[i]);
+  float mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  for (int64_t j = i; j < n; ++j) mx = std::max(mx, row[j]);
+  const __m256 m = _mm256_set1_ps(mx);
+  __m256 sum = _mm256_setzero_ps();
+  for (i = 0; i + 8 <= n; i += 8) {
+    const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(row + i), m));
+    _mm256_storeu_ps(row + i, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  if (i < n) {
+    alignas(32) float tail[8] = {};
+    std::copy(row + i, row + n, tail);
+    const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_load_ps(tail), m));
+    _mm256_store_ps(tail, e);
+    for (int64_t j = n - i; j < 8; ++j) tail[j] = 0.f;
+    std::copy(tail, tail + (n - i), row + i);
+    sum = _mm256_add_ps(sum, _mm256_load_ps(tail));
+  }
+  return 1.f / hsum8(sum);
 #else
+  // Built with -ffast-math (so exp vectorises): every value here stays finite, starting with this.
   float m = -FLT_MAX;
   for (int64_t j = 0; j < n; ++j) m = std::max(m, row[j]);
-#endif
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t j = 0; j < n; ++j) {
@@ -527,6 +654,7 @@ inline float softmax_(float* row, int64_t n, float cap) {
     sum += row[j];
   }
   return 1.f / sum;
+#endif
 }
 
 #ifdef __AVX512F__
@@ -775,14 +903,15 @@ struct PrefillTask {
 };
 
 // The task's rows r = i * G + g (query token i, query head g of the kv head), padded to Rp rows (whole
-// vectors): the queries as qt [D, Rp], scaled, and each row's range [lo, hi] within the block's keys.
-// Padding rows (zero queries, finite scores) take all keys and are never stored.
+// vectors): the queries as qt [D, Rp] (unscaled: the decode kernel scales each dot's sum), and each
+// row's range [lo, hi] within the block's keys. Padding rows (zero queries, finite scores) take all
+// keys and are never stored.
 template <class T>
 inline void prefill_rows(const PrefillTask<T>& t, int64_t Rp, float* qt, int32_t* lo, int32_t* hi) {
   const int64_t R = t.nq * t.G;
   for (int64_t r = 0; r < Rp; ++r) {
     const float* src = t.q + (r / t.G) * t.sq + (r % t.G) * t.D;
-    for (int64_t d = 0; d < t.D; ++d) qt[d * Rp + r] = r < R ? src[d] * t.scale : 0.f;
+    for (int64_t d = 0; d < t.D; ++d) qt[d * Rp + r] = r < R ? src[d] : 0.f;
     lo[r] = r < R ? static_cast<int32_t>(t.jlo[r / t.G] - t.j0) : 0;
     hi[r] = r < R ? static_cast<int32_t>(t.jhi[r / t.G] - t.j0) : static_cast<int32_t>(t.nk - 1);
   }
@@ -800,30 +929,83 @@ inline void scale_keys(const PrefillTask<T>& t, const T* pool, int64_t j, int64_
   }
 }
 
-// Logit soft-capping (Gemma2) of a block's scores, in place.
-inline void cap_scores(float* st, int64_t n, float cap) {
-  if (cap <= 0.f) return;
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) st[i] = std::tanh(st[i] / cap) * cap;
-}
-
 #ifdef __AVX512F__
-// Scores of GR x 16 rows (lanes) against kKeys keys: st[u * Rp + g * 16 + lane].
+// Scores of GR x 16 rows (lanes) against kKeys keys: st[u * Rp + g * 16 + lane], each summed in the
+// decode kernel's order (lane_dot, then fold16's tree, then times the scale). Lane l of the decode
+// kernel's vectors sums dims l, l + 16, .. of a dot (one product, then FMAs), so here each (row, key)
+// has 16 such partial sums, "leaves", computed one at a time for all 8 x GR pairs (the 24 accumulators
+// of the plain dot, fed by broadcasts of the K rows' elements), and fold16's tree adds leaves l and
+// l + 2 of each group of four, the two pairs, then the groups 0 + 1, 2 + 3 and those two. The tree's
+// pending sums wait in L1 (`held`: a leaf, a pair, a group, a half).
 template <int NC, int GR>
-inline void prefill_scores(const float* qt, int64_t Rp, const float* const* kr, float* st, int64_t keys) {
+inline void prefill_scores(const float* qt, int64_t Rp, const float* const* kr, float* st, int64_t keys,
+                           float scale) {
   __m512 acc[kKeys][GR];
-  for (int u = 0; u < kKeys; ++u)
-    for (int g = 0; g < GR; ++g) acc[u][g] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < NC * 16; ++d) {
+  alignas(64) float held[4][kKeys][GR][kLanes];
+  auto leaf = [&](int l) {
     __m512 qv[GR];
-    for (int g = 0; g < GR; ++g) qv[g] = _mm512_loadu_ps(qt + d * Rp + g * kLanes);
+    for (int g = 0; g < GR; ++g) qv[g] = _mm512_loadu_ps(qt + l * Rp + g * kLanes);
     for (int u = 0; u < kKeys; ++u) {
-      const __m512 kv = _mm512_set1_ps(kr[u][d]);
-      for (int g = 0; g < GR; ++g) acc[u][g] = _mm512_fmadd_ps(qv[g], kv, acc[u][g]);
+      const __m512 kv = _mm512_set1_ps(kr[u][l]);
+      for (int g = 0; g < GR; ++g) acc[u][g] = _mm512_mul_ps(qv[g], kv);
+    }
+    for (int c = 1; c < NC; ++c) {
+      const int64_t d = l + 16 * c;
+      for (int g = 0; g < GR; ++g) qv[g] = _mm512_loadu_ps(qt + d * Rp + g * kLanes);
+      for (int u = 0; u < kKeys; ++u) {
+        const __m512 kv = _mm512_set1_ps(kr[u][d]);
+        for (int g = 0; g < GR; ++g) acc[u][g] = _mm512_fmadd_ps(qv[g], kv, acc[u][g]);
+      }
+    }
+  };
+  auto hold = [&](int level) {
+    for (int u = 0; u < kKeys; ++u)
+      for (int g = 0; g < GR; ++g) _mm512_store_ps(held[level][u][g], acc[u][g]);
+  };
+  auto add_held = [&](int level) {
+    for (int u = 0; u < kKeys; ++u)
+      for (int g = 0; g < GR; ++g) acc[u][g] = _mm512_add_ps(acc[u][g], _mm512_load_ps(held[level][u][g]));
+  };
+#pragma GCC unroll 4
+  for (int b = 0; b < 4; ++b) {  // group b: leaves 4b .. 4b + 3
+    leaf(4 * b);
+    hold(0);
+    leaf(4 * b + 2);
+    add_held(0);
+    hold(1);  // leaves 4b + 4b+2
+    leaf(4 * b + 1);
+    hold(0);
+    leaf(4 * b + 3);
+    add_held(0);
+    add_held(1);  // the group: its two pairs
+    if (b % 2 == 0) {
+      hold(2);
+    } else {
+      add_held(2);  // groups 0 + 1 (or 2 + 3)
+      if (b == 1) hold(3);
+      else add_held(3);  // the two halves
     }
   }
+  const __m512 sv = _mm512_set1_ps(scale);
   for (int64_t u = 0; u < keys; ++u)
-    for (int g = 0; g < GR; ++g) _mm512_storeu_ps(st + u * Rp + g * kLanes, acc[u][g]);
+    for (int g = 0; g < GR; ++g) _mm512_storeu_ps(st + u * Rp + g * kLanes, _mm512_mul_ps(acc[u][g], sv));
+}
+
+// 1 / the softmax sum of each of a vector of rows, from the rows' 16 partial sums part[u] (lane r of
+// part[u]: the e^(s - max) of the keys j = u mod 16 of the block, in key order, 0 where row r does
+// not see j), in the decode kernel's order: its partial sum l of row r takes the row's own keys
+// lo[r] + l, lo[r] + l + 16, .. (softmax_), which here is part[(l + lo[r]) mod 16] in lane r; then
+// sum_tree16. `lo` is the rows' first keys (int32 lanes).
+inline __m512 inverse_sums16(const __m512* part, __m512i lo) {
+  alignas(64) float parts[16][kLanes];
+  for (int u = 0; u < 16; ++u) _mm512_store_ps(parts[u], part[u]);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 p[16];
+  for (int l = 0; l < 16; ++l) {
+    const __m512i u = _mm512_and_si512(_mm512_add_epi32(lo, _mm512_set1_epi32(l)), _mm512_set1_epi32(15));
+    p[l] = _mm512_i32gather_ps(_mm512_add_epi32(_mm512_slli_epi32(u, 4), lane), &parts[0][0], 4);
+  }
+  return _mm512_div_ps(_mm512_set1_ps(1.f), sum_tree16(p));
 }
 
 // Rows per value block: ROWS x NC accumulators, at most 24 (29 of the 32 registers with the NC V
@@ -887,14 +1069,14 @@ void run_prefill(const PrefillTask<T>& t, float* qt, float* st) {
       const float* qg = qt + g0 * kLanes;
       float* sg = st + j * Rp + g0 * kLanes;
       switch (std::min<int64_t>(3, vectors - g0)) {
-        case 3: prefill_scores<NC, 3>(qg, Rp, kr, sg, keys); break;
-        case 2: prefill_scores<NC, 2>(qg, Rp, kr, sg, keys); break;
-        default: prefill_scores<NC, 1>(qg, Rp, kr, sg, keys); break;
+        case 3: prefill_scores<NC, 3>(qg, Rp, kr, sg, keys, t.scale); break;
+        case 2: prefill_scores<NC, 2>(qg, Rp, kr, sg, keys, t.scale); break;
+        default: prefill_scores<NC, 1>(qg, Rp, kr, sg, keys, t.scale); break;
       }
     }
     if constexpr (kScaled<T>) scale_keys(t, t.k, j, keys, st, Rp);
   }
-  cap_scores(st, t.nk * Rp, t.cap);
+  soft_cap(st, t.nk * Rp, t.cap);
   std::vector<float> inv(Rp);
   for (int64_t gv = 0; gv < vectors; ++gv) {
     const __m512i lv = _mm512_loadu_si512(lo.data() + gv * kLanes), hv = _mm512_loadu_si512(hi.data() + gv * kLanes);
@@ -909,14 +1091,20 @@ void run_prefill(const PrefillTask<T>& t, float* qt, float* st) {
     float* col = st + gv * kLanes;
     __m512 mv = _mm512_set1_ps(-FLT_MAX);
     for (int64_t j = 0; j < t.nk; ++j) mv = _mm512_mask_max_ps(mv, seen(j), mv, _mm512_loadu_ps(col + j * Rp));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < t.nk; ++j) {
-      float* s = col + j * Rp;
-      const __m512 ev = _mm512_maskz_mov_ps(seen(j), exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s), mv)));
-      _mm512_storeu_ps(s, ev);
-      sum = _mm512_add_ps(sum, ev);
+    __m512 part[16];
+    for (int u = 0; u < 16; ++u) part[u] = _mm512_setzero_ps();
+    for (int64_t j0 = 0; j0 < t.nk; j0 += 16) {
+#pragma GCC unroll 16
+      for (int u = 0; u < 16; ++u) {
+        const int64_t j = j0 + u;
+        if (j >= t.nk) break;
+        float* s = col + j * Rp;
+        const __m512 ev = _mm512_maskz_mov_ps(seen(j), exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s), mv)));
+        _mm512_storeu_ps(s, ev);
+        part[u] = _mm512_add_ps(part[u], ev);
+      }
     }
-    _mm512_storeu_ps(inv.data() + gv * kLanes, _mm512_div_ps(_mm512_set1_ps(1.f), sum));
+    _mm512_storeu_ps(inv.data() + gv * kLanes, inverse_sums16(part, lv));
   }
   if constexpr (kScaled<T>) scale_keys(t, t.v, 0, t.nk, st, Rp);
   constexpr int64_t kRows = values_rows(NC);
@@ -936,30 +1124,84 @@ void run_prefill(const PrefillTask<T>& t, float* qt, float* st) {
 constexpr int64_t kLanes8 = 8;
 constexpr int64_t kKeys8 = 6;
 
-// Scores of GR x 8 rows against kKeys8 keys: st[u * Rp + g * 8 + lane].
+// Scores of GR x 8 rows against kKeys8 keys: st[u * Rp + g * 8 + lane], each summed in the decode
+// kernel's order (dots_avx2: 8 partial sums, lane l's over dims l, l + 8, .., then fold8's tree
+// (0 + 1, 2 + 3, their sum; likewise 4 .. 7; the two), then times the scale), as prefill_scores does
+// for AVX-512's 16.
 template <int NC, int GR>  // NC = D / 8
-inline void prefill_scores_avx2(const float* qt, int64_t Rp, const float* const* kr, float* st, int64_t keys) {
+inline void prefill_scores_avx2(const float* qt, int64_t Rp, const float* const* kr, float* st, int64_t keys,
+                                float scale) {
   __m256 acc[kKeys8][GR];
-#pragma GCC unroll 8
-  for (int u = 0; u < kKeys8; ++u)
-#pragma GCC unroll 2
-    for (int g = 0; g < GR; ++g) acc[u][g] = _mm256_setzero_ps();
-  for (int64_t d = 0; d < NC * 8; ++d) {
+  alignas(32) float held[3][kKeys8][GR][kLanes8];
+  auto leaf = [&](int l) {
     __m256 qv[GR];
 #pragma GCC unroll 2
-    for (int g = 0; g < GR; ++g) qv[g] = _mm256_loadu_ps(qt + d * Rp + g * kLanes8);
+    for (int g = 0; g < GR; ++g) qv[g] = _mm256_loadu_ps(qt + l * Rp + g * kLanes8);
 #pragma GCC unroll 8
     for (int u = 0; u < kKeys8; ++u) {
-      const __m256 kv = _mm256_broadcast_ss(kr[u] + d);
+      const __m256 kv = _mm256_broadcast_ss(kr[u] + l);
 #pragma GCC unroll 2
-      for (int g = 0; g < GR; ++g) acc[u][g] = _mm256_fmadd_ps(qv[g], kv, acc[u][g]);
+      for (int g = 0; g < GR; ++g) acc[u][g] = _mm256_mul_ps(qv[g], kv);
     }
+#pragma GCC unroll 16
+    for (int c = 1; c < NC; ++c) {
+      const int64_t d = l + 8 * c;
+#pragma GCC unroll 2
+      for (int g = 0; g < GR; ++g) qv[g] = _mm256_loadu_ps(qt + d * Rp + g * kLanes8);
+#pragma GCC unroll 8
+      for (int u = 0; u < kKeys8; ++u) {
+        const __m256 kv = _mm256_broadcast_ss(kr[u] + d);
+#pragma GCC unroll 2
+        for (int g = 0; g < GR; ++g) acc[u][g] = _mm256_fmadd_ps(qv[g], kv, acc[u][g]);
+      }
+    }
+  };
+  auto hold = [&](int level) {
+#pragma GCC unroll 8
+    for (int u = 0; u < kKeys8; ++u)
+#pragma GCC unroll 2
+      for (int g = 0; g < GR; ++g) _mm256_store_ps(held[level][u][g], acc[u][g]);
+  };
+  auto add_held = [&](int level) {
+#pragma GCC unroll 8
+    for (int u = 0; u < kKeys8; ++u)
+#pragma GCC unroll 2
+      for (int g = 0; g < GR; ++g) acc[u][g] = _mm256_add_ps(acc[u][g], _mm256_load_ps(held[level][u][g]));
+  };
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h) {  // half h: leaves 4h .. 4h + 3
+    leaf(4 * h);
+    hold(0);
+    leaf(4 * h + 1);
+    add_held(0);
+    hold(1);  // leaves 4h + 4h+1
+    leaf(4 * h + 2);
+    hold(0);
+    leaf(4 * h + 3);
+    add_held(0);
+    add_held(1);  // the half: its two pairs
+    if (h == 0) hold(2);
+    else add_held(2);  // the two halves
   }
+  const __m256 sv = _mm256_set1_ps(scale);
 #pragma GCC unroll 8
   for (int u = 0; u < kKeys8; ++u)
     if (u < keys)
 #pragma GCC unroll 2
-      for (int g = 0; g < GR; ++g) _mm256_storeu_ps(st + u * Rp + g * kLanes8, acc[u][g]);
+      for (int g = 0; g < GR; ++g) _mm256_storeu_ps(st + u * Rp + g * kLanes8, _mm256_mul_ps(acc[u][g], sv));
+}
+
+// inverse_sums16 for AVX2's 8 partial sums: lane r's partial sum l is part[(l + lo[r]) mod 8].
+inline __m256 inverse_sums8(const __m256* part, __m256i lo) {
+  alignas(32) float parts[8][kLanes8];
+  for (int u = 0; u < 8; ++u) _mm256_store_ps(parts[u], part[u]);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 p[8];
+  for (int l = 0; l < 8; ++l) {
+    const __m256i u = _mm256_and_si256(_mm256_add_epi32(lo, _mm256_set1_epi32(l)), _mm256_set1_epi32(7));
+    p[l] = _mm256_i32gather_ps(&parts[0][0], _mm256_add_epi32(_mm256_slli_epi32(u, 3), lane), 4);
+  }
+  return _mm256_div_ps(_mm256_set1_ps(1.f), sum_tree8(p));
 }
 
 // The values of a block's rows, with rows across the lanes as in its scores: ot[d][r] = sum over keys
@@ -1051,14 +1293,14 @@ void run_prefill_avx2(const PrefillTask<T>& t, float* qt, float* st) {
       const float* qg = qt + g0 * kLanes8;
       float* sg = st + j * Rp + g0 * kLanes8;
       if (vectors - g0 >= 2) {
-        prefill_scores_avx2<NC, 2>(qg, Rp, kr, sg, keys);
+        prefill_scores_avx2<NC, 2>(qg, Rp, kr, sg, keys, t.scale);
       } else {
-        prefill_scores_avx2<NC, 1>(qg, Rp, kr, sg, keys);
+        prefill_scores_avx2<NC, 1>(qg, Rp, kr, sg, keys, t.scale);
       }
     }
     if constexpr (kScaled<T>) scale_keys(t, t.k, j, keys, st, Rp);
   }
-  cap_scores(st, t.nk * Rp, t.cap);
+  soft_cap(st, t.nk * Rp, t.cap);
   std::vector<float> inv(Rp);
   const __m256i ones = _mm256_set1_epi32(-1);
   for (int64_t gv = 0; gv < vectors; ++gv) {
@@ -1077,14 +1319,20 @@ void run_prefill_avx2(const PrefillTask<T>& t, float* qt, float* st) {
     __m256 mv = lowest;
     for (int64_t j = 0; j < t.nk; ++j)
       mv = _mm256_max_ps(mv, _mm256_blendv_ps(lowest, _mm256_loadu_ps(col + j * Rp), seen(j)));
-    __m256 sum = _mm256_setzero_ps();
-    for (int64_t j = 0; j < t.nk; ++j) {
-      float* s = col + j * Rp;
-      const __m256 ev = _mm256_and_ps(seen(j), exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(s), mv)));
-      _mm256_storeu_ps(s, ev);
-      sum = _mm256_add_ps(sum, ev);
+    __m256 part[8];
+    for (int u = 0; u < 8; ++u) part[u] = _mm256_setzero_ps();
+    for (int64_t j0 = 0; j0 < t.nk; j0 += 8) {
+#pragma GCC unroll 8
+      for (int u = 0; u < 8; ++u) {
+        const int64_t j = j0 + u;
+        if (j >= t.nk) break;
+        float* s = col + j * Rp;
+        const __m256 ev = _mm256_and_ps(seen(j), exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(s), mv)));
+        _mm256_storeu_ps(s, ev);
+        part[u] = _mm256_add_ps(part[u], ev);
+      }
     }
-    _mm256_storeu_ps(inv.data() + gv * kLanes8, _mm256_div_ps(_mm256_set1_ps(1.f), sum));
+    _mm256_storeu_ps(inv.data() + gv * kLanes8, inverse_sums8(part, lv));
   }
   if constexpr (kScaled<T>) scale_keys(t, t.v, 0, t.nk, st, Rp);
   // Rows that do not see key j weigh exactly 0 there, so all rows share the span of their keys.
@@ -1113,10 +1361,20 @@ PrefillFn<T> pick_prefill(int64_t D) {
   return nullptr;
 #endif
 }
+
+// Whether this build has no vector path: there each query token of a chunk runs as a decode row over
+// its own keys (the decode kernel's task, all kv heads at once), which is the decode kernel's result
+// by construction, at any head size.
+constexpr bool kPrefillByRows =
+#if defined(__AVX512F__) || defined(CBSERVE_AVX2)
+    false;
+#else
+    true;
+#endif
 }  // namespace
 
 // Every element type has the same head sizes.
-bool prefill_supports(int64_t head_dim) { return pick_prefill<float>(head_dim) != nullptr; }
+bool prefill_supports(int64_t head_dim) { return kPrefillByRows || pick_prefill<float>(head_dim) != nullptr; }
 
 void paged_prefill(
     at::Tensor q,           // [T, H, D] float32: heads contiguous, any token stride
@@ -1154,6 +1412,36 @@ void paged_prefill(
                 "request ", b, ": ", nq[b], " queries from row ", fr[b], " over ", lp[b], " of ", L, " keys");
     for (int64_t q0 = (nq[b] - 1) / kQueryBlock * kQueryBlock; q0 >= 0; q0 -= kQueryBlock)
       for (int64_t h = 0; h < KV; ++h) blocks.push_back({b, h, q0});
+  }
+  if constexpr (kPrefillByRows) {
+    TORCH_CHECK(H <= kMaxRows, "at most ", kMaxRows, " query heads, got ", H);
+    int64_t tokens = 0;
+    for (int64_t b = 0; b < B; ++b) tokens += nq[b];
+    std::vector<std::pair<int64_t, int64_t>> rows;  // (request, query token), most keys first
+    rows.reserve(static_cast<size_t>(tokens));
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t x = nq[b] - 1; x >= 0; --x) rows.emplace_back(b, x);
+    auto run = [&]<class T>() {
+      const TaskFn<T> fn = pick<T>(D);
+      const int64_t hd = D + kScaleElems<T>;
+      std::atomic<int64_t> next{0};
+      at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+        std::vector<float> scores(static_cast<size_t>(H * L + kBlock * KV * D));  // as paged_decode's
+        for (int64_t i = next++; i < tokens; i = next++) {
+          const auto [b, x] = rows[i];
+          const int64_t jhi = lp[b] - nq[b] + x;
+          const int64_t jlo = window > 0 ? std::max<int64_t>(0, jhi - window + 1) : 0;
+          const int64_t row = fr[b] + x;
+          const Task<T> t{q.data_ptr<float>() + row * q.stride(0), out.data_ptr<float>() + row * out.stride(0),
+                          pool_data<T>(k_cache), pool_data<T>(v_cache), slots.data_ptr<int64_t>() + b * L + jlo,
+                          jhi - jlo + 1, KV, G, D, hd, KV * hd,
+                          static_cast<float>(scale), static_cast<float>(softcap)};
+          fn(t, scores.data());
+        }
+      });
+    };
+    for_pool_type(kv_type, run);
+    return;
   }
   std::stable_sort(blocks.begin(), blocks.end(), [&](const Block& x, const Block& y) {
     return lp[x.b] - nq[x.b] + x.q0 > lp[y.b] - nq[y.b] + y.q0;  // most keys first
