@@ -80,6 +80,11 @@ constexpr bool kScaled = std::is_same_v<T, i8>;
 template <class T>
 constexpr int64_t kScaleElems = kScaled<T> ? 4 : 0;
 
+// Dims of a pool row per 32-bit word: AVX2's decode dots transpose K rows as words (a word of
+// bfloat16 holds two dims, of int8 four), so that a narrower pool takes fewer shuffles.
+template <class T>
+constexpr int kPerWord = static_cast<int>(4 / sizeof(T));
+
 // The scale of the int8 row whose D values start at `row`.
 inline float row_scale(const i8* row, int64_t D) {
   float s;
@@ -118,8 +123,8 @@ inline __m256 load8(const i8* p) {
 
 // A pool row of n elements as float32: the row itself, or, from bfloat16 or int8 (its values, unscaled),
 // widened into `buf`. For the loops that broadcast a row one element at a time (the prefill kernels; a
-// widened broadcast is three instructions where a float32 one is a load) or load it once per query
-// (AVX2's decode dots): such a row is widened once, by vectors, into L1.
+// widened broadcast is three instructions where a float32 one is a load): such a row is widened once,
+// by vectors, into L1.
 inline const float* f32_row(const float* row, float*, int64_t) { return row; }
 template <class T>
 inline const float* f32_row(const T* row, float* buf, int64_t n) {
@@ -293,92 +298,76 @@ class Pump {
 };
 
 #ifdef __AVX512F__
-// The first level of a transpose-and-add, for one pair of vectors.
-inline __m512 fold_pair(__m512 x, __m512 y) {
-  return _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
-}
-
-// The other three levels, from the first level's 8 vectors: lane i of the result holds the sum of
-// the lanes of the i-th of the 16 vectors folded.
-inline __m512 fold_rest(const __m512* a) {
-  __m512 b[4], c[2];
-  for (int i = 0; i < 4; ++i) {
-    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+// out[l], lane i: in[i]'s lane l (a 16 x 16 transpose, 64 shuffles).
+inline void transpose16(const __m512* in, __m512* out) {
+  __m512 t[16], u[16], v[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(in[2 * i], in[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(in[2 * i], in[2 * i + 1]);
   }
-  for (int i = 0; i < 2; ++i)
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// Transpose-and-add: lane i of the result holds the sum of part[i]'s lanes (four levels).
-inline __m512 fold16(const __m512* part) {
-  __m512 a[8];
-  for (int i = 0; i < 8; ++i) a[i] = fold_pair(part[2 * i], part[2 * i + 1]);
-  return fold_rest(a);
-}
-
-inline void store_scores(float* dst, __m512 sums, int64_t count, float scale) {
-  const __m512 scaled = _mm512_mul_ps(sums, _mm512_set1_ps(scale));
-  if (count >= 16) _mm512_storeu_ps(dst, scaled);
-  else _mm512_mask_storeu_ps(dst, __mmask16((1u << count) - 1), scaled);
-}
-
-// One query's dot with one key, its NC x 16 products summed into 16 lanes (fold16 sums those): the
-// one order both dots16 and dots_head use, so their scores are bit-identical.
-template <int NC>
-inline __m512 lane_dot(const __m512* q, const __m512* k) {
-  __m512 s = _mm512_mul_ps(q[0], k[0]);
-  for (int c = 1; c < NC; ++c) s = _mm512_fmadd_ps(q[c], k[c], s);
-  return s;
-}
-
-// Whether dots_head's G x NC query vectors, one K row and two keys' sums fit the 32 registers.
-constexpr bool head_fits(int NC, int G) { return (G + 1) * NC + 2 * G <= 30; }
-
-// Scores of one head's G queries against keys [j0, j0 + count) of the slot range, scaled: each K row
-// is loaded once for all G queries (from registers), and each pair of keys folds its first level at
-// once.
-template <int NC, int G, class T>
-inline void dots_head(const Task<T>& t, int64_t h, int64_t j0, int64_t count, float* scores, Pump<T>& pump) {
-  __m512 qv[G][NC];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < NC; ++c) qv[g][c] = _mm512_loadu_ps(t.q + (h * G + g) * t.D + 16 * c);
-  __m512 folded[G][8];
-  for (int64_t i = 0; i < kBlock; i += 2) {
-    pump.advance(2 * 16 * NC);
-    __m512 s[2][G];
-    for (int u = 0; u < 2; ++u) {
-      if (i + u >= count) {
-        for (int g = 0; g < G; ++g) s[u][g] = _mm512_setzero_ps();
-        continue;
-      }
-      const T* kr = t.k + t.slot[j0 + i + u] * t.stride + h * t.hd;
-      __m512 kv[NC];
-      for (int c = 0; c < NC; ++c) kv[c] = load16(kr + 16 * c);
-      for (int g = 0; g < G; ++g) s[u][g] = lane_dot<NC>(qv[g], kv);
+  // u[4a + e], 128-bit block b: lane e + 4b of vectors 4a .. 4a + 3.
+  for (int a = 0; a < 4; ++a) {
+    const __m512d t0 = _mm512_castps_pd(t[4 * a]), t1 = _mm512_castps_pd(t[4 * a + 1]);
+    const __m512d t2 = _mm512_castps_pd(t[4 * a + 2]), t3 = _mm512_castps_pd(t[4 * a + 3]);
+    u[4 * a] = _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2));
+    u[4 * a + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2));
+    u[4 * a + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3));
+    u[4 * a + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
+  }
+  // v[8h + 4k + e]: lanes e + 4k and e + 4k + 8 of vectors 8h .. 8h + 7.
+  for (int h = 0; h < 2; ++h)
+    for (int e = 0; e < 4; ++e) {
+      v[8 * h + e] = _mm512_shuffle_f32x4(u[8 * h + e], u[8 * h + 4 + e], _MM_SHUFFLE(2, 0, 2, 0));
+      v[8 * h + 4 + e] = _mm512_shuffle_f32x4(u[8 * h + e], u[8 * h + 4 + e], _MM_SHUFFLE(3, 1, 3, 1));
     }
-    for (int g = 0; g < G; ++g) folded[g][i / 2] = fold_pair(s[0][g], s[1][g]);
-  }
-  for (int g = 0; g < G; ++g) store_scores(scores + (h * G + g) * t.n + j0, fold_rest(folded[g]), count, t.scale);
+  for (int k = 0; k < 2; ++k)
+    for (int e = 0; e < 4; ++e) {
+      out[4 * k + e] = _mm512_shuffle_f32x4(v[4 * k + e], v[8 + 4 * k + e], _MM_SHUFFLE(2, 0, 2, 0));
+      out[8 + 4 * k + e] = _mm512_shuffle_f32x4(v[4 * k + e], v[8 + 4 * k + e], _MM_SHUFFLE(3, 1, 3, 1));
+    }
 }
 
-// Scores of one (head, query) against keys [j0, j0 + 16) of its slot range, scaled: 16 floats.
-template <int NC, class T>
-inline void dots16(const Task<T>& t, const float* q, int64_t head_off, int64_t j0, int64_t count, float* dst) {
-  __m512 qv[NC];
-  for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
-  __m512 part[16];
-  for (int64_t i = 0; i < 16; ++i) {
-    if (i >= count) { part[i] = _mm512_setzero_ps(); continue; }
-    const T* kr = t.k + t.slot[j0 + i] * t.stride + head_off;
-    __m512 kv[NC];
-    for (int c = 0; c < NC; ++c) kv[c] = load16(kr + 16 * c);
-    part[i] = lane_dot<NC>(qv, kv);
+// The dots of GB queries of head h (qs: the task's queries, scaled, rows D apart; these are rows r0 ..
+// r0 + GB) with keys [j0, j0 + count) of the slot range, in paged_prefill's order: one FMA chain over
+// the dims in order, from zero. Keys lie across the lanes: each 16 dims of the block's 16 K rows are
+// loaded and transposed (64 shuffles, the price of that order here) and meet every query at once.
+template <int NC, int GB, class T>
+inline void keys_dots(const Task<T>& t, const float* qs, int64_t r0, int64_t h, int64_t j0, int64_t count,
+                      float* scores) {
+  const T* kr[kBlock];
+  for (int64_t i = 0; i < kBlock; ++i) kr[i] = t.k + t.slot[j0 + std::min(i, count - 1)] * t.stride + h * t.hd;
+  const float* q = qs + r0 * t.D;
+  __m512 acc[GB];
+  for (int g = 0; g < GB; ++g) acc[g] = _mm512_setzero_ps();
+  for (int c = 0; c < NC; ++c) {
+    __m512 rows[16], cols[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) rows[i] = load16(kr[i] + 16 * c);
+    transpose16(rows, cols);
+    // Unrolled, so that the columns stay in registers (rolled, the compiler stored them to read back).
+#pragma GCC unroll 16
+    for (int l = 0; l < 16; ++l)
+#pragma GCC unroll 4
+      for (int g = 0; g < GB; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * t.D + 16 * c + l]), cols[l], acc[g]);
   }
-  store_scores(dst, fold16(part), count, t.scale);
+  const __mmask16 keep = __mmask16((1u << count) - 1);
+  for (int g = 0; g < GB; ++g) _mm512_mask_storeu_ps(scores + (r0 + g) * t.n + j0, keep, acc[g]);
+}
+
+// The dots of one head's G queries with keys [j0, j0 + count) of the slot range (keys_dots), up to
+// four queries a pass.
+template <int NC, class T>
+inline void head_dots(const Task<T>& t, const float* qs, int64_t h, int64_t j0, int64_t count, float* scores,
+                      Pump<T>& pump) {
+  pump.advance(kBlock * t.D);
+  for (int64_t r0 = h * t.G; r0 < (h + 1) * t.G; r0 += 4) {
+    switch (std::min<int64_t>(4, (h + 1) * t.G - r0)) {
+      case 1: keys_dots<NC, 1>(t, qs, r0, h, j0, count, scores); break;
+      case 2: keys_dots<NC, 2>(t, qs, r0, h, j0, count, scores); break;
+      case 3: keys_dots<NC, 3>(t, qs, r0, h, j0, count, scores); break;
+      default: keys_dots<NC, 4>(t, qs, r0, h, j0, count, scores); break;
+    }
+  }
 }
 
 // out[g] (+)= sum_j w[g][j] * V[j] over keys [j0, j1) for GB queries of one head (w rows t.n apart,
@@ -428,36 +417,89 @@ inline void weighted_blocks(const Task<T>& t, const float* w, int64_t head_off, 
 #endif
 
 #ifdef CBSERVE_AVX2
-// Lane i of the result holds the sum of p[i]'s lanes (hadd twice, then the two 128-bit halves).
-inline __m256 fold8(const __m256* p) {
-  const __m256 b0 = _mm256_hadd_ps(_mm256_hadd_ps(p[0], p[1]), _mm256_hadd_ps(p[2], p[3]));
-  const __m256 b1 = _mm256_hadd_ps(_mm256_hadd_ps(p[4], p[5]), _mm256_hadd_ps(p[6], p[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+// transpose16 for 8 lanes: out[l], lane i: in[i]'s lane l.
+inline void transpose8(const __m256* in, __m256* out) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(in[2 * i], in[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(in[2 * i], in[2 * i + 1]);
+  }
+  // u[4a + e], 128-bit half b: lane e + 4b of vectors 4a .. 4a + 3.
+  for (int a = 0; a < 2; ++a) {
+    u[4 * a] = _mm256_shuffle_ps(t[4 * a], t[4 * a + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * a + 1] = _mm256_shuffle_ps(t[4 * a], t[4 * a + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4 * a + 2] = _mm256_shuffle_ps(t[4 * a + 1], t[4 * a + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * a + 3] = _mm256_shuffle_ps(t[4 * a + 1], t[4 * a + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int e = 0; e < 4; ++e) {
+    out[e] = _mm256_permute2f128_ps(u[e], u[4 + e], 0x20);
+    out[4 + e] = _mm256_permute2f128_ps(u[e], u[4 + e], 0x31);
+  }
 }
 
-// Scores of one (head, query) against keys [j0, j0 + count) of its slot range (count <= kBlock),
-// scaled, 8 keys a fold.
-template <int NC, class T>  // D / 8
-inline void dots_avx2(const Task<T>& t, const float* q, int64_t head_off, int64_t j0, int64_t count, float* dst) {
-  for (int64_t i0 = 0; i0 < count; i0 += 8) {
-    __m256 part[8];
+// word_dim for 8 lanes.
+template <class T>
+inline __m256 word_dim8(__m256i w, int b) {
+  if constexpr (std::is_same_v<T, float>) return _mm256_castsi256_ps(w);
+  else if constexpr (std::is_same_v<T, bf16>)
+    return _mm256_castsi256_ps(b == 0 ? _mm256_slli_epi32(w, 16) : _mm256_and_si256(w, _mm256_set1_epi32(-65536)));
+  else return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(w, 24 - 8 * b), 24));
+}
+
+// keys_dots for AVX2: keys [j0, j0 + count), count <= 8, 8 words of their K rows transposed at a time.
+template <int NC, int GB, class T>  // NC = D / 8
+inline void keys_dots8(const Task<T>& t, const float* qs, int64_t r0, int64_t h, int64_t j0, int64_t count,
+                       float* scores) {
+  constexpr int64_t D = 8 * NC, kWords = D / kPerWord<T>;
+  const T* kr[8];
+  for (int64_t i = 0; i < 8; ++i) kr[i] = t.k + t.slot[j0 + std::min<int64_t>(i, count - 1)] * t.stride + h * t.hd;
+  const float* q = qs + r0 * D;
+  __m256 acc[GB];
+#pragma GCC unroll 4
+  for (int g = 0; g < GB; ++g) acc[g] = _mm256_setzero_ps();
+  static_assert(kWords % 8 == 0, "AVX2's head sizes are 32 .. 128 by 32: whole words of 8");
+#pragma GCC unroll 1
+  for (int64_t w0 = 0; w0 < kWords; w0 += 8) {
+    __m256 rows[8], cols[8];
 #pragma GCC unroll 8
-    for (int64_t i = 0; i < 8; ++i) {
-      if (i0 + i >= count) { part[i] = _mm256_setzero_ps(); continue; }
-      const T* kr = t.k + t.slot[j0 + i0 + i] * t.stride + head_off;
-      __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(q), load8(kr));
-#pragma GCC unroll 16
-      for (int c = 1; c < NC; ++c) sum = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), load8(kr + 8 * c), sum);
-      part[i] = sum;
+    for (int i = 0; i < 8; ++i) rows[i] = _mm256_loadu_ps(reinterpret_cast<const float*>(kr[i] + w0 * kPerWord<T>));
+    transpose8(rows, cols);
+#pragma GCC unroll 8
+    for (int l = 0; l < 8; ++l) {
+#pragma GCC unroll 4
+      for (int b = 0; b < kPerWord<T>; ++b) {
+        const __m256 kv = word_dim8<T>(_mm256_castps_si256(cols[l]), b);
+        const int64_t d = (w0 + l) * kPerWord<T> + b;
+#pragma GCC unroll 4
+        for (int g = 0; g < GB; ++g) acc[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(q + g * D + d), kv, acc[g]);
+      }
     }
-    const __m256 scores = _mm256_mul_ps(fold8(part), _mm256_set1_ps(t.scale));
-    const int64_t n = std::min<int64_t>(8, count - i0);
-    if (n == 8) {
-      _mm256_storeu_ps(dst + i0, scores);
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < GB; ++g) {
+    float* dst = scores + (r0 + g) * t.n + j0;
+    if (count == 8) {
+      _mm256_storeu_ps(dst, acc[g]);
     } else {
       alignas(32) float tail[8];
-      _mm256_store_ps(tail, scores);
-      std::copy(tail, tail + n, dst + i0);
+      _mm256_store_ps(tail, acc[g]);
+      std::copy(tail, tail + count, dst);
+    }
+  }
+}
+
+// head_dots for AVX2, 8 keys at a time.
+template <int NC, class T>  // D / 8
+inline void head_dots_avx2(const Task<T>& t, const float* qs, int64_t h, int64_t j0, int64_t count, float* scores) {
+  for (int64_t i0 = 0; i0 < count; i0 += 8) {
+    const int64_t n = std::min<int64_t>(8, count - i0);
+    for (int64_t r0 = h * t.G; r0 < (h + 1) * t.G; r0 += 4) {
+      switch (std::min<int64_t>(4, (h + 1) * t.G - r0)) {
+        case 1: keys_dots8<NC, 1>(t, qs, r0, h, j0 + i0, n, scores); break;
+        case 2: keys_dots8<NC, 2>(t, qs, r0, h, j0 + i0, n, scores); break;
+        case 3: keys_dots8<NC, 3>(t, qs, r0, h, j0 + i0, n, scores); break;
+        default: keys_dots8<NC, 4>(t, qs, r0, h, j0 + i0, n, scores); break;
+      }
     }
   }
 }
@@ -573,16 +615,6 @@ inline void weighted_blocks_generic(const Task<T>& t, const float* w, int64_t he
       for (int64_t d = 0; d < t.D; ++d) out[g * t.D + d] *= inv[g];
 }
 
-// Below AVX-512 (whose path in run_task works a whole head at a time) a task goes row by row: on
-// the AVX2 path where the head size has one (NC > 0), else on the portable one.
-template <int NC, class T>
-inline void row_dots(const Task<T>& t, const float* q, int64_t head_off, int64_t j0, int64_t count, float* dst) {
-#ifdef CBSERVE_AVX2
-  if constexpr (NC > 0) return dots_avx2<NC>(t, q, head_off, j0, count, dst);
-#endif
-  dots_generic(t, q, head_off, j0, count, dst);
-}
-
 template <int NC, class T>
 inline void head_weighted(const Task<T>& t, const float* w, int64_t head_off, int64_t j0, int64_t j1, const float* inv,
                           float* out, bool first, bool last) {
@@ -657,23 +689,6 @@ inline float softmax_(float* row, int64_t n, float cap) {
 #endif
 }
 
-#ifdef __AVX512F__
-// One head's dots over a block of keys: dots_head where its registers fit, else a query at a time.
-template <int NC, class T>
-inline void head_dots(const Task<T>& t, int64_t h, int64_t j0, int64_t count, float* scores, Pump<T>& pump) {
-  switch (t.G) {
-    case 1: if constexpr (head_fits(NC, 1)) return dots_head<NC, 1>(t, h, j0, count, scores, pump); break;
-    case 2: if constexpr (head_fits(NC, 2)) return dots_head<NC, 2>(t, h, j0, count, scores, pump); break;
-    case 3: if constexpr (head_fits(NC, 3)) return dots_head<NC, 3>(t, h, j0, count, scores, pump); break;
-    case 4: if constexpr (head_fits(NC, 4)) return dots_head<NC, 4>(t, h, j0, count, scores, pump); break;
-    default: break;
-  }
-  pump.advance(count * 16 * NC);
-  for (int64_t g = 0; g < t.G; ++g)
-    dots16<NC>(t, t.q + (h * t.G + g) * t.D, h * t.hd, j0, count, scores + (h * t.G + g) * t.n + j0);
-}
-#endif
-
 // The scores (or softmax weights) of keys [j0, j0 + count) times each key's K (or V) row scale, per
 // head: for int8 pools, whose values were read unscaled.
 template <class T>
@@ -685,34 +700,26 @@ inline void scale_by_rows(const Task<T>& t, const T* pool, int64_t j0, int64_t c
     }
 }
 
-// The dots of every (head, query) row of a task with keys [j0, j0 + count).
+// The dots of every (head, query) row of a task with keys [j0, j0 + count): on a vector path a head
+// at a time, else row by row on the portable loops.
 template <int NC, class T>
-inline void block_dots(const Task<T>& t, int64_t j0, int64_t count, float* scores, Pump<T>& pump) {
-  const int64_t rows = t.hs * t.G;
+inline void block_dots(const Task<T>& t, const float* qs, int64_t j0, int64_t count, float* scores, Pump<T>& pump) {
 #ifdef __AVX512F__
   if constexpr (NC > 0) {
-    for (int64_t h = 0; h < t.hs; ++h) head_dots<NC>(t, h, j0, count, scores, pump);
+    for (int64_t h = 0; h < t.hs; ++h) head_dots<NC>(t, qs, h, j0, count, scores, pump);
     return;
   }
 #endif
   pump.advance(count * t.hs * t.D);
 #ifdef CBSERVE_AVX2
-  if constexpr (NC > 0 && !std::is_same_v<T, float>) {
-    // The AVX2 dots load a K row once per query of its head: a bfloat16 or int8 block's rows are
-    // widened once, all heads, into float32 rows after the scores (`scores` has room), read as a pool.
-    static constexpr int64_t kIota[kBlock] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    float* widened = scores + rows * t.n;
-    for (int64_t i = 0; i < count; ++i)
-      for (int64_t h = 0; h < t.hs; ++h)
-        f32_row(t.k + t.slot[j0 + i] * t.stride + h * t.hd, widened + (i * t.hs + h) * t.D, t.D);
-    const Task<float> block{t.q, t.out, widened, nullptr, kIota, count, t.hs, t.G, t.D, t.D, t.hs * t.D, t.scale, t.cap};
-    for (int64_t r = 0; r < rows; ++r)
-      row_dots<NC>(block, t.q + r * t.D, (r / t.G) * t.D, 0, count, scores + r * t.n + j0);
+  if constexpr (NC > 0) {
+    for (int64_t h = 0; h < t.hs; ++h) head_dots_avx2<NC>(t, qs, h, j0, count, scores);
     return;
   }
 #endif
-  for (int64_t r = 0; r < rows; ++r)
-    row_dots<NC>(t, t.q + r * t.D, (r / t.G) * t.hd, j0, count, scores + r * t.n + j0);
+  (void)qs;
+  for (int64_t r = 0; r < t.hs * t.G; ++r)
+    dots_generic(t, t.q + r * t.D, (r / t.G) * t.hd, j0, count, scores + r * t.n + j0);
 }
 
 // One task: the dots of every (head, query) row with each key, in key order, 16 keys a block; the
@@ -723,10 +730,14 @@ inline void block_dots(const Task<T>& t, int64_t j0, int64_t count, float* score
 template <int NC, class T>  // D / 16 on the AVX-512 path, D / 8 on the AVX2 one; 0: the portable one
 void run_task(const Task<T>& t, float* scores) {
   const int64_t rows = t.hs * t.G;
+  // The queries times the scale, as paged_prefill scales them before its dots, after the scores.
+  float* qs = scores + rows * t.n;
+  if constexpr (NC > 0)
+    for (int64_t i = 0; i < rows * t.D; ++i) qs[i] = t.q[i] * t.scale;
   Pump<T> pump(t);
   for (int64_t j0 = 0; j0 < t.n; j0 += kBlock) {
     const int64_t count = std::min(kBlock, t.n - j0);
-    block_dots<NC>(t, j0, count, scores, pump);
+    block_dots<NC>(t, qs, j0, count, scores, pump);
     if constexpr (kScaled<T>) scale_by_rows(t, t.k, j0, count, scores);
   }
   float inv[kMaxRows];
@@ -853,7 +864,7 @@ void paged_decode(
     const int64_t hd = D + kScaleElems<T>;
     std::atomic<int64_t> next{0};
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-      std::vector<float> scores(static_cast<size_t>(hs * G * L + kBlock * hs * D));  // + run_task's block
+      std::vector<float> scores(static_cast<size_t>(hs * G * (L + D)));  // + run_task's scaled queries
       for (int64_t task = next++; task < tasks; task = next++) {
         const int64_t b = task / parts, h0 = (task % parts) * hs;
         const Task<T> t{
@@ -903,15 +914,14 @@ struct PrefillTask {
 };
 
 // The task's rows r = i * G + g (query token i, query head g of the kv head), padded to Rp rows (whole
-// vectors): the queries as qt [D, Rp] (unscaled: the decode kernel scales each dot's sum), and each
-// row's range [lo, hi] within the block's keys. Padding rows (zero queries, finite scores) take all
-// keys and are never stored.
+// vectors): the queries as qt [D, Rp], scaled, and each row's range [lo, hi] within the block's keys.
+// Padding rows (zero queries, finite scores) take all keys and are never stored.
 template <class T>
 inline void prefill_rows(const PrefillTask<T>& t, int64_t Rp, float* qt, int32_t* lo, int32_t* hi) {
   const int64_t R = t.nq * t.G;
   for (int64_t r = 0; r < Rp; ++r) {
     const float* src = t.q + (r / t.G) * t.sq + (r % t.G) * t.D;
-    for (int64_t d = 0; d < t.D; ++d) qt[d * Rp + r] = r < R ? src[d] : 0.f;
+    for (int64_t d = 0; d < t.D; ++d) qt[d * Rp + r] = r < R ? src[d] * t.scale : 0.f;
     lo[r] = r < R ? static_cast<int32_t>(t.jlo[r / t.G] - t.j0) : 0;
     hi[r] = r < R ? static_cast<int32_t>(t.jhi[r / t.G] - t.j0) : static_cast<int32_t>(t.nk - 1);
   }
@@ -930,65 +940,22 @@ inline void scale_keys(const PrefillTask<T>& t, const T* pool, int64_t j, int64_
 }
 
 #ifdef __AVX512F__
-// Scores of GR x 16 rows (lanes) against kKeys keys: st[u * Rp + g * 16 + lane], each summed in the
-// decode kernel's order (lane_dot, then fold16's tree, then times the scale). Lane l of the decode
-// kernel's vectors sums dims l, l + 16, .. of a dot (one product, then FMAs), so here each (row, key)
-// has 16 such partial sums, "leaves", computed one at a time for all 8 x GR pairs (the 24 accumulators
-// of the plain dot, fed by broadcasts of the K rows' elements), and fold16's tree adds leaves l and
-// l + 2 of each group of four, the two pairs, then the groups 0 + 1, 2 + 3 and those two. The tree's
-// pending sums wait in L1 (`held`: a leaf, a pair, a group, a half).
+// Scores of GR x 16 rows (lanes) against kKeys keys: st[u * Rp + g * 16 + lane].
 template <int NC, int GR>
-inline void prefill_scores(const float* qt, int64_t Rp, const float* const* kr, float* st, int64_t keys,
-                           float scale) {
+inline void prefill_scores(const float* qt, int64_t Rp, const float* const* kr, float* st, int64_t keys) {
   __m512 acc[kKeys][GR];
-  alignas(64) float held[4][kKeys][GR][kLanes];
-  auto leaf = [&](int l) {
+  for (int u = 0; u < kKeys; ++u)
+    for (int g = 0; g < GR; ++g) acc[u][g] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < NC * 16; ++d) {
     __m512 qv[GR];
-    for (int g = 0; g < GR; ++g) qv[g] = _mm512_loadu_ps(qt + l * Rp + g * kLanes);
+    for (int g = 0; g < GR; ++g) qv[g] = _mm512_loadu_ps(qt + d * Rp + g * kLanes);
     for (int u = 0; u < kKeys; ++u) {
-      const __m512 kv = _mm512_set1_ps(kr[u][l]);
-      for (int g = 0; g < GR; ++g) acc[u][g] = _mm512_mul_ps(qv[g], kv);
-    }
-    for (int c = 1; c < NC; ++c) {
-      const int64_t d = l + 16 * c;
-      for (int g = 0; g < GR; ++g) qv[g] = _mm512_loadu_ps(qt + d * Rp + g * kLanes);
-      for (int u = 0; u < kKeys; ++u) {
-        const __m512 kv = _mm512_set1_ps(kr[u][d]);
-        for (int g = 0; g < GR; ++g) acc[u][g] = _mm512_fmadd_ps(qv[g], kv, acc[u][g]);
-      }
-    }
-  };
-  auto hold = [&](int level) {
-    for (int u = 0; u < kKeys; ++u)
-      for (int g = 0; g < GR; ++g) _mm512_store_ps(held[level][u][g], acc[u][g]);
-  };
-  auto add_held = [&](int level) {
-    for (int u = 0; u < kKeys; ++u)
-      for (int g = 0; g < GR; ++g) acc[u][g] = _mm512_add_ps(acc[u][g], _mm512_load_ps(held[level][u][g]));
-  };
-#pragma GCC unroll 4
-  for (int b = 0; b < 4; ++b) {  // group b: leaves 4b .. 4b + 3
-    leaf(4 * b);
-    hold(0);
-    leaf(4 * b + 2);
-    add_held(0);
-    hold(1);  // leaves 4b + 4b+2
-    leaf(4 * b + 1);
-    hold(0);
-    leaf(4 * b + 3);
-    add_held(0);
-    add_held(1);  // the group: its two pairs
-    if (b % 2 == 0) {
-      hold(2);
-    } else {
-      add_held(2);  // groups 0 + 1 (or 2 + 3)
-      if (b == 1) hold(3);
-      else add_held(3);  // the two halves
+      const __m512 kv = _mm512_set1_ps(kr[u][d]);
+      for (int g = 0; g < GR; ++g) acc[u][g] = _mm512_fmadd_ps(qv[g], kv, acc[u][g]);
     }
   }
-  const __m512 sv = _mm512_set1_ps(scale);
   for (int64_t u = 0; u < keys; ++u)
-    for (int g = 0; g < GR; ++g) _mm512_storeu_ps(st + u * Rp + g * kLanes, _mm512_mul_ps(acc[u][g], sv));
+    for (int g = 0; g < GR; ++g) _mm512_storeu_ps(st + u * Rp + g * kLanes, acc[u][g]);
 }
 
 // 1 / the softmax sum of each of a vector of rows, from the rows' 16 partial sums part[u] (lane r of
@@ -1069,9 +1036,9 @@ void run_prefill(const PrefillTask<T>& t, float* qt, float* st) {
       const float* qg = qt + g0 * kLanes;
       float* sg = st + j * Rp + g0 * kLanes;
       switch (std::min<int64_t>(3, vectors - g0)) {
-        case 3: prefill_scores<NC, 3>(qg, Rp, kr, sg, keys, t.scale); break;
-        case 2: prefill_scores<NC, 2>(qg, Rp, kr, sg, keys, t.scale); break;
-        default: prefill_scores<NC, 1>(qg, Rp, kr, sg, keys, t.scale); break;
+        case 3: prefill_scores<NC, 3>(qg, Rp, kr, sg, keys); break;
+        case 2: prefill_scores<NC, 2>(qg, Rp, kr, sg, keys); break;
+        default: prefill_scores<NC, 1>(qg, Rp, kr, sg, keys); break;
       }
     }
     if constexpr (kScaled<T>) scale_keys(t, t.k, j, keys, st, Rp);
@@ -1124,71 +1091,30 @@ void run_prefill(const PrefillTask<T>& t, float* qt, float* st) {
 constexpr int64_t kLanes8 = 8;
 constexpr int64_t kKeys8 = 6;
 
-// Scores of GR x 8 rows against kKeys8 keys: st[u * Rp + g * 8 + lane], each summed in the decode
-// kernel's order (dots_avx2: 8 partial sums, lane l's over dims l, l + 8, .., then fold8's tree
-// (0 + 1, 2 + 3, their sum; likewise 4 .. 7; the two), then times the scale), as prefill_scores does
-// for AVX-512's 16.
+// Scores of GR x 8 rows against kKeys8 keys: st[u * Rp + g * 8 + lane].
 template <int NC, int GR>  // NC = D / 8
-inline void prefill_scores_avx2(const float* qt, int64_t Rp, const float* const* kr, float* st, int64_t keys,
-                                float scale) {
+inline void prefill_scores_avx2(const float* qt, int64_t Rp, const float* const* kr, float* st, int64_t keys) {
   __m256 acc[kKeys8][GR];
-  alignas(32) float held[3][kKeys8][GR][kLanes8];
-  auto leaf = [&](int l) {
+#pragma GCC unroll 8
+  for (int u = 0; u < kKeys8; ++u)
+#pragma GCC unroll 2
+    for (int g = 0; g < GR; ++g) acc[u][g] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < NC * 8; ++d) {
     __m256 qv[GR];
 #pragma GCC unroll 2
-    for (int g = 0; g < GR; ++g) qv[g] = _mm256_loadu_ps(qt + l * Rp + g * kLanes8);
+    for (int g = 0; g < GR; ++g) qv[g] = _mm256_loadu_ps(qt + d * Rp + g * kLanes8);
 #pragma GCC unroll 8
     for (int u = 0; u < kKeys8; ++u) {
-      const __m256 kv = _mm256_broadcast_ss(kr[u] + l);
+      const __m256 kv = _mm256_broadcast_ss(kr[u] + d);
 #pragma GCC unroll 2
-      for (int g = 0; g < GR; ++g) acc[u][g] = _mm256_mul_ps(qv[g], kv);
+      for (int g = 0; g < GR; ++g) acc[u][g] = _mm256_fmadd_ps(qv[g], kv, acc[u][g]);
     }
-#pragma GCC unroll 16
-    for (int c = 1; c < NC; ++c) {
-      const int64_t d = l + 8 * c;
-#pragma GCC unroll 2
-      for (int g = 0; g < GR; ++g) qv[g] = _mm256_loadu_ps(qt + d * Rp + g * kLanes8);
-#pragma GCC unroll 8
-      for (int u = 0; u < kKeys8; ++u) {
-        const __m256 kv = _mm256_broadcast_ss(kr[u] + d);
-#pragma GCC unroll 2
-        for (int g = 0; g < GR; ++g) acc[u][g] = _mm256_fmadd_ps(qv[g], kv, acc[u][g]);
-      }
-    }
-  };
-  auto hold = [&](int level) {
-#pragma GCC unroll 8
-    for (int u = 0; u < kKeys8; ++u)
-#pragma GCC unroll 2
-      for (int g = 0; g < GR; ++g) _mm256_store_ps(held[level][u][g], acc[u][g]);
-  };
-  auto add_held = [&](int level) {
-#pragma GCC unroll 8
-    for (int u = 0; u < kKeys8; ++u)
-#pragma GCC unroll 2
-      for (int g = 0; g < GR; ++g) acc[u][g] = _mm256_add_ps(acc[u][g], _mm256_load_ps(held[level][u][g]));
-  };
-#pragma GCC unroll 2
-  for (int h = 0; h < 2; ++h) {  // half h: leaves 4h .. 4h + 3
-    leaf(4 * h);
-    hold(0);
-    leaf(4 * h + 1);
-    add_held(0);
-    hold(1);  // leaves 4h + 4h+1
-    leaf(4 * h + 2);
-    hold(0);
-    leaf(4 * h + 3);
-    add_held(0);
-    add_held(1);  // the half: its two pairs
-    if (h == 0) hold(2);
-    else add_held(2);  // the two halves
   }
-  const __m256 sv = _mm256_set1_ps(scale);
 #pragma GCC unroll 8
   for (int u = 0; u < kKeys8; ++u)
     if (u < keys)
 #pragma GCC unroll 2
-      for (int g = 0; g < GR; ++g) _mm256_storeu_ps(st + u * Rp + g * kLanes8, _mm256_mul_ps(acc[u][g], sv));
+      for (int g = 0; g < GR; ++g) _mm256_storeu_ps(st + u * Rp + g * kLanes8, acc[u][g]);
 }
 
 // inverse_sums16 for AVX2's 8 partial sums: lane r's partial sum l is part[(l + lo[r]) mod 8].
@@ -1293,9 +1219,9 @@ void run_prefill_avx2(const PrefillTask<T>& t, float* qt, float* st) {
       const float* qg = qt + g0 * kLanes8;
       float* sg = st + j * Rp + g0 * kLanes8;
       if (vectors - g0 >= 2) {
-        prefill_scores_avx2<NC, 2>(qg, Rp, kr, sg, keys, t.scale);
+        prefill_scores_avx2<NC, 2>(qg, Rp, kr, sg, keys);
       } else {
-        prefill_scores_avx2<NC, 1>(qg, Rp, kr, sg, keys, t.scale);
+        prefill_scores_avx2<NC, 1>(qg, Rp, kr, sg, keys);
       }
     }
     if constexpr (kScaled<T>) scale_keys(t, t.k, j, keys, st, Rp);
@@ -1426,7 +1352,7 @@ void paged_prefill(
       const int64_t hd = D + kScaleElems<T>;
       std::atomic<int64_t> next{0};
       at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-        std::vector<float> scores(static_cast<size_t>(H * L + kBlock * KV * D));  // as paged_decode's
+        std::vector<float> scores(static_cast<size_t>(H * (L + D)));  // as paged_decode's
         for (int64_t i = next++; i < tokens; i = next++) {
           const auto [b, x] = rows[i];
           const int64_t jhi = lp[b] - nq[b] + x;
