@@ -135,8 +135,8 @@ def test_other_pool_dtypes_are_refused(k_dtype: torch.dtype, v_dtype: torch.dtyp
 
 
 # Every test above, again on each vector path below this CPU's best (a build of its own, cached in
-# $CBSERVE_HOME like any other, so only a first run compiles it). The portable path has no prefill
-# kernel, and its compile and scalar loops are left to the slow run.
+# $CBSERVE_HOME like any other, so only a first run compiles it). The portable path's compile and
+# scalar loops (its prefill runs each query token as a decode row) are left to the slow run.
 @pytest.mark.parametrize("path", ["avx2", pytest.param("portable", marks=pytest.mark.slow)])
 def test_lower_path_agrees(path: str) -> None:
     rerun_on_lower_path(Path(__file__), path)

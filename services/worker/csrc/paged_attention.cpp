@@ -20,21 +20,45 @@
 // read), one head each otherwise (so a lone long request still uses every core). Contexts differ in
 // length by 10x within a batch, so threads take tasks from a shared counter instead of fixed shares.
 //
-// With AVX-512 and a head size of 16..128, query-key dots are computed 16 keys at a time and their
-// sums folded together by a transpose-and-add (a dot of 64 floats is 4 FMAs; summing its lanes alone
-// took twice that); each K row is loaded once for all the queries of its head, and the values of up
-// to four queries of a head are accumulated in registers from one load of each V row. Pages are
-// scattered in the pool, which defeats the hardware prefetcher at every page boundary, so the rows
-// ahead are prefetched by hand: a few lines at a time as the reads advance (`Pump`).
+// With AVX-512 and a head size of 16..128, query-key dots are computed 16 keys at a time with the
+// keys across the lanes (the block's K rows transposed, see below); each K row is loaded once for all
+// the queries of its head, and the values of up to four queries of a head are accumulated in
+// registers from one load of each V row. Pages are scattered in the pool, which defeats the hardware
+// prefetcher at every page boundary, so the rows ahead are prefetched by hand: a few lines at a time
+// as the reads advance (`Pump`).
 //
 // With AVX2 (and no AVX-512) and a head size of 32, 64, 96 or 128, dots are computed 8 keys at a time
-// and folded the same way, and the values of up to three queries of a head are accumulated in 12
-// registers, a 32-float slice of the head at a time. The portable loops that serve elsewhere leave a
-// decode step's attention well behind the rate its K/V reads allow.
+// the same way, and the values of up to three queries of a head are accumulated in 12 registers, a
+// 32-float slice of the head at a time. The portable loops that serve elsewhere leave a decode step's
+// attention well behind the rate its K/V reads allow.
 //
-// Prefill chunks (paged_prefill; AVX-512, or AVX2 for head sizes 32-128 by 32): several query tokens
-// per request, each attending causally (and within a sliding window, if any) to the keys before it.
-// See the second half.
+// Prefill chunks (paged_prefill; AVX-512, or AVX2 for head sizes 32-128 by 32; on the portable path
+// each query token runs as a decode row): several query tokens per request, each attending causally
+// (and within a sliding window, if any) to the keys before it. See the second half.
+//
+// One row, one result. A query row gets the same bits from either kernel over the same keys: a soft
+// reset recomputes through paged_prefill the tokens that paged_decode first computed, and in bfloat16
+// a last-bit difference in one row's attention can flip an activation's rounding and, at a near tie,
+// a token. The kernels lay a row's work out differently (decode: one row, its keys streamed; prefill:
+// 16 query tokens across the lanes, tiled over keys), so each step that sums is written to sum in one
+// order in both:
+//   - a dot: the query times the scale first, then one FMA chain over the dims in order, from zero.
+//     That is the prefill's natural order (rows across the lanes, a K element broadcast per FMA); the
+//     decode kernel gets it by transposing each block's K rows so that keys lie across the lanes
+//     (dims across the lanes would sum 16 partial chains and then the lanes, which the prefill could
+//     follow only by holding 16 partial sums per dot);
+//   - an int8 key's scale, then the soft cap (soft_cap: the kernels' own vector tanh, one code for
+//     every score), then e^(s - max) by exp_ps / exp_avx2 over the row's own keys (the max is exact
+//     in any order);
+//   - the softmax sum: 16 partial sums (AVX2: 8), partial l taking the row's keys l, l + 16, .. in
+//     order, then a fixed tree (hsum16 / sum_tree16): the decode kernel's vector sum, which the prefill
+//     keeps as 16 vectors of partial sums per vector of rows;
+//   - the values: one FMA chain per output over the row's keys in order, then times 1 / the sum.
+// The prefill also runs keys that a row does not see (outside its causal range or window) through the
+// same chains with weight 0, which adds exactly nothing. The file is built without fast-math's unsafe
+// rewrites, FMA contraction or reciprocal estimates (kernels.py's KERNEL_FLAGS), which would re-order
+// or round differently the same sum written in two shapes; tests/test_attention_prefill_is_decode.py
+// holds every page type and vector path to it.
 // Only the headers used: <torch/extension.h> (all of libtorch's C++ API) tripled the compile time.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -80,8 +104,8 @@ constexpr bool kScaled = std::is_same_v<T, i8>;
 template <class T>
 constexpr int64_t kScaleElems = kScaled<T> ? 4 : 0;
 
-// Dims of a pool row per 32-bit word: AVX2's decode dots transpose K rows as words (a word of
-// bfloat16 holds two dims, of int8 four), so that a narrower pool takes fewer shuffles.
+// Dims of a pool row per 32-bit word: the decode dots transpose K rows as words (a word of bfloat16
+// holds two dims, of int8 four), so that a narrower pool takes fewer shuffles and widens once per word.
 template <class T>
 constexpr int kPerWord = static_cast<int>(4 / sizeof(T));
 
@@ -327,28 +351,54 @@ inline void transpose16(const __m512* in, __m512* out) {
     }
 }
 
+// Dim b of the kPerWord<T> dims that the 32-bit words of `w` hold, as float32 (int8: unscaled).
+template <class T>
+inline __m512 word_dim(__m512i w, int b) {
+  if constexpr (std::is_same_v<T, float>) return _mm512_castsi512_ps(w);
+  else if constexpr (std::is_same_v<T, bf16>)
+    return _mm512_castsi512_ps(b == 0 ? _mm512_slli_epi32(w, 16) : _mm512_and_si512(w, _mm512_set1_epi32(-65536)));
+  else return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w, 24 - 8 * b), 24));
+}
+
 // The dots of GB queries of head h (qs: the task's queries, scaled, rows D apart; these are rows r0 ..
 // r0 + GB) with keys [j0, j0 + count) of the slot range, in paged_prefill's order: one FMA chain over
-// the dims in order, from zero. Keys lie across the lanes: each 16 dims of the block's 16 K rows are
-// loaded and transposed (64 shuffles, the price of that order here) and meet every query at once.
+// the dims in order, from zero. Keys lie across the lanes: 16 words at a time of the block's 16 K rows
+// are loaded and transposed (64 shuffles: the price of that order here) and meet every query at once.
 template <int NC, int GB, class T>
 inline void keys_dots(const Task<T>& t, const float* qs, int64_t r0, int64_t h, int64_t j0, int64_t count,
                       float* scores) {
+  constexpr int64_t D = 16 * NC, kWords = D / kPerWord<T>;
   const T* kr[kBlock];
   for (int64_t i = 0; i < kBlock; ++i) kr[i] = t.k + t.slot[j0 + std::min(i, count - 1)] * t.stride + h * t.hd;
-  const float* q = qs + r0 * t.D;
+  const float* q = qs + r0 * D;
   __m512 acc[GB];
   for (int g = 0; g < GB; ++g) acc[g] = _mm512_setzero_ps();
-  for (int c = 0; c < NC; ++c) {
+  for (int64_t w0 = 0; w0 < kWords; w0 += 16) {
     __m512 rows[16], cols[16];
+    if constexpr (std::is_same_v<T, float>) {
 #pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i) rows[i] = load16(kr[i] + 16 * c);
+      for (int i = 0; i < 16; ++i) rows[i] = _mm512_loadu_ps(kr[i] + w0);
+    } else {
+      // Through a mask: a row of bfloat16 or int8 may end within the 16 words. (Taken for whole words
+      // too: with plain loads the bfloat16 kernel ran slower on short contexts.)
+      const __mmask16 words = __mmask16(kWords - w0 >= 16 ? 0xFFFF : (1u << (kWords - w0)) - 1);
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i)
+        rows[i] = _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(words, kr[i] + w0 * kPerWord<T>));
+    }
     transpose16(rows, cols);
     // Unrolled, so that the columns stay in registers (rolled, the compiler stored them to read back).
 #pragma GCC unroll 16
-    for (int l = 0; l < 16; ++l)
+    for (int l = 0; l < 16; ++l) {
+      if (w0 + l >= kWords) break;
 #pragma GCC unroll 4
-      for (int g = 0; g < GB; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * t.D + 16 * c + l]), cols[l], acc[g]);
+      for (int b = 0; b < kPerWord<T>; ++b) {
+        const __m512 kv = word_dim<T>(_mm512_castps_si512(cols[l]), b);
+        const int64_t d = (w0 + l) * kPerWord<T> + b;
+#pragma GCC unroll 4
+        for (int g = 0; g < GB; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * D + d]), kv, acc[g]);
+      }
+    }
   }
   const __mmask16 keep = __mmask16((1u << count) - 1);
   for (int g = 0; g < GB; ++g) _mm512_mask_storeu_ps(scores + (r0 + g) * t.n + j0, keep, acc[g]);
@@ -437,7 +487,7 @@ inline void transpose8(const __m256* in, __m256* out) {
   }
 }
 
-// word_dim for 8 lanes.
+// Dim b of the kPerWord<T> dims that the 32-bit words of `w` hold, as float32 (int8: unscaled).
 template <class T>
 inline __m256 word_dim8(__m256i w, int b) {
   if constexpr (std::is_same_v<T, float>) return _mm256_castsi256_ps(w);
@@ -676,7 +726,9 @@ inline float softmax_(float* row, int64_t n, float cap) {
   }
   return 1.f / hsum8(sum);
 #else
-  // Built with -ffast-math (so exp vectorises): every value here stays finite, starting with this.
+  // Built with -ffinite-math-only (kernels.py): every value here stays finite, starting with this.
+  // Without fast-math's unsafe rewrites glibc declares no vector exp, so this loop calls expf a key at
+  // a time: the portable path's decode and prefill both run it.
   float m = -FLT_MAX;
   for (int64_t j = 0; j < n; ++j) m = std::max(m, row[j]);
   float sum = 0.f;
@@ -891,7 +943,8 @@ void paged_decode(
 // AVX-512 vectors (transposed once), so each key's dot with 16 rows is 64 broadcast-FMAs with no
 // horizontal sums; the scores of the block (keys x rows, in L2) get a masked softmax (each row's own
 // causal range), and the values are summed into up to six rows at a time from one load of each V row.
-// Blocks of the longest requests go first; threads take them from a shared counter.
+// Every sum keeps the decode kernel's order ("One row, one result" at the top). Blocks of the longest
+// requests go first; threads take them from a shared counter.
 namespace {
 constexpr int64_t kQueryBlock = 16;  // query tokens per task
 constexpr int64_t kLanes = 16;
