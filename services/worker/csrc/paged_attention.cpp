@@ -633,6 +633,27 @@ inline Lanes lanes(const i8* p) {
   return __builtin_convertvector(raw, Lanes);
 }
 
+// e^x for x <= 0 on the portable lanes, as exp_avx2 computes it but with plain products and sums
+// (no FMA here): x = n ln2 + r, Cephes's polynomial for e^r, times 2^n built in the exponent bits.
+// glibc's vector exp is declared only under fast-math, which this file is built without (kernels.py),
+// and expf a key at a time ran the portable decode slower.
+inline Lanes exp_lanes(Lanes x) {
+  using Bits = int32_t __attribute__((vector_size(32)));
+  const Lanes lowest = Lanes{} - 87.3365478515625f;
+  x = x < lowest ? lowest : x;
+  x = x > 0.f ? Lanes{} : x;
+  const float round = 12582912.f;  // 1.5 x 2^23: adding and subtracting it rounds to an integer
+  const Lanes n = (x * 1.44269504088896341f + round) - round;
+  Lanes r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  Lanes p = Lanes{} + 1.9875691500e-4f;
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = p * r + c;
+  const Lanes e = p * (r * r) + (r + 1.f);
+  const Bits two_n = (__builtin_convertvector(n, Bits) + 127) << 23;
+  return e * std::bit_cast<Lanes>(two_n);
+}
+
 template <class T>
 inline void dots_generic(const Task<T>& t, const float* q, int64_t head_off, int64_t j0, int64_t count, float* dst) {
   for (int64_t i = 0; i < count; ++i) {
@@ -727,17 +748,23 @@ inline float softmax_(float* row, int64_t n, float cap) {
   return 1.f / hsum8(sum);
 #else
   // Built with -ffinite-math-only (kernels.py): every value here stays finite, starting with this.
-  // Without fast-math's unsafe rewrites glibc declares no vector exp, so this loop calls expf a key at
-  // a time: the portable path's decode and prefill both run it.
   float m = -FLT_MAX;
   for (int64_t j = 0; j < n; ++j) m = std::max(m, row[j]);
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t j = 0; j < n; ++j) {
-    row[j] = std::exp(row[j] - m);
-    sum += row[j];
+  Lanes sum = {};
+  int64_t i = 0;
+  for (; i + kLanesGeneric <= n; i += kLanesGeneric) {
+    const Lanes e = exp_lanes(lanes(row + i) - m);
+    std::memcpy(row + i, &e, sizeof e);
+    sum += e;
   }
-  return 1.f / sum;
+  if (i < n) {
+    Lanes x = {}, e = {};
+    for (int64_t l = 0; i + l < n; ++l) x[l] = row[i + l];
+    x = exp_lanes(x - m);
+    for (int64_t l = 0; i + l < n; ++l) row[i + l] = e[l] = x[l];
+    sum += e;
+  }
+  return 1.f / (((sum[0] + sum[1]) + (sum[2] + sum[3])) + ((sum[4] + sum[5]) + (sum[6] + sum[7])));
 #endif
 }
 
