@@ -135,8 +135,8 @@ def test_other_pool_dtypes_are_refused(k_dtype: torch.dtype, v_dtype: torch.dtyp
 
 
 # Every test above, again on each vector path below this CPU's best (a build of its own, cached in
-# $CBSERVE_HOME like any other, so only a first run compiles it). The portable path has no prefill
-# kernel, and its compile and scalar loops are left to the slow run.
+# $CBSERVE_HOME like any other, so only a first run compiles it). The portable path's compile and
+# scalar loops (its prefill runs each query token as a decode row) are left to the slow run.
 @pytest.mark.parametrize("path", ["avx2", pytest.param("portable", marks=pytest.mark.slow)])
 def test_lower_path_agrees(path: str) -> None:
     rerun_on_lower_path(Path(__file__), path)
@@ -148,6 +148,11 @@ def rerun_on_lower_path(test_file: Path, path: str) -> None:
         pytest.skip(f"this run is the {os.environ[kernels.ISA_SWITCH]} path's")
     if PATHS.index(path) >= PATHS.index(expected_path()):
         pytest.skip(f"{path} is this CPU's best path: the tests above ran it")
+    run_on_path(test_file, path)
+
+
+def run_on_path(test_file: Path, path: str) -> None:
+    """`test_file`'s tests, but those named `lower_path`, in a child run built for `path`."""
     env = {**os.environ, kernels.ISA_SWITCH: path}
     tests = str(test_file.relative_to(REPO))
     child = [sys.executable, "-m", "pytest", tests, "-q", "-x", "-k", "not lower_path"]

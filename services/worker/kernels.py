@@ -45,6 +45,16 @@ ISA_FLAGS: dict[str, tuple[str, ...]] = {
     "portable": ("-march=x86-64",),
 }
 
+# Flags of one kernel's own, after the shared ones. paged_attention's prefill and decode kernels must
+# give a row the same bits from code of different shapes (csrc/paged_attention.cpp), so its float
+# arithmetic must stay as written: none of fast-math's unsafe rewrites (reassociated sums, a division
+# by a loop's invariant made a product by its reciprocal in the loop but not in its tail), no product
+# fused into a later add, and a vector division correctly rounded rather than a refined reciprocal
+# estimate, which a scalar division does not match.
+KERNEL_FLAGS: dict[str, tuple[str, ...]] = {
+    "paged_attention": ("-fno-unsafe-math-optimizations", "-ffp-contract=off", "-mno-recip")
+}
+
 PagedDecode = Callable[..., None]
 PagedPrefill = Callable[..., None]
 
@@ -104,12 +114,14 @@ def _build(stem: str) -> Any:
             if compiling:
                 log.info("compiling native kernel, once per CPU and source (about 30 s)", kernel=stem)
             started = time.monotonic()
+            flags = ["-O3", "-march=native", *ISA_FLAGS[isa()], "-fopenmp", "-ffast-math"]
+            flags += KERNEL_FLAGS.get(stem, ())
             # -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers, serial without it.
             # The extension's libgomp.so.1 resolves to the one torch already loaded: one pool.
             module = load(
                 name=name,
                 sources=[str(source)],
-                extra_cflags=["-O3", "-march=native", *ISA_FLAGS[isa()], "-fopenmp", "-ffast-math"],
+                extra_cflags=flags,
                 extra_ldflags=["-lmvec", "-fopenmp"],
                 build_directory=str(build_dir),
                 verbose=False,
@@ -159,9 +171,9 @@ def paged_decode_kernel() -> PagedDecode | None:
 def paged_prefill_kernel(head_dim: int) -> PagedPrefill | None:
     """`paged_prefill(q [T, H, D], out, k_cache [S, kv, D], v_cache, first_rows [B], num_queries [B],
     slots [B, L], lengths [B], scale, softcap, window)`: causal attention of each request's query
-    tokens (packed rows `first_rows[b]` on) over its first `lengths[b]` slots, written into `out`.
-    None where it does not run (neither AVX-512 nor AVX2, or another head size): prefill then gathers +
-    SDPA."""
+    tokens (packed rows `first_rows[b]` on) over its first `lengths[b]` slots, written into `out`; each
+    row's output is, bit for bit, what `paged_decode` gives for it over the same keys. None where it
+    does not run (a head size without a vector path on AVX-512 or AVX2): prefill then gathers + SDPA."""
     module = _paged_attention()
     if module is None or not module.prefill_supports(head_dim):
         return None

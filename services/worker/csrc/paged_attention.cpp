@@ -20,21 +20,45 @@
 // read), one head each otherwise (so a lone long request still uses every core). Contexts differ in
 // length by 10x within a batch, so threads take tasks from a shared counter instead of fixed shares.
 //
-// With AVX-512 and a head size of 16..128, query-key dots are computed 16 keys at a time and their
-// sums folded together by a transpose-and-add (a dot of 64 floats is 4 FMAs; summing its lanes alone
-// took twice that); each K row is loaded once for all the queries of its head, and the values of up
-// to four queries of a head are accumulated in registers from one load of each V row. Pages are
-// scattered in the pool, which defeats the hardware prefetcher at every page boundary, so the rows
-// ahead are prefetched by hand: a few lines at a time as the reads advance (`Pump`).
+// With AVX-512 and a head size of 16..128, query-key dots are computed 16 keys at a time with the
+// keys across the lanes (the block's K rows transposed, see below); each K row is loaded once for all
+// the queries of its head, and the values of up to four queries of a head are accumulated in
+// registers from one load of each V row. Pages are scattered in the pool, which defeats the hardware
+// prefetcher at every page boundary, so the rows ahead are prefetched by hand: a few lines at a time
+// as the reads advance (`Pump`).
 //
 // With AVX2 (and no AVX-512) and a head size of 32, 64, 96 or 128, dots are computed 8 keys at a time
-// and folded the same way, and the values of up to three queries of a head are accumulated in 12
-// registers, a 32-float slice of the head at a time. The portable loops that serve elsewhere leave a
-// decode step's attention well behind the rate its K/V reads allow.
+// the same way, and the values of up to three queries of a head are accumulated in 12 registers, a
+// 32-float slice of the head at a time. The portable loops that serve elsewhere leave a decode step's
+// attention well behind the rate its K/V reads allow.
 //
-// Prefill chunks (paged_prefill; AVX-512, or AVX2 for head sizes 32-128 by 32): several query tokens
-// per request, each attending causally (and within a sliding window, if any) to the keys before it.
-// See the second half.
+// Prefill chunks (paged_prefill; AVX-512, or AVX2 for head sizes 32-128 by 32; on the portable path
+// each query token runs as a decode row): several query tokens per request, each attending causally
+// (and within a sliding window, if any) to the keys before it. See the second half.
+//
+// One row, one result. A query row gets the same bits from either kernel over the same keys: a soft
+// reset recomputes through paged_prefill the tokens that paged_decode first computed, and in bfloat16
+// a last-bit difference in one row's attention can flip an activation's rounding and, at a near tie,
+// a token. The kernels lay a row's work out differently (decode: one row, its keys streamed; prefill:
+// 16 query tokens across the lanes, tiled over keys), so each step that sums is written to sum in one
+// order in both:
+//   - a dot: the query times the scale first, then one FMA chain over the dims in order, from zero.
+//     That is the prefill's natural order (rows across the lanes, a K element broadcast per FMA); the
+//     decode kernel gets it by transposing each block's K rows so that keys lie across the lanes
+//     (dims across the lanes would sum 16 partial chains and then the lanes, which the prefill could
+//     follow only by holding 16 partial sums per dot);
+//   - an int8 key's scale, then the soft cap (soft_cap: the kernels' own vector tanh, one code for
+//     every score), then e^(s - max) by exp_ps / exp_avx2 over the row's own keys (the max is exact
+//     in any order);
+//   - the softmax sum: 16 partial sums (AVX2: 8), partial l taking the row's keys l, l + 16, .. in
+//     order, then a fixed tree (hsum16 / sum_tree16): the decode kernel's vector sum, which the prefill
+//     keeps as 16 vectors of partial sums per vector of rows;
+//   - the values: one FMA chain per output over the row's keys in order, then times 1 / the sum.
+// The prefill also runs keys that a row does not see (outside its causal range or window) through the
+// same chains with weight 0, which adds exactly nothing. The file is built without fast-math's unsafe
+// rewrites, FMA contraction or reciprocal estimates (kernels.py's KERNEL_FLAGS), which would re-order
+// or round differently the same sum written in two shapes; tests/test_attention_prefill_is_decode.py
+// holds every page type and vector path to it.
 // Only the headers used: <torch/extension.h> (all of libtorch's C++ API) tripled the compile time.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -80,6 +104,11 @@ constexpr bool kScaled = std::is_same_v<T, i8>;
 template <class T>
 constexpr int64_t kScaleElems = kScaled<T> ? 4 : 0;
 
+// Dims of a pool row per 32-bit word: the decode dots transpose K rows as words (a word of bfloat16
+// holds two dims, of int8 four), so that a narrower pool takes fewer shuffles and widens once per word.
+template <class T>
+constexpr int kPerWord = static_cast<int>(4 / sizeof(T));
+
 // The scale of the int8 row whose D values start at `row`.
 inline float row_scale(const i8* row, int64_t D) {
   float s;
@@ -118,8 +147,8 @@ inline __m256 load8(const i8* p) {
 
 // A pool row of n elements as float32: the row itself, or, from bfloat16 or int8 (its values, unscaled),
 // widened into `buf`. For the loops that broadcast a row one element at a time (the prefill kernels; a
-// widened broadcast is three instructions where a float32 one is a load) or load it once per query
-// (AVX2's decode dots): such a row is widened once, by vectors, into L1.
+// widened broadcast is three instructions where a float32 one is a load): such a row is widened once,
+// by vectors, into L1.
 inline const float* f32_row(const float* row, float*, int64_t) { return row; }
 template <class T>
 inline const float* f32_row(const T* row, float* buf, int64_t n) {
@@ -131,6 +160,106 @@ inline const float* f32_row(const T* row, float* buf, int64_t n) {
 #endif
   for (; i < n; ++i) buf[i] = widen(row[i]);
   return buf;
+}
+
+// ------------------------------------------------------------------------- shared by both kernels
+//
+// A row's softmax, computed alike by both kernels (see "One row, one result" in the header): the
+// soft cap, e^(x - max) and the order of the sum.
+
+#ifdef __AVX512F__
+// cap * tanh(x / cap) on 16 lanes, x / cap taken as x times inv_cap = 1 / cap: Cephes's odd polynomial
+// below |x / cap| = 0.625, (1 - e^-2|y|) / (1 + e^-2|y|) above, the sign put back. The kernels' own
+// rather than libm's: a compiler's vector tanh and the scalar one it calls for a loop's last elements
+// may differ in the last bit, and both kernels must cap a score alike wherever it falls in a loop.
+inline __m512 soft_cap16(__m512 x, float cap, float inv_cap) {
+  const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(inv_cap)), a = _mm512_abs_ps(y), one = _mm512_set1_ps(1.f);
+  const __m512 t = exp_ps(_mm512_mul_ps(a, _mm512_set1_ps(-2.f)));
+  const __m512 far = _mm512_div_ps(_mm512_sub_ps(one, t), _mm512_add_ps(one, t));
+  const __m512 z = _mm512_mul_ps(a, a);
+  __m512 p = _mm512_set1_ps(-5.70498872745e-3f);
+  for (const float c : {2.06390887954e-2f, -5.37397155531e-2f, 1.33314422036e-1f, -3.33332819422e-1f})
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(c));
+  const __m512 near = _mm512_fmadd_ps(_mm512_mul_ps(p, z), a, a);
+  const __m512 mag = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(0.625f), _CMP_LT_OQ), far, near);
+  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(INT32_MIN));
+  return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(mag), sign)), _mm512_set1_ps(cap));
+}
+
+// The sum of 16 partial sums, lane l of p[0] .. p[15] for each l, in one fixed tree: p[i] + p[i + 8],
+// then + 4, + 2, + 1. The same tree as hsum16's over the lanes of one vector.
+inline __m512 sum_tree16(__m512* p) {
+  for (int w = 8; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) p[i] = _mm512_add_ps(p[i], p[i + w]);
+  return p[0];
+}
+
+// The sum of a vector's 16 lanes in sum_tree16's tree: lane i + lane i + 8, then + 4, + 2, + 1.
+inline float hsum16(__m512 v) {
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  const __m128 e = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_add_ss(e, _mm_movehdup_ps(e)));
+}
+#endif
+
+#ifdef CBSERVE_AVX2
+// soft_cap16 on 8 lanes.
+inline __m256 soft_cap8(__m256 x, float cap, float inv_cap) {
+  const __m256 y = _mm256_mul_ps(x, _mm256_set1_ps(inv_cap)), one = _mm256_set1_ps(1.f);
+  const __m256 sign_bit = _mm256_set1_ps(-0.f);
+  const __m256 a = _mm256_andnot_ps(sign_bit, y);
+  const __m256 t = exp_avx2(_mm256_mul_ps(a, _mm256_set1_ps(-2.f)));
+  const __m256 far = _mm256_div_ps(_mm256_sub_ps(one, t), _mm256_add_ps(one, t));
+  const __m256 z = _mm256_mul_ps(a, a);
+  __m256 p = _mm256_set1_ps(-5.70498872745e-3f);
+  for (const float c : {2.06390887954e-2f, -5.37397155531e-2f, 1.33314422036e-1f, -3.33332819422e-1f})
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(c));
+  const __m256 near = _mm256_fmadd_ps(_mm256_mul_ps(p, z), a, a);
+  const __m256 mag = _mm256_blendv_ps(far, near, _mm256_cmp_ps(a, _mm256_set1_ps(0.625f), _CMP_LT_OQ));
+  return _mm256_mul_ps(_mm256_or_ps(mag, _mm256_and_ps(sign_bit, y)), _mm256_set1_ps(cap));
+}
+
+// sum_tree16 for 8 partial sums: p[i] + p[i + 4], then + 2, + 1.
+inline __m256 sum_tree8(__m256* p) {
+  for (int w = 4; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) p[i] = _mm256_add_ps(p[i], p[i + w]);
+  return p[0];
+}
+
+// hsum16 for 8 lanes, in sum_tree8's tree.
+inline float hsum8(__m256 v) {
+  const __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 e = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_add_ss(e, _mm_movehdup_ps(e)));
+}
+#endif
+
+// Soft-capping (Gemma2) of n scores in place: by vectors on the vector paths (a vector's worth past
+// n is read and written through a mask or a copy), so that every score is capped by the same code.
+inline void soft_cap(float* x, int64_t n, float cap) {
+  if (cap <= 0.f) return;
+  const float inv_cap = 1.f / cap;
+  int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(x + i, soft_cap16(_mm512_loadu_ps(x + i), cap, inv_cap));
+  if (i < n) {
+    const __mmask16 tail = __mmask16((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(x + i, tail, soft_cap16(_mm512_maskz_loadu_ps(tail, x + i), cap, inv_cap));
+  }
+#elif defined(CBSERVE_AVX2)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, soft_cap8(_mm256_loadu_ps(x + i), cap, inv_cap));
+  if (i < n) {
+    alignas(32) float tail[8] = {};
+    std::copy(x + i, x + n, tail);
+    _mm256_store_ps(tail, soft_cap8(_mm256_load_ps(tail), cap, inv_cap));
+    std::copy(tail, tail + (n - i), x + i);
+  }
+#else
+  // Both kernels run this loop on the portable path: the portable prefill is the decode kernel's task.
+  for (; i < n; ++i) x[i] = std::tanh(x[i] * inv_cap) * cap;
+#endif
 }
 
 template <class T>  // the pool's element type: float, bf16 or i8
@@ -193,92 +322,102 @@ class Pump {
 };
 
 #ifdef __AVX512F__
-// The first level of a transpose-and-add, for one pair of vectors.
-inline __m512 fold_pair(__m512 x, __m512 y) {
-  return _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
-}
-
-// The other three levels, from the first level's 8 vectors: lane i of the result holds the sum of
-// the lanes of the i-th of the 16 vectors folded.
-inline __m512 fold_rest(const __m512* a) {
-  __m512 b[4], c[2];
-  for (int i = 0; i < 4; ++i) {
-    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+// out[l], lane i: in[i]'s lane l (a 16 x 16 transpose, 64 shuffles).
+inline void transpose16(const __m512* in, __m512* out) {
+  __m512 t[16], u[16], v[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(in[2 * i], in[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(in[2 * i], in[2 * i + 1]);
   }
-  for (int i = 0; i < 2; ++i)
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// Transpose-and-add: lane i of the result holds the sum of part[i]'s lanes (four levels).
-inline __m512 fold16(const __m512* part) {
-  __m512 a[8];
-  for (int i = 0; i < 8; ++i) a[i] = fold_pair(part[2 * i], part[2 * i + 1]);
-  return fold_rest(a);
-}
-
-inline void store_scores(float* dst, __m512 sums, int64_t count, float scale) {
-  const __m512 scaled = _mm512_mul_ps(sums, _mm512_set1_ps(scale));
-  if (count >= 16) _mm512_storeu_ps(dst, scaled);
-  else _mm512_mask_storeu_ps(dst, __mmask16((1u << count) - 1), scaled);
-}
-
-// One query's dot with one key, its NC x 16 products summed into 16 lanes (fold16 sums those): the
-// one order both dots16 and dots_head use, so their scores are bit-identical.
-template <int NC>
-inline __m512 lane_dot(const __m512* q, const __m512* k) {
-  __m512 s = _mm512_mul_ps(q[0], k[0]);
-  for (int c = 1; c < NC; ++c) s = _mm512_fmadd_ps(q[c], k[c], s);
-  return s;
-}
-
-// Whether dots_head's G x NC query vectors, one K row and two keys' sums fit the 32 registers.
-constexpr bool head_fits(int NC, int G) { return (G + 1) * NC + 2 * G <= 30; }
-
-// Scores of one head's G queries against keys [j0, j0 + count) of the slot range, scaled: each K row
-// is loaded once for all G queries (from registers), and each pair of keys folds its first level at
-// once.
-template <int NC, int G, class T>
-inline void dots_head(const Task<T>& t, int64_t h, int64_t j0, int64_t count, float* scores, Pump<T>& pump) {
-  __m512 qv[G][NC];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < NC; ++c) qv[g][c] = _mm512_loadu_ps(t.q + (h * G + g) * t.D + 16 * c);
-  __m512 folded[G][8];
-  for (int64_t i = 0; i < kBlock; i += 2) {
-    pump.advance(2 * 16 * NC);
-    __m512 s[2][G];
-    for (int u = 0; u < 2; ++u) {
-      if (i + u >= count) {
-        for (int g = 0; g < G; ++g) s[u][g] = _mm512_setzero_ps();
-        continue;
-      }
-      const T* kr = t.k + t.slot[j0 + i + u] * t.stride + h * t.hd;
-      __m512 kv[NC];
-      for (int c = 0; c < NC; ++c) kv[c] = load16(kr + 16 * c);
-      for (int g = 0; g < G; ++g) s[u][g] = lane_dot<NC>(qv[g], kv);
+  // u[4a + e], 128-bit block b: lane e + 4b of vectors 4a .. 4a + 3.
+  for (int a = 0; a < 4; ++a) {
+    const __m512d t0 = _mm512_castps_pd(t[4 * a]), t1 = _mm512_castps_pd(t[4 * a + 1]);
+    const __m512d t2 = _mm512_castps_pd(t[4 * a + 2]), t3 = _mm512_castps_pd(t[4 * a + 3]);
+    u[4 * a] = _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2));
+    u[4 * a + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2));
+    u[4 * a + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3));
+    u[4 * a + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
+  }
+  // v[8h + 4k + e]: lanes e + 4k and e + 4k + 8 of vectors 8h .. 8h + 7.
+  for (int h = 0; h < 2; ++h)
+    for (int e = 0; e < 4; ++e) {
+      v[8 * h + e] = _mm512_shuffle_f32x4(u[8 * h + e], u[8 * h + 4 + e], _MM_SHUFFLE(2, 0, 2, 0));
+      v[8 * h + 4 + e] = _mm512_shuffle_f32x4(u[8 * h + e], u[8 * h + 4 + e], _MM_SHUFFLE(3, 1, 3, 1));
     }
-    for (int g = 0; g < G; ++g) folded[g][i / 2] = fold_pair(s[0][g], s[1][g]);
-  }
-  for (int g = 0; g < G; ++g) store_scores(scores + (h * G + g) * t.n + j0, fold_rest(folded[g]), count, t.scale);
+  for (int k = 0; k < 2; ++k)
+    for (int e = 0; e < 4; ++e) {
+      out[4 * k + e] = _mm512_shuffle_f32x4(v[4 * k + e], v[8 + 4 * k + e], _MM_SHUFFLE(2, 0, 2, 0));
+      out[8 + 4 * k + e] = _mm512_shuffle_f32x4(v[4 * k + e], v[8 + 4 * k + e], _MM_SHUFFLE(3, 1, 3, 1));
+    }
 }
 
-// Scores of one (head, query) against keys [j0, j0 + 16) of its slot range, scaled: 16 floats.
-template <int NC, class T>
-inline void dots16(const Task<T>& t, const float* q, int64_t head_off, int64_t j0, int64_t count, float* dst) {
-  __m512 qv[NC];
-  for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
-  __m512 part[16];
-  for (int64_t i = 0; i < 16; ++i) {
-    if (i >= count) { part[i] = _mm512_setzero_ps(); continue; }
-    const T* kr = t.k + t.slot[j0 + i] * t.stride + head_off;
-    __m512 kv[NC];
-    for (int c = 0; c < NC; ++c) kv[c] = load16(kr + 16 * c);
-    part[i] = lane_dot<NC>(qv, kv);
+// Dim b of the kPerWord<T> dims that the 32-bit words of `w` hold, as float32 (int8: unscaled).
+template <class T>
+inline __m512 word_dim(__m512i w, int b) {
+  if constexpr (std::is_same_v<T, float>) return _mm512_castsi512_ps(w);
+  else if constexpr (std::is_same_v<T, bf16>)
+    return _mm512_castsi512_ps(b == 0 ? _mm512_slli_epi32(w, 16) : _mm512_and_si512(w, _mm512_set1_epi32(-65536)));
+  else return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w, 24 - 8 * b), 24));
+}
+
+// The dots of GB queries of head h (qs: the task's queries, scaled, rows D apart; these are rows r0 ..
+// r0 + GB) with keys [j0, j0 + count) of the slot range, in paged_prefill's order: one FMA chain over
+// the dims in order, from zero. Keys lie across the lanes: 16 words at a time of the block's 16 K rows
+// are loaded and transposed (64 shuffles: the price of that order here) and meet every query at once.
+template <int NC, int GB, class T>
+inline void keys_dots(const Task<T>& t, const float* qs, int64_t r0, int64_t h, int64_t j0, int64_t count,
+                      float* scores) {
+  constexpr int64_t D = 16 * NC, kWords = D / kPerWord<T>;
+  const T* kr[kBlock];
+  for (int64_t i = 0; i < kBlock; ++i) kr[i] = t.k + t.slot[j0 + std::min(i, count - 1)] * t.stride + h * t.hd;
+  const float* q = qs + r0 * D;
+  __m512 acc[GB];
+  for (int g = 0; g < GB; ++g) acc[g] = _mm512_setzero_ps();
+  for (int64_t w0 = 0; w0 < kWords; w0 += 16) {
+    __m512 rows[16], cols[16];
+    if constexpr (std::is_same_v<T, float>) {
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) rows[i] = _mm512_loadu_ps(kr[i] + w0);
+    } else {
+      // Through a mask: a row of bfloat16 or int8 may end within the 16 words. (Taken for whole words
+      // too: with plain loads the bfloat16 kernel ran slower on short contexts.)
+      const __mmask16 words = __mmask16(kWords - w0 >= 16 ? 0xFFFF : (1u << (kWords - w0)) - 1);
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i)
+        rows[i] = _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(words, kr[i] + w0 * kPerWord<T>));
+    }
+    transpose16(rows, cols);
+    // Unrolled, so that the columns stay in registers (rolled, the compiler stored them to read back).
+#pragma GCC unroll 16
+    for (int l = 0; l < 16; ++l) {
+      if (w0 + l >= kWords) break;
+#pragma GCC unroll 4
+      for (int b = 0; b < kPerWord<T>; ++b) {
+        const __m512 kv = word_dim<T>(_mm512_castps_si512(cols[l]), b);
+        const int64_t d = (w0 + l) * kPerWord<T> + b;
+#pragma GCC unroll 4
+        for (int g = 0; g < GB; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * D + d]), kv, acc[g]);
+      }
+    }
   }
-  store_scores(dst, fold16(part), count, t.scale);
+  const __mmask16 keep = __mmask16((1u << count) - 1);
+  for (int g = 0; g < GB; ++g) _mm512_mask_storeu_ps(scores + (r0 + g) * t.n + j0, keep, acc[g]);
+}
+
+// The dots of one head's G queries with keys [j0, j0 + count) of the slot range (keys_dots), up to
+// four queries a pass.
+template <int NC, class T>
+inline void head_dots(const Task<T>& t, const float* qs, int64_t h, int64_t j0, int64_t count, float* scores,
+                      Pump<T>& pump) {
+  pump.advance(kBlock * t.D);
+  for (int64_t r0 = h * t.G; r0 < (h + 1) * t.G; r0 += 4) {
+    switch (std::min<int64_t>(4, (h + 1) * t.G - r0)) {
+      case 1: keys_dots<NC, 1>(t, qs, r0, h, j0, count, scores); break;
+      case 2: keys_dots<NC, 2>(t, qs, r0, h, j0, count, scores); break;
+      case 3: keys_dots<NC, 3>(t, qs, r0, h, j0, count, scores); break;
+      default: keys_dots<NC, 4>(t, qs, r0, h, j0, count, scores); break;
+    }
+  }
 }
 
 // out[g] (+)= sum_j w[g][j] * V[j] over keys [j0, j1) for GB queries of one head (w rows t.n apart,
@@ -328,36 +467,89 @@ inline void weighted_blocks(const Task<T>& t, const float* w, int64_t head_off, 
 #endif
 
 #ifdef CBSERVE_AVX2
-// Lane i of the result holds the sum of p[i]'s lanes (hadd twice, then the two 128-bit halves).
-inline __m256 fold8(const __m256* p) {
-  const __m256 b0 = _mm256_hadd_ps(_mm256_hadd_ps(p[0], p[1]), _mm256_hadd_ps(p[2], p[3]));
-  const __m256 b1 = _mm256_hadd_ps(_mm256_hadd_ps(p[4], p[5]), _mm256_hadd_ps(p[6], p[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+// transpose16 for 8 lanes: out[l], lane i: in[i]'s lane l.
+inline void transpose8(const __m256* in, __m256* out) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(in[2 * i], in[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(in[2 * i], in[2 * i + 1]);
+  }
+  // u[4a + e], 128-bit half b: lane e + 4b of vectors 4a .. 4a + 3.
+  for (int a = 0; a < 2; ++a) {
+    u[4 * a] = _mm256_shuffle_ps(t[4 * a], t[4 * a + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * a + 1] = _mm256_shuffle_ps(t[4 * a], t[4 * a + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4 * a + 2] = _mm256_shuffle_ps(t[4 * a + 1], t[4 * a + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * a + 3] = _mm256_shuffle_ps(t[4 * a + 1], t[4 * a + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int e = 0; e < 4; ++e) {
+    out[e] = _mm256_permute2f128_ps(u[e], u[4 + e], 0x20);
+    out[4 + e] = _mm256_permute2f128_ps(u[e], u[4 + e], 0x31);
+  }
 }
 
-// Scores of one (head, query) against keys [j0, j0 + count) of its slot range (count <= kBlock),
-// scaled, 8 keys a fold.
-template <int NC, class T>  // D / 8
-inline void dots_avx2(const Task<T>& t, const float* q, int64_t head_off, int64_t j0, int64_t count, float* dst) {
-  for (int64_t i0 = 0; i0 < count; i0 += 8) {
-    __m256 part[8];
+// Dim b of the kPerWord<T> dims that the 32-bit words of `w` hold, as float32 (int8: unscaled).
+template <class T>
+inline __m256 word_dim8(__m256i w, int b) {
+  if constexpr (std::is_same_v<T, float>) return _mm256_castsi256_ps(w);
+  else if constexpr (std::is_same_v<T, bf16>)
+    return _mm256_castsi256_ps(b == 0 ? _mm256_slli_epi32(w, 16) : _mm256_and_si256(w, _mm256_set1_epi32(-65536)));
+  else return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(w, 24 - 8 * b), 24));
+}
+
+// keys_dots for AVX2: keys [j0, j0 + count), count <= 8, 8 words of their K rows transposed at a time.
+template <int NC, int GB, class T>  // NC = D / 8
+inline void keys_dots8(const Task<T>& t, const float* qs, int64_t r0, int64_t h, int64_t j0, int64_t count,
+                       float* scores) {
+  constexpr int64_t D = 8 * NC, kWords = D / kPerWord<T>;
+  const T* kr[8];
+  for (int64_t i = 0; i < 8; ++i) kr[i] = t.k + t.slot[j0 + std::min<int64_t>(i, count - 1)] * t.stride + h * t.hd;
+  const float* q = qs + r0 * D;
+  __m256 acc[GB];
+#pragma GCC unroll 4
+  for (int g = 0; g < GB; ++g) acc[g] = _mm256_setzero_ps();
+  static_assert(kWords % 8 == 0, "AVX2's head sizes are 32 .. 128 by 32: whole words of 8");
+#pragma GCC unroll 1
+  for (int64_t w0 = 0; w0 < kWords; w0 += 8) {
+    __m256 rows[8], cols[8];
 #pragma GCC unroll 8
-    for (int64_t i = 0; i < 8; ++i) {
-      if (i0 + i >= count) { part[i] = _mm256_setzero_ps(); continue; }
-      const T* kr = t.k + t.slot[j0 + i0 + i] * t.stride + head_off;
-      __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(q), load8(kr));
-#pragma GCC unroll 16
-      for (int c = 1; c < NC; ++c) sum = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), load8(kr + 8 * c), sum);
-      part[i] = sum;
+    for (int i = 0; i < 8; ++i) rows[i] = _mm256_loadu_ps(reinterpret_cast<const float*>(kr[i] + w0 * kPerWord<T>));
+    transpose8(rows, cols);
+#pragma GCC unroll 8
+    for (int l = 0; l < 8; ++l) {
+#pragma GCC unroll 4
+      for (int b = 0; b < kPerWord<T>; ++b) {
+        const __m256 kv = word_dim8<T>(_mm256_castps_si256(cols[l]), b);
+        const int64_t d = (w0 + l) * kPerWord<T> + b;
+#pragma GCC unroll 4
+        for (int g = 0; g < GB; ++g) acc[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(q + g * D + d), kv, acc[g]);
+      }
     }
-    const __m256 scores = _mm256_mul_ps(fold8(part), _mm256_set1_ps(t.scale));
-    const int64_t n = std::min<int64_t>(8, count - i0);
-    if (n == 8) {
-      _mm256_storeu_ps(dst + i0, scores);
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < GB; ++g) {
+    float* dst = scores + (r0 + g) * t.n + j0;
+    if (count == 8) {
+      _mm256_storeu_ps(dst, acc[g]);
     } else {
       alignas(32) float tail[8];
-      _mm256_store_ps(tail, scores);
-      std::copy(tail, tail + n, dst + i0);
+      _mm256_store_ps(tail, acc[g]);
+      std::copy(tail, tail + count, dst);
+    }
+  }
+}
+
+// head_dots for AVX2, 8 keys at a time.
+template <int NC, class T>  // D / 8
+inline void head_dots_avx2(const Task<T>& t, const float* qs, int64_t h, int64_t j0, int64_t count, float* scores) {
+  for (int64_t i0 = 0; i0 < count; i0 += 8) {
+    const int64_t n = std::min<int64_t>(8, count - i0);
+    for (int64_t r0 = h * t.G; r0 < (h + 1) * t.G; r0 += 4) {
+      switch (std::min<int64_t>(4, (h + 1) * t.G - r0)) {
+        case 1: keys_dots8<NC, 1>(t, qs, r0, h, j0 + i0, n, scores); break;
+        case 2: keys_dots8<NC, 2>(t, qs, r0, h, j0 + i0, n, scores); break;
+        case 3: keys_dots8<NC, 3>(t, qs, r0, h, j0 + i0, n, scores); break;
+        default: keys_dots8<NC, 4>(t, qs, r0, h, j0 + i0, n, scores); break;
+      }
     }
   }
 }
@@ -441,6 +633,27 @@ inline Lanes lanes(const i8* p) {
   return __builtin_convertvector(raw, Lanes);
 }
 
+// e^x for x <= 0 on the portable lanes, as exp_avx2 computes it but with plain products and sums
+// (no FMA here): x = n ln2 + r, Cephes's polynomial for e^r, times 2^n built in the exponent bits.
+// glibc's vector exp is declared only under fast-math, which this file is built without (kernels.py),
+// and expf a key at a time ran the portable decode slower.
+inline Lanes exp_lanes(Lanes x) {
+  using Bits = int32_t __attribute__((vector_size(32)));
+  const Lanes lowest = Lanes{} - 87.3365478515625f;
+  x = x < lowest ? lowest : x;
+  x = x > 0.f ? Lanes{} : x;
+  const float round = 12582912.f;  // 1.5 x 2^23: adding and subtracting it rounds to an integer
+  const Lanes n = (x * 1.44269504088896341f + round) - round;
+  Lanes r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  Lanes p = Lanes{} + 1.9875691500e-4f;
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = p * r + c;
+  const Lanes e = p * (r * r) + (r + 1.f);
+  const Bits two_n = (__builtin_convertvector(n, Bits) + 127) << 23;
+  return e * std::bit_cast<Lanes>(two_n);
+}
+
 template <class T>
 inline void dots_generic(const Task<T>& t, const float* q, int64_t head_off, int64_t j0, int64_t count, float* dst) {
   for (int64_t i = 0; i < count; ++i) {
@@ -473,16 +686,6 @@ inline void weighted_blocks_generic(const Task<T>& t, const float* w, int64_t he
       for (int64_t d = 0; d < t.D; ++d) out[g * t.D + d] *= inv[g];
 }
 
-// Below AVX-512 (whose path in run_task works a whole head at a time) a task goes row by row: on
-// the AVX2 path where the head size has one (NC > 0), else on the portable one.
-template <int NC, class T>
-inline void row_dots(const Task<T>& t, const float* q, int64_t head_off, int64_t j0, int64_t count, float* dst) {
-#ifdef CBSERVE_AVX2
-  if constexpr (NC > 0) return dots_avx2<NC>(t, q, head_off, j0, count, dst);
-#endif
-  dots_generic(t, q, head_off, j0, count, dst);
-}
-
 template <int NC, class T>
 inline void head_weighted(const Task<T>& t, const float* w, int64_t head_off, int64_t j0, int64_t j1, const float* inv,
                           float* out, bool first, bool last) {
@@ -492,13 +695,11 @@ inline void head_weighted(const Task<T>& t, const float* w, int64_t head_off, in
   weighted_blocks_generic(t, w, head_off, j0, j1, inv, out, first, last);
 }
 
-// Softmax of one score row in place; returns 1 / its sum.
+// Softmax of one score row in place; returns 1 / its sum. On the vector paths the sum runs in the
+// order paged_prefill reproduces: partial sum l of 16 (AVX2: 8) takes the row's keys l, l + 16, ..., in
+// key order, then hsum16 (hsum8) adds the partial sums.
 inline float softmax_(float* row, int64_t n, float cap) {
-  // Built with -ffast-math (so exp vectorises): every value here stays finite, starting with this.
-  if (cap > 0.f) {
-#pragma omp simd
-    for (int64_t j = 0; j < n; ++j) row[j] = std::tanh(row[j] / cap) * cap;
-  }
+  soft_cap(row, n, cap);
 #ifdef __AVX512F__
   // By hand: the compiler left this reduction scalar, one dependent vmaxss a key (a fifth of a
   // decode step's attention).
@@ -507,44 +708,65 @@ inline float softmax_(float* row, int64_t n, float cap) {
   for (; i + 16 <= n; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(row + i));
   const __mmask16 tail = __mmask16((1u << (n - i)) - 1);
   if (i < n) mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_maskz_loadu_ps(tail, row + i));
-  const float m = _mm512_reduce_max_ps(mv);
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+  __m512 sum = _mm512_setzero_ps();
+  for (i = 0; i + 16 <= n; i += 16) {
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(row + i), m));
+    _mm512_storeu_ps(row + i, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  if (i < n) {
+    const __m512 e = _mm512_maskz_mov_ps(tail, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + i), m)));
+    _mm512_mask_storeu_ps(row + i, tail, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return 1.f / hsum16(sum);
 #elif defined(CBSERVE_AVX2)
   __m256 mv = _mm256_set1_ps(-FLT_MAX);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(row + i));
   __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  float m = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-  for (; i < n; ++i) m = std::max(m, row[i]);
+  float mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  for (int64_t j = i; j < n; ++j) mx = std::max(mx, row[j]);
+  const __m256 m = _mm256_set1_ps(mx);
+  __m256 sum = _mm256_setzero_ps();
+  for (i = 0; i + 8 <= n; i += 8) {
+    const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(row + i), m));
+    _mm256_storeu_ps(row + i, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  if (i < n) {
+    alignas(32) float tail[8] = {};
+    std::copy(row + i, row + n, tail);
+    const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_load_ps(tail), m));
+    _mm256_store_ps(tail, e);
+    for (int64_t j = n - i; j < 8; ++j) tail[j] = 0.f;
+    std::copy(tail, tail + (n - i), row + i);
+    sum = _mm256_add_ps(sum, _mm256_load_ps(tail));
+  }
+  return 1.f / hsum8(sum);
 #else
+  // Built with -ffinite-math-only (kernels.py): every value here stays finite, starting with this.
   float m = -FLT_MAX;
   for (int64_t j = 0; j < n; ++j) m = std::max(m, row[j]);
-#endif
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t j = 0; j < n; ++j) {
-    row[j] = std::exp(row[j] - m);
-    sum += row[j];
+  Lanes sum = {};
+  int64_t i = 0;
+  for (; i + kLanesGeneric <= n; i += kLanesGeneric) {
+    const Lanes e = exp_lanes(lanes(row + i) - m);
+    std::memcpy(row + i, &e, sizeof e);
+    sum += e;
   }
-  return 1.f / sum;
-}
-
-#ifdef __AVX512F__
-// One head's dots over a block of keys: dots_head where its registers fit, else a query at a time.
-template <int NC, class T>
-inline void head_dots(const Task<T>& t, int64_t h, int64_t j0, int64_t count, float* scores, Pump<T>& pump) {
-  switch (t.G) {
-    case 1: if constexpr (head_fits(NC, 1)) return dots_head<NC, 1>(t, h, j0, count, scores, pump); break;
-    case 2: if constexpr (head_fits(NC, 2)) return dots_head<NC, 2>(t, h, j0, count, scores, pump); break;
-    case 3: if constexpr (head_fits(NC, 3)) return dots_head<NC, 3>(t, h, j0, count, scores, pump); break;
-    case 4: if constexpr (head_fits(NC, 4)) return dots_head<NC, 4>(t, h, j0, count, scores, pump); break;
-    default: break;
+  if (i < n) {
+    Lanes x = {}, e = {};
+    for (int64_t l = 0; i + l < n; ++l) x[l] = row[i + l];
+    x = exp_lanes(x - m);
+    for (int64_t l = 0; i + l < n; ++l) row[i + l] = e[l] = x[l];
+    sum += e;
   }
-  pump.advance(count * 16 * NC);
-  for (int64_t g = 0; g < t.G; ++g)
-    dots16<NC>(t, t.q + (h * t.G + g) * t.D, h * t.hd, j0, count, scores + (h * t.G + g) * t.n + j0);
-}
+  return 1.f / (((sum[0] + sum[1]) + (sum[2] + sum[3])) + ((sum[4] + sum[5]) + (sum[6] + sum[7])));
 #endif
+}
 
 // The scores (or softmax weights) of keys [j0, j0 + count) times each key's K (or V) row scale, per
 // head: for int8 pools, whose values were read unscaled.
@@ -557,34 +779,26 @@ inline void scale_by_rows(const Task<T>& t, const T* pool, int64_t j0, int64_t c
     }
 }
 
-// The dots of every (head, query) row of a task with keys [j0, j0 + count).
+// The dots of every (head, query) row of a task with keys [j0, j0 + count): on a vector path a head
+// at a time, else row by row on the portable loops.
 template <int NC, class T>
-inline void block_dots(const Task<T>& t, int64_t j0, int64_t count, float* scores, Pump<T>& pump) {
-  const int64_t rows = t.hs * t.G;
+inline void block_dots(const Task<T>& t, const float* qs, int64_t j0, int64_t count, float* scores, Pump<T>& pump) {
 #ifdef __AVX512F__
   if constexpr (NC > 0) {
-    for (int64_t h = 0; h < t.hs; ++h) head_dots<NC>(t, h, j0, count, scores, pump);
+    for (int64_t h = 0; h < t.hs; ++h) head_dots<NC>(t, qs, h, j0, count, scores, pump);
     return;
   }
 #endif
   pump.advance(count * t.hs * t.D);
 #ifdef CBSERVE_AVX2
-  if constexpr (NC > 0 && !std::is_same_v<T, float>) {
-    // The AVX2 dots load a K row once per query of its head: a bfloat16 or int8 block's rows are
-    // widened once, all heads, into float32 rows after the scores (`scores` has room), read as a pool.
-    static constexpr int64_t kIota[kBlock] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    float* widened = scores + rows * t.n;
-    for (int64_t i = 0; i < count; ++i)
-      for (int64_t h = 0; h < t.hs; ++h)
-        f32_row(t.k + t.slot[j0 + i] * t.stride + h * t.hd, widened + (i * t.hs + h) * t.D, t.D);
-    const Task<float> block{t.q, t.out, widened, nullptr, kIota, count, t.hs, t.G, t.D, t.D, t.hs * t.D, t.scale, t.cap};
-    for (int64_t r = 0; r < rows; ++r)
-      row_dots<NC>(block, t.q + r * t.D, (r / t.G) * t.D, 0, count, scores + r * t.n + j0);
+  if constexpr (NC > 0) {
+    for (int64_t h = 0; h < t.hs; ++h) head_dots_avx2<NC>(t, qs, h, j0, count, scores);
     return;
   }
 #endif
-  for (int64_t r = 0; r < rows; ++r)
-    row_dots<NC>(t, t.q + r * t.D, (r / t.G) * t.hd, j0, count, scores + r * t.n + j0);
+  (void)qs;
+  for (int64_t r = 0; r < t.hs * t.G; ++r)
+    dots_generic(t, t.q + r * t.D, (r / t.G) * t.hd, j0, count, scores + r * t.n + j0);
 }
 
 // One task: the dots of every (head, query) row with each key, in key order, 16 keys a block; the
@@ -595,10 +809,14 @@ inline void block_dots(const Task<T>& t, int64_t j0, int64_t count, float* score
 template <int NC, class T>  // D / 16 on the AVX-512 path, D / 8 on the AVX2 one; 0: the portable one
 void run_task(const Task<T>& t, float* scores) {
   const int64_t rows = t.hs * t.G;
+  // The queries times the scale, as paged_prefill scales them before its dots, after the scores.
+  float* qs = scores + rows * t.n;
+  if constexpr (NC > 0)
+    for (int64_t i = 0; i < rows * t.D; ++i) qs[i] = t.q[i] * t.scale;
   Pump<T> pump(t);
   for (int64_t j0 = 0; j0 < t.n; j0 += kBlock) {
     const int64_t count = std::min(kBlock, t.n - j0);
-    block_dots<NC>(t, j0, count, scores, pump);
+    block_dots<NC>(t, qs, j0, count, scores, pump);
     if constexpr (kScaled<T>) scale_by_rows(t, t.k, j0, count, scores);
   }
   float inv[kMaxRows];
@@ -725,7 +943,7 @@ void paged_decode(
     const int64_t hd = D + kScaleElems<T>;
     std::atomic<int64_t> next{0};
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-      std::vector<float> scores(static_cast<size_t>(hs * G * L + kBlock * hs * D));  // + run_task's block
+      std::vector<float> scores(static_cast<size_t>(hs * G * (L + D)));  // + run_task's scaled queries
       for (int64_t task = next++; task < tasks; task = next++) {
         const int64_t b = task / parts, h0 = (task % parts) * hs;
         const Task<T> t{
@@ -752,7 +970,8 @@ void paged_decode(
 // AVX-512 vectors (transposed once), so each key's dot with 16 rows is 64 broadcast-FMAs with no
 // horizontal sums; the scores of the block (keys x rows, in L2) get a masked softmax (each row's own
 // causal range), and the values are summed into up to six rows at a time from one load of each V row.
-// Blocks of the longest requests go first; threads take them from a shared counter.
+// Every sum keeps the decode kernel's order ("One row, one result" at the top). Blocks of the longest
+// requests go first; threads take them from a shared counter.
 namespace {
 constexpr int64_t kQueryBlock = 16;  // query tokens per task
 constexpr int64_t kLanes = 16;
@@ -800,13 +1019,6 @@ inline void scale_keys(const PrefillTask<T>& t, const T* pool, int64_t j, int64_
   }
 }
 
-// Logit soft-capping (Gemma2) of a block's scores, in place.
-inline void cap_scores(float* st, int64_t n, float cap) {
-  if (cap <= 0.f) return;
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) st[i] = std::tanh(st[i] / cap) * cap;
-}
-
 #ifdef __AVX512F__
 // Scores of GR x 16 rows (lanes) against kKeys keys: st[u * Rp + g * 16 + lane].
 template <int NC, int GR>
@@ -824,6 +1036,23 @@ inline void prefill_scores(const float* qt, int64_t Rp, const float* const* kr, 
   }
   for (int64_t u = 0; u < keys; ++u)
     for (int g = 0; g < GR; ++g) _mm512_storeu_ps(st + u * Rp + g * kLanes, acc[u][g]);
+}
+
+// 1 / the softmax sum of each of a vector of rows, from the rows' 16 partial sums part[u] (lane r of
+// part[u]: the e^(s - max) of the keys j = u mod 16 of the block, in key order, 0 where row r does
+// not see j), in the decode kernel's order: its partial sum l of row r takes the row's own keys
+// lo[r] + l, lo[r] + l + 16, .. (softmax_), which here is part[(l + lo[r]) mod 16] in lane r; then
+// sum_tree16. `lo` is the rows' first keys (int32 lanes).
+inline __m512 inverse_sums16(const __m512* part, __m512i lo) {
+  alignas(64) float parts[16][kLanes];
+  for (int u = 0; u < 16; ++u) _mm512_store_ps(parts[u], part[u]);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 p[16];
+  for (int l = 0; l < 16; ++l) {
+    const __m512i u = _mm512_and_si512(_mm512_add_epi32(lo, _mm512_set1_epi32(l)), _mm512_set1_epi32(15));
+    p[l] = _mm512_i32gather_ps(_mm512_add_epi32(_mm512_slli_epi32(u, 4), lane), &parts[0][0], 4);
+  }
+  return _mm512_div_ps(_mm512_set1_ps(1.f), sum_tree16(p));
 }
 
 // Rows per value block: ROWS x NC accumulators, at most 24 (29 of the 32 registers with the NC V
@@ -894,7 +1123,7 @@ void run_prefill(const PrefillTask<T>& t, float* qt, float* st) {
     }
     if constexpr (kScaled<T>) scale_keys(t, t.k, j, keys, st, Rp);
   }
-  cap_scores(st, t.nk * Rp, t.cap);
+  soft_cap(st, t.nk * Rp, t.cap);
   std::vector<float> inv(Rp);
   for (int64_t gv = 0; gv < vectors; ++gv) {
     const __m512i lv = _mm512_loadu_si512(lo.data() + gv * kLanes), hv = _mm512_loadu_si512(hi.data() + gv * kLanes);
@@ -909,14 +1138,20 @@ void run_prefill(const PrefillTask<T>& t, float* qt, float* st) {
     float* col = st + gv * kLanes;
     __m512 mv = _mm512_set1_ps(-FLT_MAX);
     for (int64_t j = 0; j < t.nk; ++j) mv = _mm512_mask_max_ps(mv, seen(j), mv, _mm512_loadu_ps(col + j * Rp));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < t.nk; ++j) {
-      float* s = col + j * Rp;
-      const __m512 ev = _mm512_maskz_mov_ps(seen(j), exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s), mv)));
-      _mm512_storeu_ps(s, ev);
-      sum = _mm512_add_ps(sum, ev);
+    __m512 part[16];
+    for (int u = 0; u < 16; ++u) part[u] = _mm512_setzero_ps();
+    for (int64_t j0 = 0; j0 < t.nk; j0 += 16) {
+#pragma GCC unroll 16
+      for (int u = 0; u < 16; ++u) {
+        const int64_t j = j0 + u;
+        if (j >= t.nk) break;
+        float* s = col + j * Rp;
+        const __m512 ev = _mm512_maskz_mov_ps(seen(j), exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s), mv)));
+        _mm512_storeu_ps(s, ev);
+        part[u] = _mm512_add_ps(part[u], ev);
+      }
     }
-    _mm512_storeu_ps(inv.data() + gv * kLanes, _mm512_div_ps(_mm512_set1_ps(1.f), sum));
+    _mm512_storeu_ps(inv.data() + gv * kLanes, inverse_sums16(part, lv));
   }
   if constexpr (kScaled<T>) scale_keys(t, t.v, 0, t.nk, st, Rp);
   constexpr int64_t kRows = values_rows(NC);
@@ -960,6 +1195,19 @@ inline void prefill_scores_avx2(const float* qt, int64_t Rp, const float* const*
     if (u < keys)
 #pragma GCC unroll 2
       for (int g = 0; g < GR; ++g) _mm256_storeu_ps(st + u * Rp + g * kLanes8, acc[u][g]);
+}
+
+// inverse_sums16 for AVX2's 8 partial sums: lane r's partial sum l is part[(l + lo[r]) mod 8].
+inline __m256 inverse_sums8(const __m256* part, __m256i lo) {
+  alignas(32) float parts[8][kLanes8];
+  for (int u = 0; u < 8; ++u) _mm256_store_ps(parts[u], part[u]);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 p[8];
+  for (int l = 0; l < 8; ++l) {
+    const __m256i u = _mm256_and_si256(_mm256_add_epi32(lo, _mm256_set1_epi32(l)), _mm256_set1_epi32(7));
+    p[l] = _mm256_i32gather_ps(&parts[0][0], _mm256_add_epi32(_mm256_slli_epi32(u, 3), lane), 4);
+  }
+  return _mm256_div_ps(_mm256_set1_ps(1.f), sum_tree8(p));
 }
 
 // The values of a block's rows, with rows across the lanes as in its scores: ot[d][r] = sum over keys
@@ -1058,7 +1306,7 @@ void run_prefill_avx2(const PrefillTask<T>& t, float* qt, float* st) {
     }
     if constexpr (kScaled<T>) scale_keys(t, t.k, j, keys, st, Rp);
   }
-  cap_scores(st, t.nk * Rp, t.cap);
+  soft_cap(st, t.nk * Rp, t.cap);
   std::vector<float> inv(Rp);
   const __m256i ones = _mm256_set1_epi32(-1);
   for (int64_t gv = 0; gv < vectors; ++gv) {
@@ -1077,14 +1325,20 @@ void run_prefill_avx2(const PrefillTask<T>& t, float* qt, float* st) {
     __m256 mv = lowest;
     for (int64_t j = 0; j < t.nk; ++j)
       mv = _mm256_max_ps(mv, _mm256_blendv_ps(lowest, _mm256_loadu_ps(col + j * Rp), seen(j)));
-    __m256 sum = _mm256_setzero_ps();
-    for (int64_t j = 0; j < t.nk; ++j) {
-      float* s = col + j * Rp;
-      const __m256 ev = _mm256_and_ps(seen(j), exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(s), mv)));
-      _mm256_storeu_ps(s, ev);
-      sum = _mm256_add_ps(sum, ev);
+    __m256 part[8];
+    for (int u = 0; u < 8; ++u) part[u] = _mm256_setzero_ps();
+    for (int64_t j0 = 0; j0 < t.nk; j0 += 8) {
+#pragma GCC unroll 8
+      for (int u = 0; u < 8; ++u) {
+        const int64_t j = j0 + u;
+        if (j >= t.nk) break;
+        float* s = col + j * Rp;
+        const __m256 ev = _mm256_and_ps(seen(j), exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(s), mv)));
+        _mm256_storeu_ps(s, ev);
+        part[u] = _mm256_add_ps(part[u], ev);
+      }
     }
-    _mm256_storeu_ps(inv.data() + gv * kLanes8, _mm256_div_ps(_mm256_set1_ps(1.f), sum));
+    _mm256_storeu_ps(inv.data() + gv * kLanes8, inverse_sums8(part, lv));
   }
   if constexpr (kScaled<T>) scale_keys(t, t.v, 0, t.nk, st, Rp);
   // Rows that do not see key j weigh exactly 0 there, so all rows share the span of their keys.
@@ -1113,10 +1367,20 @@ PrefillFn<T> pick_prefill(int64_t D) {
   return nullptr;
 #endif
 }
+
+// Whether this build has no vector path: there each query token of a chunk runs as a decode row over
+// its own keys (the decode kernel's task, all kv heads at once), which is the decode kernel's result
+// by construction, at any head size.
+constexpr bool kPrefillByRows =
+#if defined(__AVX512F__) || defined(CBSERVE_AVX2)
+    false;
+#else
+    true;
+#endif
 }  // namespace
 
 // Every element type has the same head sizes.
-bool prefill_supports(int64_t head_dim) { return pick_prefill<float>(head_dim) != nullptr; }
+bool prefill_supports(int64_t head_dim) { return kPrefillByRows || pick_prefill<float>(head_dim) != nullptr; }
 
 void paged_prefill(
     at::Tensor q,           // [T, H, D] float32: heads contiguous, any token stride
@@ -1154,6 +1418,36 @@ void paged_prefill(
                 "request ", b, ": ", nq[b], " queries from row ", fr[b], " over ", lp[b], " of ", L, " keys");
     for (int64_t q0 = (nq[b] - 1) / kQueryBlock * kQueryBlock; q0 >= 0; q0 -= kQueryBlock)
       for (int64_t h = 0; h < KV; ++h) blocks.push_back({b, h, q0});
+  }
+  if constexpr (kPrefillByRows) {
+    TORCH_CHECK(H <= kMaxRows, "at most ", kMaxRows, " query heads, got ", H);
+    int64_t tokens = 0;
+    for (int64_t b = 0; b < B; ++b) tokens += nq[b];
+    std::vector<std::pair<int64_t, int64_t>> rows;  // (request, query token), most keys first
+    rows.reserve(static_cast<size_t>(tokens));
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t x = nq[b] - 1; x >= 0; --x) rows.emplace_back(b, x);
+    auto run = [&]<class T>() {
+      const TaskFn<T> fn = pick<T>(D);
+      const int64_t hd = D + kScaleElems<T>;
+      std::atomic<int64_t> next{0};
+      at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+        std::vector<float> scores(static_cast<size_t>(H * (L + D)));  // as paged_decode's
+        for (int64_t i = next++; i < tokens; i = next++) {
+          const auto [b, x] = rows[i];
+          const int64_t jhi = lp[b] - nq[b] + x;
+          const int64_t jlo = window > 0 ? std::max<int64_t>(0, jhi - window + 1) : 0;
+          const int64_t row = fr[b] + x;
+          const Task<T> t{q.data_ptr<float>() + row * q.stride(0), out.data_ptr<float>() + row * out.stride(0),
+                          pool_data<T>(k_cache), pool_data<T>(v_cache), slots.data_ptr<int64_t>() + b * L + jlo,
+                          jhi - jlo + 1, KV, G, D, hd, KV * hd,
+                          static_cast<float>(scale), static_cast<float>(softcap)};
+          fn(t, scores.data());
+        }
+      });
+    };
+    for_pool_type(kv_type, run);
+    return;
   }
   std::stable_sort(blocks.begin(), blocks.end(), [&](const Block& x, const Block& y) {
     return lp[x.b] - nq[x.b] + x.q0 > lp[y.b] - nq[y.b] + y.q0;  // most keys first
