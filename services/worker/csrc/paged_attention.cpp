@@ -55,10 +55,12 @@
 //     keeps as 16 vectors of partial sums per vector of rows;
 //   - the values: one FMA chain per output over the row's keys in order, then times 1 / the sum.
 // The prefill also runs keys that a row does not see (outside its causal range or window) through the
-// same chains with weight 0, which adds exactly nothing. The file is built without fast-math's unsafe
-// rewrites, FMA contraction or reciprocal estimates (kernels.py's KERNEL_FLAGS), which would re-order
-// or round differently the same sum written in two shapes; tests/test_attention_prefill_is_decode.py
-// holds every page type and vector path to it.
+// same chains with weight 0, which adds exactly nothing. (On the portable path the prefill runs the
+// decode kernel's own task per query token, so the two agree by construction.) The file is built
+// without fast-math's unsafe rewrites, FMA contraction or reciprocal estimates (kernels.py's
+// KERNEL_FLAGS), which would re-order or round differently the same sum written in two shapes;
+// tests/test_attention_prefill_is_decode.py holds every page type and vector path to it.
+//
 // Only the headers used: <torch/extension.h> (all of libtorch's C++ API) tripled the compile time.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
