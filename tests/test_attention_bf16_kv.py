@@ -152,7 +152,8 @@ def rerun_on_lower_path(test_file: Path, path: str) -> None:
 
 
 def run_on_path(test_file: Path, path: str) -> None:
-    """`test_file`'s tests, but those named `lower_path`, in a child run built for `path`."""
+    """rerun_on_lower_path's child run, for a `path` that names this CPU's best but is a build of its
+    own (AVX-512 held below AVX512-BF16)."""
     env = {**os.environ, kernels.ISA_SWITCH: path}
     tests = str(test_file.relative_to(REPO))
     child = [sys.executable, "-m", "pytest", tests, "-q", "-x", "-k", "not lower_path"]

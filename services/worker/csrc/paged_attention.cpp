@@ -55,10 +55,12 @@
 //     keeps as 16 vectors of partial sums per vector of rows;
 //   - the values: one FMA chain per output over the row's keys in order, then times 1 / the sum.
 // The prefill also runs keys that a row does not see (outside its causal range or window) through the
-// same chains with weight 0, which adds exactly nothing. The file is built without fast-math's unsafe
-// rewrites, FMA contraction or reciprocal estimates (kernels.py's KERNEL_FLAGS), which would re-order
-// or round differently the same sum written in two shapes; tests/test_attention_prefill_is_decode.py
-// holds every page type and vector path to it.
+// same chains with weight 0, which adds exactly nothing. (On the portable path the prefill runs the
+// decode kernel's own task per query token, so the two agree by construction.) The file is built
+// without fast-math's unsafe rewrites, FMA contraction or reciprocal estimates (kernels.py's
+// KERNEL_FLAGS), which would re-order or round differently the same sum written in two shapes;
+// tests/test_attention_prefill_is_decode.py holds every page type and vector path to it.
+//
 // Only the headers used: <torch/extension.h> (all of libtorch's C++ API) tripled the compile time.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -364,9 +366,10 @@ inline __m512 word_dim(__m512i w, int b) {
 // r0 + GB) with keys [j0, j0 + count) of the slot range, in paged_prefill's order: one FMA chain over
 // the dims in order, from zero. Keys lie across the lanes: 16 words at a time of the block's 16 K rows
 // are loaded and transposed (64 shuffles: the price of that order here) and meet every query at once.
+// The first pass over a block (`pump` set) moves the pump along two rows at a time as it loads them.
 template <int NC, int GB, class T>
 inline void keys_dots(const Task<T>& t, const float* qs, int64_t r0, int64_t h, int64_t j0, int64_t count,
-                      float* scores) {
+                      float* scores, Pump<T>* pump) {
   constexpr int64_t D = 16 * NC, kWords = D / kPerWord<T>;
   const T* kr[kBlock];
   for (int64_t i = 0; i < kBlock; ++i) kr[i] = t.k + t.slot[j0 + std::min(i, count - 1)] * t.stride + h * t.hd;
@@ -377,14 +380,19 @@ inline void keys_dots(const Task<T>& t, const float* qs, int64_t r0, int64_t h, 
     __m512 rows[16], cols[16];
     if constexpr (std::is_same_v<T, float>) {
 #pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i) rows[i] = _mm512_loadu_ps(kr[i] + w0);
+      for (int i = 0; i < 16; ++i) {
+        if (pump != nullptr && w0 == 0 && i % 2 == 0) pump->advance(2 * D);
+        rows[i] = _mm512_loadu_ps(kr[i] + w0);
+      }
     } else {
       // Through a mask: a row of bfloat16 or int8 may end within the 16 words. (Taken for whole words
       // too: with plain loads the bfloat16 kernel ran slower on short contexts.)
       const __mmask16 words = __mmask16(kWords - w0 >= 16 ? 0xFFFF : (1u << (kWords - w0)) - 1);
 #pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i)
+      for (int i = 0; i < 16; ++i) {
+        if (pump != nullptr && w0 == 0 && i % 2 == 0) pump->advance(2 * D);
         rows[i] = _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(words, kr[i] + w0 * kPerWord<T>));
+      }
     }
     transpose16(rows, cols);
     // Unrolled, so that the columns stay in registers (rolled, the compiler stored them to read back).
@@ -409,13 +417,13 @@ inline void keys_dots(const Task<T>& t, const float* qs, int64_t r0, int64_t h, 
 template <int NC, class T>
 inline void head_dots(const Task<T>& t, const float* qs, int64_t h, int64_t j0, int64_t count, float* scores,
                       Pump<T>& pump) {
-  pump.advance(kBlock * t.D);
   for (int64_t r0 = h * t.G; r0 < (h + 1) * t.G; r0 += 4) {
+    Pump<T>* moves = r0 == h * t.G ? &pump : nullptr;
     switch (std::min<int64_t>(4, (h + 1) * t.G - r0)) {
-      case 1: keys_dots<NC, 1>(t, qs, r0, h, j0, count, scores); break;
-      case 2: keys_dots<NC, 2>(t, qs, r0, h, j0, count, scores); break;
-      case 3: keys_dots<NC, 3>(t, qs, r0, h, j0, count, scores); break;
-      default: keys_dots<NC, 4>(t, qs, r0, h, j0, count, scores); break;
+      case 1: keys_dots<NC, 1>(t, qs, r0, h, j0, count, scores, moves); break;
+      case 2: keys_dots<NC, 2>(t, qs, r0, h, j0, count, scores, moves); break;
+      case 3: keys_dots<NC, 3>(t, qs, r0, h, j0, count, scores, moves); break;
+      default: keys_dots<NC, 4>(t, qs, r0, h, j0, count, scores, moves); break;
     }
   }
 }
