@@ -80,6 +80,7 @@ FRESH := --hypothesis-profile=fresh --hypothesis-seed=$(SEED)
 
 test: $(TEST_STAMP) model
 	$(BIN)/ruff check services tests scripts
+	$(BIN)/ruff format --check services tests scripts
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/mypy services
 	$(BIN)/pytest -q
@@ -146,6 +147,7 @@ docs: $(RUNTIME_STAMP)
 
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check services tests scripts
+	$(BIN)/ruff format --check services tests scripts
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/mypy services
 
