@@ -14,6 +14,8 @@ token.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,24 @@ from services.worker.engine import Engine
 from tests.test_engine_parity import SMOL_CONFIGS, assert_no_leak, chat_prompts
 
 NEW_TOKENS = 24
+
+
+@contextlib.contextmanager
+def _stack_streaming(
+    smollm2_dir: Path, tmp_path: Path, up_args: list[str], prompts: list[list[int]], expected: list[list[int]]
+) -> Iterator[Any]:
+    """`cbserve up` with `up_args` on SmolLM2, checked to stream `expected` greedily for `prompts` and to
+    hold nothing after; the stack, for its start-up events, until the block ends."""
+    from tests.stack import Stack, greedy_request
+
+    stack = Stack(smollm2_dir, tmp_path, up_args=up_args, num_blocks=64, page_size=16)
+    try:
+        for prompt, want in zip(prompts, expected, strict=True):
+            assert stack.generate(greedy_request(prompt, NEW_TOKENS))[0] == want
+        stack.assert_idle()
+        yield stack
+    finally:
+        stack.stop()
 
 
 @cache
@@ -243,7 +263,6 @@ def test_an_int8_stack_streams_the_int8_engines_tokens(
     """`cbserve up --quantization int8`: the setting reaches the worker process (its start-up line says
     so, with the int8 products' path and the weight bytes) and its tokens are the in-process engine's."""
     from services.worker import kernels
-    from tests.stack import Stack, greedy_request
     from tests.test_attention import built
 
     built(kernels.packed_linear_ops(torch.int8), "int8 panel linears")
@@ -251,16 +270,10 @@ def test_an_int8_stack_streams_the_int8_engines_tokens(
     with Engine.from_pretrained(smollm2_dir, quantization="int8", num_blocks=64, page_size=16) as engine:
         expected = engine.generate(prompts, NEW_TOKENS, ignore_eos=True)
         weight_bytes = engine.runner.weight_bytes()
-    stack = Stack(smollm2_dir, tmp_path, up_args=["--quantization", "int8"], num_blocks=64, page_size=16)
-    try:
-        for prompt, want in zip(prompts, expected, strict=True):
-            assert stack.generate(greedy_request(prompt, NEW_TOKENS))[0] == want
-        stack.assert_idle()
+    with _stack_streaming(smollm2_dir, tmp_path, ["--quantization", "int8"], prompts, expected) as stack:
         (ready,) = stack.events("worker ready")
         assert (ready["quantization"], ready["int8_path"]) == ("int8", kernels.int8_path()), ready
         assert ready["weight_bytes"] == weight_bytes, ready
-    finally:
-        stack.stop()
 
 
 _LOWER_PATH_SCRIPT = """
@@ -319,14 +332,9 @@ def test_a_bf16_stack_streams_the_bf16_engines_tokens(
 ) -> None:
     """`cbserve up --dtype bfloat16`: the cachemgr's pool in bfloat16 shared memory, the worker's own
     forward on it, the tokens the in-process engine gives, and the start-up lines say so."""
-    from tests.stack import Stack, greedy_request
-
     expected = _plain(smollm2_dir, tuple(map(tuple, smol_chat_prompts)))
-    stack = Stack(smollm2_dir, tmp_path, up_args=["--dtype", "bfloat16"], num_blocks=64, page_size=16)
-    try:
-        for prompt, want in zip(smol_chat_prompts, expected, strict=True):
-            assert stack.generate(greedy_request(prompt, NEW_TOKENS))[0] == want
-        stack.assert_idle()
+    up_args = ["--dtype", "bfloat16"]
+    with _stack_streaming(smollm2_dir, tmp_path, up_args, smol_chat_prompts, expected) as stack:
         (ready,) = stack.events("worker ready")
         assert (ready["forward"], ready["weights"], ready["kv_dtype"]) == ("native", "bfloat16", "bfloat16")
         assert ready["activations"] == "float32", ready
@@ -334,8 +342,6 @@ def test_a_bf16_stack_streams_the_bf16_engines_tokens(
         assert sized["kv_dtype"] == "bfloat16" and sized["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * 2, sized
         serving = [line for line in stack.log_path.read_text().splitlines() if line.startswith("serving ")]
         assert len(serving) == 1 and " in bfloat16 on " in serving[0] and "bfloat16)" in serving[0], serving
-    finally:
-        stack.stop()
 
 
 def test_an_int8_kv_stack_streams_the_int8_engines_tokens(
@@ -344,17 +350,10 @@ def test_an_int8_kv_stack_streams_the_int8_engines_tokens(
     """`cbserve up --kv-cache-dtype int8`: the cachemgr's pool of int8 rows (values and scales) in shared
     memory, the worker's kernels on it, the tokens the in-process engine gives, and the start-up line's
     bytes per token: rows of 64 + 4 bytes, (64 + 4) / (4 x 64) of float32's."""
-    from tests.stack import Stack, greedy_request
-
     expected = _plain(smollm2_dir, tuple(map(tuple, smol_chat_prompts)), "int8-kv")
-    stack = Stack(smollm2_dir, tmp_path, up_args=["--kv-cache-dtype", "int8"], num_blocks=64, page_size=16)
-    try:
-        for prompt, want in zip(smol_chat_prompts, expected, strict=True):
-            assert stack.generate(greedy_request(prompt, NEW_TOKENS))[0] == want
-        stack.assert_idle()
+    up_args = ["--kv-cache-dtype", "int8"]
+    with _stack_streaming(smollm2_dir, tmp_path, up_args, smol_chat_prompts, expected) as stack:
         (ready,) = stack.events("worker ready")
         assert (ready["weights"], ready["kv_dtype"]) == ("float32", "int8"), ready
         (sized,) = stack.events("kv cache sized")
         assert sized["kv_dtype"] == "int8" and sized["kv_bytes_per_token"] == 30 * 2 * 3 * (64 + 4), sized
-    finally:
-        stack.stop()
