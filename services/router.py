@@ -74,21 +74,31 @@ def smg_command(
     if not has_tokenizer(Path(model_dir)):
         raise RouterUnavailable(f"smg tokenizes requests itself, and {model_dir} holds no tokenizer files")
     return [
-        smg, "launch",
-        "--host", host,
-        "--port", str(http_port),
-        "--worker-urls", *worker_urls,
-        "--model-path", model_dir,
-        "--policy", policy,
-        "--prometheus-host", host,
-        "--prometheus-port", str(metrics_port),
+        smg,
+        "launch",
+        "--host",
+        host,
+        "--port",
+        str(http_port),
+        "--worker-urls",
+        *worker_urls,
+        "--model-path",
+        model_dir,
+        "--policy",
+        policy,
+        "--prometheus-host",
+        host,
+        "--prometheus-port",
+        str(metrics_port),
         # smg registers a gateway once it serves; by default it would look again only every 30 s.
-        "--worker-startup-check-interval", "1",
+        "--worker-startup-check-interval",
+        "1",
         # On SIGTERM smg waits half this (at most 5 s) even with no request in flight: a stop of
         # `cbserve up` gives requests over HTTP a second, not a pause on every Ctrl-C.
-        "--shutdown-grace-period-secs", "1",
+        "--shutdown-grace-period-secs",
+        "1",
         "--log-json",
-    ]  # fmt: skip
+    ]
 
 
 def router_argv(
@@ -108,14 +118,29 @@ def router_argv(
             "smg reaches the gateway over plaintext gRPC without a key; serve without --tls-cert and "
             "API keys, and secure the HTTP port in front of smg"
         )
-    return smg_command(host=host, http_port=http_port, metrics_port=metrics_port, model_dir=model_dir,
-                       worker_urls=[gateway_url(host, gateway_port)])  # fmt: skip
+    return smg_command(
+        host=host,
+        http_port=http_port,
+        metrics_port=metrics_port,
+        model_dir=model_dir,
+        worker_urls=[gateway_url(host, gateway_port)],
+    )
 
 
 def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(f"OpenAI-compatible HTTP through the smg router ({INSTALL_HINT})")
-    add_env_argument(group, "--http-port", type=PORT, default=0,
-                     help="serve /v1/chat/completions, /v1/completions and /v1/models on this port: smg runs "
-                          "in front of the gateway as a fourth child (0: off)")  # fmt: skip
-    add_env_argument(group, "--router-metrics-port", type=PORT, default=DEFAULT_METRICS_PORT,
-                     help="smg's Prometheus port (with --http-port)")  # fmt: skip
+    add_env_argument(
+        group,
+        "--http-port",
+        type=PORT,
+        default=0,
+        help="serve /v1/chat/completions, /v1/completions and /v1/models on this port: smg runs "
+        "in front of the gateway as a fourth child (0: off)",
+    )
+    add_env_argument(
+        group,
+        "--router-metrics-port",
+        type=PORT,
+        default=DEFAULT_METRICS_PORT,
+        help="smg's Prometheus port (with --http-port)",
+    )

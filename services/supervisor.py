@@ -196,16 +196,31 @@ def run_up(
     if model is not None:
         env["CBSERVE_MODEL"] = model
     gateway_ready = runtime / "gateway.ready"
-    gateway = ["gateway", "--worker-address", worker_address, "--host", host, "--port", str(port),
-               "--metrics-port", str(metrics_port), "--ready-file", str(gateway_ready)]  # fmt: skip
+    gateway = [
+        "gateway",
+        "--worker-address",
+        worker_address,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(metrics_port),
+        "--ready-file",
+        str(gateway_ready),
+    ]
     if router and http_url:
         gateway += ["--announce-http", http_url]
     children = [
         Child("cachemgr", cbserve_argv("cachemgr", "--cachemgr-address", cachemgr_address)),
-        Child("worker", cbserve_argv("worker", "--worker-address", worker_address,
-                                     "--cachemgr-address", cachemgr_address)),
+        Child(
+            "worker",
+            cbserve_argv(
+                "worker", "--worker-address", worker_address, "--cachemgr-address", cachemgr_address
+            ),
+        ),
         Child("gateway", cbserve_argv(*gateway)),
-    ]  # fmt: skip
+    ]
     if router:
         children.append(Child("router", list(router), after=gateway_ready, logs_to_stdout=True))
     log.info("stack starting", runtime=str(runtime), port=port, metrics_port=metrics_port)
@@ -241,8 +256,16 @@ class LocalStack:
         self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         self.log_path = log_path
         self._log = log_path.open("wb")
-        argv = cbserve_argv("up", "--model", str(model_dir), "--port", str(self.port),
-                            "--metrics-port", str(self.metrics_port), *up_args)  # fmt: skip
+        argv = cbserve_argv(
+            "up",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(self.port),
+            "--metrics-port",
+            str(self.metrics_port),
+            *up_args,
+        )
         self.process = subprocess.Popen(
             argv, env=env, cwd=cwd, stdout=self._log, stderr=self._log, preexec_fn=die_with_parent
         )

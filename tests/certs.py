@@ -37,8 +37,11 @@ def _name(common_name: str) -> x509.Name:
 def _write(folder: Path, stem: str, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> Pair:
     pair = Pair(folder / f"{stem}.pem", folder / f"{stem}.key")
     pair.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    pair.key.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))  # fmt: skip
+    pair.key.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
     pair.key.chmod(0o600)
     return pair
 
@@ -57,9 +60,16 @@ def _builder(subject: str, issuer: x509.Name, key: ec.EllipticCurvePrivateKey) -
 
 
 _CA_USAGE = x509.KeyUsage(
-    digital_signature=False, content_commitment=False, key_encipherment=False, data_encipherment=False,
-    key_agreement=False, key_cert_sign=True, crl_sign=True, encipher_only=False, decipher_only=False,
-)  # fmt: skip
+    digital_signature=False,
+    content_commitment=False,
+    key_encipherment=False,
+    data_encipherment=False,
+    key_agreement=False,
+    key_cert_sign=True,
+    crl_sign=True,
+    encipher_only=False,
+    decipher_only=False,
+)
 
 
 def _ca(folder: Path, stem: str) -> tuple[Pair, x509.Certificate, ec.EllipticCurvePrivateKey]:

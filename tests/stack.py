@@ -174,8 +174,9 @@ def hf_model(model_dir: Path) -> Any:
 def _hf_greedy(model_dir: Path, prompt: tuple[int, ...], max_new_tokens: int, eos: bool) -> tuple[int, ...]:
     model = hf_model(model_dir)
     kwargs: dict[str, Any] = {} if eos else {"eos_token_id": None}
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-                         pad_token_id=0, **kwargs)  # fmt: skip
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, **kwargs
+    )
     return tuple(out[0, len(prompt) :].tolist())
 
 

@@ -98,9 +98,7 @@ def test_bf16_prefill_is_fp32_prefill_on_the_upcast_pool(
     )
     got, want = torch.full(q.shape, 7.0), torch.full(q.shape, 7.0)
     for out, k, v in ((got, k_cache, v_cache), (want, k_cache.float(), v_cache.float())):
-        module.paged_prefill(
-            q, out, k, v, first_rows, num_queries, slots, lengths, d**-0.5, softcap, window
-        )  # fmt: skip
+        module.paged_prefill(q, out, k, v, first_rows, num_queries, slots, lengths, d**-0.5, softcap, window)
     assert torch.equal(got, want)  # rows 0-1 too: left alone (7.0) by both
     for first, n, keys, s in zip(first_rows, num_queries, lengths, slots, strict=True):
         rows, keys_of = slice(first, first + n), s[:keys]

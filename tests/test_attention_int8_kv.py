@@ -102,7 +102,7 @@ def test_int8_prefill_matches_float32_on_the_dequantized_pool(
     out = torch.full(q.shape, 7.0)
     module.paged_prefill(
         q, out, k_cache, v_cache, first_rows, num_queries, slots, lengths, d**-0.5, softcap, window
-    )  # fmt: skip
+    )
     assert torch.equal(out[:2], torch.full_like(out[:2], 7.0))  # someone else's rows: left alone
     for first, n, keys, s in zip(first_rows, num_queries, lengths, slots, strict=True):
         rows, keys_of = slice(first, first + n), s[:keys]

@@ -22,8 +22,15 @@ GEOMETRIES = {
 
 def _builder(geometry: KVGeometry, q_padding: int, kv_padding: int, kernel: bool = True) -> BatchBuilder:
     # With a decode kernel (the build never calls it) decode rows need no mask; without, SDPA's.
-    return BatchBuilder(geometry, [], 64, query_group=2, q_padding=q_padding, kv_padding=kv_padding,
-                        decode_kernel=print if kernel else None)  # fmt: skip
+    return BatchBuilder(
+        geometry,
+        [],
+        64,
+        query_group=2,
+        q_padding=q_padding,
+        kv_padding=kv_padding,
+        decode_kernel=print if kernel else None,
+    )
 
 
 def _items(rng: random.Random, geometry: KVGeometry) -> list[BatchItem]:

@@ -48,10 +48,23 @@ def _bench(
 ) -> tuple[int, dict]:
     out = tmp_path / "report.json"
     peer = ["--peer", f"standin={sys.executable}:{STANDIN}"] if standin else []
-    code = main([
-        "bench", "offline", "--model", str(model), "--systems", "engine",
-        "--workload", str(_workload(tmp_path)), *peer, *pool, "--json", str(out), *extra,
-    ])  # fmt: skip
+    code = main(
+        [
+            "bench",
+            "offline",
+            "--model",
+            str(model),
+            "--systems",
+            "engine",
+            "--workload",
+            str(_workload(tmp_path)),
+            *peer,
+            *pool,
+            "--json",
+            str(out),
+            *extra,
+        ]
+    )
     return code, json.loads(out.read_text())
 
 
@@ -118,9 +131,11 @@ def test_a_peer_that_disagrees_is_counted(
 
 
 def test_a_peer_that_cannot_start_is_left_out_with_its_reason(
-    tiny_models: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    tiny_models: Callable[[str], Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
-) -> None:  # fmt: skip
+) -> None:
     monkeypatch.setenv("CBSERVE_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("STANDIN_FAIL", "1")
     code, report = _bench(tmp_path, tiny_models("llama"))
@@ -134,13 +149,27 @@ def test_a_peer_that_cannot_start_is_left_out_with_its_reason(
 
 
 def test_an_uninstalled_peer_names_the_setup_command(
-    tiny_models: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    tiny_models: Callable[[str], Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
-) -> None:  # fmt: skip
+) -> None:
     monkeypatch.setenv("CBSERVE_HOME", str(tmp_path / "home"))
     out = tmp_path / "report.json"
-    args = ["bench", "offline", "--model", str(tiny_models("llama")), "--systems", "engine,openvino",
-            "--workload", str(_workload(tmp_path)), "--num-blocks", "64", "--json", str(out)]  # fmt: skip
+    args = [
+        "bench",
+        "offline",
+        "--model",
+        str(tiny_models("llama")),
+        "--systems",
+        "engine,openvino",
+        "--workload",
+        str(_workload(tmp_path)),
+        "--num-blocks",
+        "64",
+        "--json",
+        str(out),
+    ]
     assert main(args) == 1
     assert "openvino is not installed: run `cbserve bench setup-peers openvino`" in capsys.readouterr().out
 
@@ -228,8 +257,12 @@ def _standin_spec(name: str) -> peers.PeerSpec:
     ("systems", "peer_precision", "dtype", "expected"),
     [
         # Each peer with a choice twice under `both`, fp32 keeping the plain name; llama.cpp has none.
-        ("engine,vllm-cpu,openvino,llama-cpp", "both", "float32",
-         ["engine", "vllm-cpu", "vllm-cpu:default", "openvino", "openvino:default", "llama-cpp"]),
+        (
+            "engine,vllm-cpu,openvino,llama-cpp",
+            "both",
+            "float32",
+            ["engine", "vllm-cpu", "vllm-cpu:default", "openvino", "openvino:default", "llama-cpp"],
+        ),
         ("engine,vllm-cpu,llama-cpp", "default", "float32", ["engine", "vllm-cpu:default", "llama-cpp"]),
         ("engine,vllm-cpu,llama-cpp", "fp32", "float32", ["engine", "vllm-cpu", "llama-cpp"]),
         # A variant named outright runs whatever --peer-precision says about bare names.
@@ -238,13 +271,21 @@ def _standin_spec(name: str) -> peers.PeerSpec:
         ("engine,engine:bfloat16", "both", "float32", ["engine", "engine:bfloat16"]),
         ("engine,engine:bfloat16,engine:float32", "both", "bfloat16", ["engine", "engine:float32"]),
         # engine:QUANTIZATION is the engine at --dtype with its layers quantized, whatever --dtype is.
-        ("engine,engine:int8,engine:int8-weight-only", "fp32", "bfloat16",
-         ["engine", "engine:int8", "engine:int8-weight-only"]),
+        (
+            "engine,engine:int8,engine:int8-weight-only",
+            "fp32",
+            "bfloat16",
+            ["engine", "engine:int8", "engine:int8-weight-only"],
+        ),
         # Parts combine, one of each kind.
-        ("engine:bfloat16+int8+kv-int8,engine:kv-bfloat16", "fp32", "float32",
-         ["engine:bfloat16+int8+kv-int8", "engine:kv-bfloat16"]),
+        (
+            "engine:bfloat16+int8+kv-int8,engine:kv-bfloat16",
+            "fp32",
+            "float32",
+            ["engine:bfloat16+int8+kv-int8", "engine:kv-bfloat16"],
+        ),
     ],
-)  # fmt: skip
+)
 def test_systems_expand_to_each_precision_asked(
     systems: str, peer_precision: str, dtype: str, expected: list[str]
 ) -> None:
@@ -307,15 +348,22 @@ def test_the_fp32_reference_is_hf_generate_else_an_fp32_engine() -> None:
 
 
 def test_each_peer_runs_at_both_precisions_and_the_engine_at_two_dtypes(
-    tiny_models: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    tiny_models: Callable[[str], Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
-) -> None:  # fmt: skip
+) -> None:
     monkeypatch.setenv("CBSERVE_HOME", str(tmp_path / "home"))
     monkeypatch.setitem(peers.PEERS, "vllm-cpu", _standin_spec("vllm-cpu"))
     code, report = _bench(
-        tmp_path, tiny_models("llama"), "--systems", "engine,engine:bfloat16,engine:kv-int8,vllm-cpu",
-        "--peer-precision", "both", standin=False,
-    )  # fmt: skip
+        tmp_path,
+        tiny_models("llama"),
+        "--systems",
+        "engine,engine:bfloat16,engine:kv-int8,vllm-cpu",
+        "--peer-precision",
+        "both",
+        standin=False,
+    )
     printed = capsys.readouterr().out
     assert code == 0, printed
     systems = report["systems"]
@@ -324,8 +372,13 @@ def test_each_peer_runs_at_both_precisions_and_the_engine_at_two_dtypes(
     # `--precision` reached each runner, and each reports what it ran.
     assert systems["vllm-cpu"]["settings"]["precision_asked"] == "fp32"
     assert systems["vllm-cpu:default"]["settings"]["precision_asked"] == "default"
-    expected = {"engine": "float32", "engine:bfloat16": "bfloat16", "engine:kv-int8": "float32 kv-int8",
-                "vllm-cpu": "float32", "vllm-cpu:default": "bfloat16"}  # fmt: skip
+    expected = {
+        "engine": "float32",
+        "engine:bfloat16": "bfloat16",
+        "engine:kv-int8": "float32 kv-int8",
+        "vllm-cpu": "float32",
+        "vllm-cpu:default": "bfloat16",
+    }
     for name, precision in expected.items():
         assert systems[name]["precision"] == precision
     assert systems["engine:bfloat16"]["settings"]["dtype"] == "bfloat16"
@@ -377,8 +430,10 @@ def test_agreement_scores_each_engine_dtype_and_a_peer_against_float32(
     # The stand-in scores with the reference's own code and dtype: every position agrees, which
     # shows the command's positions line up with the reference's one for one.
     assert systems["standin"]["top1_agreement_with_fp32"] == {
-        "same": positions, "positions": positions, "share": 1.0
-    }  # fmt: skip
+        "same": positions,
+        "positions": positions,
+        "share": 1.0,
+    }
     # Each engine was scored at its own dtype, its pool sized to the prose (the timed one has 64
     # blocks, fewer than the prose needs); a random tiny model has near ties, so not all agree.
     fp32 = systems["engine"]["top1_agreement_with_fp32"]
@@ -433,10 +488,15 @@ class _Scorer:
     [
         (lambda prompts: [p[1:] for p in prompts], {"scored": 5}),
         (None, {"error": "_Scorer cannot score prompts (no teacher-forced logits)"}),
-        (lambda prompts: [p for p in prompts], {"error": "scoring failed: ValueError: scored a "
-                                                "different number of positions than the prompts have"}),
+        (
+            lambda prompts: [p for p in prompts],
+            {
+                "error": "scoring failed: ValueError: scored a "
+                "different number of positions than the prompts have"
+            },
+        ),
     ],
-)  # fmt: skip
+)
 def test_the_score_command_answers_positions_or_an_error(
     score: Callable[[list[list[int]]], list[list[int]]] | None, answer: dict, tmp_path: Path
 ) -> None:

@@ -121,8 +121,13 @@ def test_percentiles_match_the_statistics_module() -> None:
             assert percentile(values, q) == pytest.approx(cuts[q - 1])
         assert percentile(values, 0) == min(values) and percentile(values, 100) == max(values)
     stats = summarize([3.0, 1.0, 2.0])
-    assert stats == {"count": 3, "mean": 2.0, "p50": 2.0, "p90": pytest.approx(2.8),
-                     "p99": pytest.approx(2.98)}  # fmt: skip
+    assert stats == {
+        "count": 3,
+        "mean": 2.0,
+        "p50": 2.0,
+        "p90": pytest.approx(2.8),
+        "p99": pytest.approx(2.98),
+    }
     assert summarize([]) is None
 
 
@@ -165,11 +170,25 @@ def test_phase_summary_and_table() -> None:
     unsent = RequestRecord(4, "short", 4, 8)
     load_before = dict.fromkeys(("prefix_cache_queries", "prefix_cache_hits", "offloads", "soft_resets"), 0)
     load_after = {"prefix_cache_queries": 24, "prefix_cache_hits": 8, "offloads": 1, "soft_resets": 2}
-    data = PhaseData("rate inf req/s", "random", float("inf"), None, 2.0, [*records, failed, unsent],
-                     load_before, load_after)  # fmt: skip
+    data = PhaseData(
+        "rate inf req/s",
+        "random",
+        float("inf"),
+        None,
+        2.0,
+        [*records, failed, unsent],
+        load_before,
+        load_after,
+    )
     s = summarize_phase(data)
-    assert s["requests"] == {"total": 5, "completed": 3, "failed": {"RESOURCE_EXHAUSTED": 1}, "cancelled": 0,
-                             "not_sent": 1, "length_mismatch": []}  # fmt: skip
+    assert s["requests"] == {
+        "total": 5,
+        "completed": 3,
+        "failed": {"RESOURCE_EXHAUSTED": 1},
+        "cancelled": 0,
+        "not_sent": 1,
+        "length_mismatch": [],
+    }
     assert s["tokens"] == {"prompt": 24, "output": 12}
     assert s["throughput"]["output_tokens_per_s"] == 6.0 and s["throughput"]["requests_per_s"] == 1.5
     assert s["latency_s"]["itl"]["count"] == 9
@@ -234,8 +253,20 @@ def test_parse_the_gateways_own_exposition() -> None:
 
 def _bench(stack: Stack, tmp_path: Path, *args: str) -> tuple[int, dict]:
     out = tmp_path / "report.json"
-    code = main(["bench", "serve", "--target", stack.target, "--json", str(out), "--no-progress",
-                 "--load-interval", "0.1", *args])  # fmt: skip
+    code = main(
+        [
+            "bench",
+            "serve",
+            "--target",
+            stack.target,
+            "--json",
+            str(out),
+            "--no-progress",
+            "--load-interval",
+            "0.1",
+            *args,
+        ]
+    )
     return code, json.loads(out.read_text())
 
 
@@ -247,10 +278,26 @@ def test_random_workload_against_the_tiny_stack(
     # the tiny model here, and a GetLoad 2-30 ms on two busy cores (12 requests once gave 6 samples,
     # none of them while a request ran).
     n = 48
-    code, report = _bench(tiny_stack, tmp_path, "--workload", "random", "--num-requests", str(n),
-                          "--input-len", "16", "--output-len", "8", "--request-rate", "inf",
-                          "--concurrency", "4", "--metrics-url", metrics_url,
-                          "--load-interval", "0.005")  # fmt: skip
+    code, report = _bench(
+        tiny_stack,
+        tmp_path,
+        "--workload",
+        "random",
+        "--num-requests",
+        str(n),
+        "--input-len",
+        "16",
+        "--output-len",
+        "8",
+        "--request-rate",
+        "inf",
+        "--concurrency",
+        "4",
+        "--metrics-url",
+        metrics_url,
+        "--load-interval",
+        "0.005",
+    )
     assert code == 0
     [phase] = report["phases"]
     assert phase["requests"]["completed"] == n and phase["requests"]["failed"] == {}
@@ -273,9 +320,26 @@ def test_random_workload_against_the_tiny_stack(
 def test_shared_prefix_reports_prefix_hits(tiny_stack: Stack, tmp_path: Path) -> None:
     # Two at a time over two groups: each group's later requests start after its first has written
     # the prefix blocks (page size 8: 32 prefix tokens are 4 full blocks).
-    code, report = _bench(tiny_stack, tmp_path, "--workload", "shared-prefix", "--num-requests", "8",
-                          "--num-groups", "2", "--prefix-len", "32", "--input-len", "8", "--output-len", "4",
-                          "--concurrency", "2", "--seed", "11")  # fmt: skip
+    code, report = _bench(
+        tiny_stack,
+        tmp_path,
+        "--workload",
+        "shared-prefix",
+        "--num-requests",
+        "8",
+        "--num-groups",
+        "2",
+        "--prefix-len",
+        "32",
+        "--input-len",
+        "8",
+        "--output-len",
+        "4",
+        "--concurrency",
+        "2",
+        "--seed",
+        "11",
+    )
     assert code == 0
     [phase] = report["phases"]
     assert phase["requests"]["completed"] == 8
@@ -287,9 +351,24 @@ def test_shared_prefix_reports_prefix_hits(tiny_stack: Stack, tmp_path: Path) ->
 
 def test_long_prompt_is_sent_once_the_warm_requests_decode(tiny_stack: Stack, tmp_path: Path) -> None:
     # max_batch_tokens 24: the 600-token prompt is prefilled in 25 chunks while short streams decode.
-    code, report = _bench(tiny_stack, tmp_path, "--workload", "long-prompt", "--num-requests", "6",
-                          "--request-rate", "20", "--input-len", "8", "--output-len", "40",
-                          "--long-prompt-len", "600", "--long-prompt-after", "2")  # fmt: skip
+    code, report = _bench(
+        tiny_stack,
+        tmp_path,
+        "--workload",
+        "long-prompt",
+        "--num-requests",
+        "6",
+        "--request-rate",
+        "20",
+        "--input-len",
+        "8",
+        "--output-len",
+        "40",
+        "--long-prompt-len",
+        "600",
+        "--long-prompt-after",
+        "2",
+    )
     assert code == 0
     [phase] = report["phases"]
     assert phase["requests"]["completed"] == 7
@@ -304,8 +383,20 @@ def test_long_prompt_is_sent_once_the_warm_requests_decode(tiny_stack: Stack, tm
 
 
 def test_time_limit_cancels_requests_in_flight(tiny_stack: Stack, tmp_path: Path) -> None:
-    code, report = _bench(tiny_stack, tmp_path, "--num-requests", "40", "--concurrency", "2",
-                          "--input-len", "8", "--output-len", "1000", "--duration", "0.5")  # fmt: skip
+    code, report = _bench(
+        tiny_stack,
+        tmp_path,
+        "--num-requests",
+        "40",
+        "--concurrency",
+        "2",
+        "--input-len",
+        "8",
+        "--output-len",
+        "1000",
+        "--duration",
+        "0.5",
+    )
     assert code == 0  # cancelled by the time limit is not a failure
     [phase] = report["phases"]
     counts = phase["requests"]

@@ -45,8 +45,12 @@ def bpe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     corpus = [" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))] * 5
-    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<eos>"], show_progress=False)  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<eos>"],
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(corpus, trainer)
     path = tmp_path_factory.mktemp("bpe")
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>").save_pretrained(path)
@@ -105,22 +109,42 @@ VLLM_METRICS = vllm_metrics()
 
 def test_load_from_vllm_and_cbserve_metrics() -> None:
     assert parse_load(VLLM_METRICS) == {
-        "kv_blocks_used": 100, "kv_blocks_total": 400, "requests_running": 3, "requests_waiting": 1,
-        "prefix_cache_queries": 1200, "prefix_cache_hits": 800, "offloads": 0, "soft_resets": 2,
-    }  # fmt: skip
+        "kv_blocks_used": 100,
+        "kv_blocks_total": 400,
+        "requests_running": 3,
+        "requests_waiting": 1,
+        "prefix_cache_queries": 1200,
+        "prefix_cache_hits": 800,
+        "offloads": 0,
+        "soft_resets": 2,
+    }
     # Two engines (vLLM's data parallel): their blocks and requests add up.
     second = VLLM_METRICS.replace('engine="0"', 'engine="1"').replace("0.25", "0.5")
     both = parse_load(VLLM_METRICS + second)
     assert both is not None and both["kv_blocks_used"] == 100 + 200 and both["kv_blocks_total"] == 800
     assert both["requests_running"] == 6 and both["prefix_cache_hits"] == 1600
 
-    load = Load(requests_running=2, requests_waiting=5, kv_blocks_used=30, kv_blocks_total=120,
-                prefix_cache_queries=640, prefix_cache_hits=512, offloads=1, soft_resets=4)  # fmt: skip
+    load = Load(
+        requests_running=2,
+        requests_waiting=5,
+        kv_blocks_used=30,
+        kv_blocks_total=120,
+        prefix_cache_queries=640,
+        prefix_cache_hits=512,
+        offloads=1,
+        soft_resets=4,
+    )
     text = generate_latest(GatewayMetrics(lambda: load).registry).decode()
     assert parse_load(text) == {
-        "kv_blocks_used": 30, "kv_blocks_total": 120, "requests_running": 2, "requests_waiting": 5,
-        "prefix_cache_queries": 640, "prefix_cache_hits": 512, "offloads": 1, "soft_resets": 4,
-    }  # fmt: skip
+        "kv_blocks_used": 30,
+        "kv_blocks_total": 120,
+        "requests_running": 2,
+        "requests_waiting": 5,
+        "prefix_cache_queries": 640,
+        "prefix_cache_hits": 512,
+        "offloads": 1,
+        "soft_resets": 4,
+    }
     assert parse_load("smg_http_requests_total 3\n") is None  # a router's own metrics
 
 
@@ -220,8 +244,11 @@ class _Handler(BaseHTTPRequestHandler):
                 self._end()
                 return
             self._event({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
-            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(TEXTS),
-                     "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
+            usage = {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": len(TEXTS),
+                "prompt_tokens_details": {"cached_tokens": 0},
+            }
             self._event({"choices": [], "usage": usage})
             self._event("[DONE]")
         self._end()
@@ -265,8 +292,22 @@ def fake() -> Iterator[FakeOpenAI]:
 
 def _bench(tmp_path: Path, target: str, tokenizer: Path, *args: str) -> tuple[int, dict[str, Any]]:
     out = tmp_path / "report.json"
-    code = main(["bench", "serve", "--backend", "openai", "--target", target, "--tokenizer", str(tokenizer),
-                 "--json", str(out), "--no-progress", *args])  # fmt: skip
+    code = main(
+        [
+            "bench",
+            "serve",
+            "--backend",
+            "openai",
+            "--target",
+            target,
+            "--tokenizer",
+            str(tokenizer),
+            "--json",
+            str(out),
+            "--no-progress",
+            *args,
+        ]
+    )
     return code, json.loads(out.read_text()) if out.exists() else {}
 
 
@@ -279,8 +320,18 @@ def _dataset(tmp_path: Path, *prompts: str) -> list[str]:
 def test_a_known_stream_is_timed_as_sent(
     fake: FakeOpenAI, bpe_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, report = _bench(tmp_path, fake.url, bpe_dir, *_dataset(tmp_path, "ok one", "ok two", "ok three"),
-                          "--concurrency", "1", "--temperature", "0.5", "--seed", "7")  # fmt: skip
+    code, report = _bench(
+        tmp_path,
+        fake.url,
+        bpe_dir,
+        *_dataset(tmp_path, "ok one", "ok two", "ok three"),
+        "--concurrency",
+        "1",
+        "--temperature",
+        "0.5",
+        "--seed",
+        "7",
+    )
     assert code == 0
     [phase] = report["phases"]
     assert phase["backend"] == f"openai {fake.url}/v1/completions" and phase["load_source"] is None
@@ -314,9 +365,24 @@ def test_a_known_stream_is_timed_as_sent(
 
 
 def test_the_load_comes_from_the_metrics(fake: FakeOpenAI, bpe_dir: Path, tmp_path: Path) -> None:
-    code, report = _bench(tmp_path, fake.url, bpe_dir, "--num-requests", "4", "--input-len", "10",
-                          "--output-len", "6", "--concurrency", "2", "--load-interval", "0.01",
-                          "--metrics-url", f"{fake.url}/metrics", "--no-warmup")  # fmt: skip
+    code, report = _bench(
+        tmp_path,
+        fake.url,
+        bpe_dir,
+        "--num-requests",
+        "4",
+        "--input-len",
+        "10",
+        "--output-len",
+        "6",
+        "--concurrency",
+        "2",
+        "--load-interval",
+        "0.01",
+        "--metrics-url",
+        f"{fake.url}/metrics",
+        "--no-warmup",
+    )
     assert code == 0
     [phase] = report["phases"]
     assert phase["load_source"] == f"metrics {fake.url}/metrics"
@@ -332,8 +398,13 @@ def test_failures_are_counted_by_kind(fake: FakeOpenAI, bpe_dir: Path, tmp_path:
     assert code == 1  # a request failed
     [phase] = report["phases"]
     assert phase["requests"]["completed"] == 1
-    assert phase["requests"]["failed"] == {"HTTP_400": 1, "HTTP_503": 1, "TRUNCATED": 2, "STREAM_ERROR": 1,
-                                           "BAD_STREAM": 1}  # fmt: skip
+    assert phase["requests"]["failed"] == {
+        "HTTP_400": 1,
+        "HTTP_503": 1,
+        "TRUNCATED": 2,
+        "STREAM_ERROR": 1,
+        "BAD_STREAM": 1,
+    }
     errors = {r["error_code"] + ":" + str(r["index"]): r["error"] for r in phase["records"] if r["error"]}
     assert errors["HTTP_400:0"] == "bad prompt 'http-400'"
     assert errors["HTTP_503:1"] == "overloaded, come back later"
@@ -344,8 +415,17 @@ def test_failures_are_counted_by_kind(fake: FakeOpenAI, bpe_dir: Path, tmp_path:
 
 
 def test_the_time_limit_closes_the_connections(fake: FakeOpenAI, bpe_dir: Path, tmp_path: Path) -> None:
-    code, report = _bench(tmp_path, fake.url, bpe_dir, *_dataset(tmp_path, *["slow"] * 6),
-                          "--concurrency", "2", "--duration", "0.3", "--no-warmup")  # fmt: skip
+    code, report = _bench(
+        tmp_path,
+        fake.url,
+        bpe_dir,
+        *_dataset(tmp_path, *["slow"] * 6),
+        "--concurrency",
+        "2",
+        "--duration",
+        "0.3",
+        "--no-warmup",
+    )
     assert code == 0
     counts = report["phases"][0]["requests"]
     assert counts["cancelled"] == 2 and counts["not_sent"] == 4 and counts["failed"] == {}
@@ -376,16 +456,40 @@ def test_two_servers_side_by_side(bpe_dir: Path, tmp_path: Path, capsys: pytest.
     their ratio and the rounds in which the target was ahead."""
     slow = FakeOpenAI(first_delay_s=3 * FIRST_DELAY_S, gap_s=2 * GAP_S)
     with serving(FakeOpenAI()) as fast, serving(slow):
-        code, report = _bench(tmp_path, fast.url, bpe_dir, "--baseline", slow.url, "--repeat", "3",
-                              "--labels", "ours,theirs", "--num-requests", "4", "--concurrency", "2",
-                              "--input-len", "5", "--output-len", "6", "--baseline-metrics-url",
-                              f"{slow.url}/metrics", "--load-interval", "0.01")  # fmt: skip
+        code, report = _bench(
+            tmp_path,
+            fast.url,
+            bpe_dir,
+            "--baseline",
+            slow.url,
+            "--repeat",
+            "3",
+            "--labels",
+            "ours,theirs",
+            "--num-requests",
+            "4",
+            "--concurrency",
+            "2",
+            "--input-len",
+            "5",
+            "--output-len",
+            "6",
+            "--baseline-metrics-url",
+            f"{slow.url}/metrics",
+            "--load-interval",
+            "0.01",
+        )
     assert code == 0
     [phase] = report["phases"]
     assert phase["labels"] == ["ours", "theirs"]
     assert [(run["round"], run["side"]) for run in phase["runs"]] == [
-        (0, "target"), (0, "baseline"), (1, "baseline"), (1, "target"), (2, "target"), (2, "baseline"),
-    ]  # fmt: skip
+        (0, "target"),
+        (0, "baseline"),
+        (1, "baseline"),
+        (1, "target"),
+        (2, "target"),
+        (2, "baseline"),
+    ]
     assert all(run["requests"]["completed"] == 4 for run in phase["runs"])
     # The baseline's load came from its metrics, the target's is unknown (none given).
     known = [run["load_source"] is not None for run in phase["runs"]]
@@ -418,8 +522,17 @@ def test_a_comparison_reports_a_server_whose_requests_all_fail(
     fake: FakeOpenAI, bpe_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """No request of either side gets a token: the rounds and the table say so, and the exit status."""
-    code, report = _bench(tmp_path, fake.url, bpe_dir, *_dataset(tmp_path, "http-400", "http-503"),
-                          "--baseline", fake.url, "--repeat", "2", "--no-warmup")  # fmt: skip
+    code, report = _bench(
+        tmp_path,
+        fake.url,
+        bpe_dir,
+        *_dataset(tmp_path, "http-400", "http-503"),
+        "--baseline",
+        fake.url,
+        "--repeat",
+        "2",
+        "--no-warmup",
+    )
     assert code == 1
     [phase] = report["phases"]
     assert [run["requests"]["failed"] for run in phase["runs"]] == [{"HTTP_400": 1, "HTTP_503": 1}] * 4
@@ -467,9 +580,22 @@ def test_through_smg(routed: tuple[Stack, int], tmp_path: Path) -> None:
     def bench(*args: str) -> tuple[int, dict[str, Any]]:
         return _bench(tmp_path, target, stack.model_dir, *args)
 
-    code, report = bench("--num-requests", "12", "--input-len", "16", "--output-len", "8",
-                         "--range-ratio", "0.5", "--concurrency", "4", "--metrics-url", metrics,
-                         "--load-interval", "0.01")  # fmt: skip
+    code, report = bench(
+        "--num-requests",
+        "12",
+        "--input-len",
+        "16",
+        "--output-len",
+        "8",
+        "--range-ratio",
+        "0.5",
+        "--concurrency",
+        "4",
+        "--metrics-url",
+        metrics,
+        "--load-interval",
+        "0.01",
+    )
     assert code == 0
     [phase] = report["phases"]
     assert phase["requests"]["completed"] == 12 and phase["requests"]["length_mismatch"] == []
@@ -478,15 +604,39 @@ def test_through_smg(routed: tuple[Stack, int], tmp_path: Path) -> None:
     assert phase["load_deltas"]["prefix_cache_queries"] == phase["tokens"]["prompt"]
     assert phase["kv"]["peak_blocks_used"] > 0 and phase["step_profile"]
 
-    code, report = bench("--workload", "shared-prefix", "--num-requests", "8", "--num-groups", "2",
-                         "--prefix-len", "32", "--input-len", "8", "--output-len", "4",
-                         "--concurrency", "2")  # fmt: skip
+    code, report = bench(
+        "--workload",
+        "shared-prefix",
+        "--num-requests",
+        "8",
+        "--num-groups",
+        "2",
+        "--prefix-len",
+        "32",
+        "--input-len",
+        "8",
+        "--output-len",
+        "4",
+        "--concurrency",
+        "2",
+    )
     assert code == 0
     prefix = report["phases"][0]["prefix_cache"]
     assert prefix["shared_tokens"] == 6 * 32 and prefix["hit_rate"] > 0.5
 
-    code, report = bench("--num-requests", "20", "--concurrency", "2", "--input-len", "8",
-                         "--output-len", "1000", "--duration", "0.5", "--no-warmup")  # fmt: skip
+    code, report = bench(
+        "--num-requests",
+        "20",
+        "--concurrency",
+        "2",
+        "--input-len",
+        "8",
+        "--output-len",
+        "1000",
+        "--duration",
+        "0.5",
+        "--no-warmup",
+    )
     assert code == 0 and report["phases"][0]["requests"]["cancelled"] == 2
     stack.wait_idle(timeout_s=5)
     stack.assert_idle()

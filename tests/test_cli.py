@@ -114,10 +114,31 @@ def test_setup_peers_takes_no_name_some_names_or_rejects_a_wrong_one(
 
 def test_generate_flags_reach_the_request() -> None:
     args = build_parser().parse_args(
-        ["generate", "hi", "--chat", "--top-p", "0.9", "--top-k", "5", "--min-p", "0.05", "--logprobs", "2",
-         "--ignore-eos", "--priority", "3", "--cache-salt", "tenant-a", "--max-tokens", "4", "--seed", "7",
-         "--prompt-logprobs", "1"]
-    )  # fmt: skip
+        [
+            "generate",
+            "hi",
+            "--chat",
+            "--top-p",
+            "0.9",
+            "--top-k",
+            "5",
+            "--min-p",
+            "0.05",
+            "--logprobs",
+            "2",
+            "--ignore-eos",
+            "--priority",
+            "3",
+            "--cache-salt",
+            "tenant-a",
+            "--max-tokens",
+            "4",
+            "--seed",
+            "7",
+            "--prompt-logprobs",
+            "1",
+        ]
+    )
     request = generate_request(args)
     assert request.chat.messages[0].content == "hi"
     s = request.sampling
@@ -146,9 +167,12 @@ def test_ctrl_c_in_generate_exits_quietly_with_130() -> None:
         silent.settimeout(60)
         port = silent.getsockname()[1]
         proc = subprocess.Popen(
-            cbserve_argv("generate", "--target", f"127.0.0.1:{port}", "hello"), cwd=REPO,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=die_with_parent,
-        )  # fmt: skip
+            cbserve_argv("generate", "--target", f"127.0.0.1:{port}", "hello"),
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            preexec_fn=die_with_parent,
+        )
         connection, _ = silent.accept()
         with connection:
             # Half a second was once not enough in a full run on 2 loaded cores: the interrupt was
@@ -169,13 +193,16 @@ def test_up_refuses_a_port_in_use_before_starting_anything(tiny_models: Callable
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        cases = [["--port", str(port), "--metrics-port", "0"],
-                 ["--port", str(free_port()), "--metrics-port", str(port)]]  # fmt: skip
+        cases = [
+            ["--port", str(port), "--metrics-port", "0"],
+            ["--port", str(free_port()), "--metrics-port", str(port)],
+        ]
         for flags in cases:
             argv = cbserve_argv("up", "--model", str(tiny_models("llama")), *flags)
             started = time.monotonic()
-            done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120,
-                                  preexec_fn=die_with_parent)  # fmt: skip
+            done = subprocess.run(
+                argv, cwd=REPO, capture_output=True, text=True, timeout=120, preexec_fn=die_with_parent
+            )
             took = time.monotonic() - started
             assert done.returncode == 2, done.stderr[-2000:]
             flag = "--port" if flags[1] == str(port) else "--metrics-port"
@@ -240,8 +267,16 @@ def test_model_id_is_a_name_not_a_path(tiny_models: Callable[[str], Path]) -> No
     assert _model_info(str(model), "team-llama")[1]["model_id"] == "team-llama"
 
 
-FACTS = WorkerFacts(vocab_size=256, max_request_tokens=512, page_size=8, total_blocks=64, prefix_caching=True,
-                    dtype="float32", device="cpu", max_logprobs=20)  # fmt: skip
+FACTS = WorkerFacts(
+    vocab_size=256,
+    max_request_tokens=512,
+    page_size=8,
+    total_blocks=64,
+    prefix_caching=True,
+    dtype="float32",
+    device="cpu",
+    max_logprobs=20,
+)
 
 
 @pytest.mark.parametrize(
@@ -269,8 +304,9 @@ def test_errors_name_the_apis_fields(field: str, value: object, message: str) ->
 
 def test_the_metrics_port_serves_metrics_and_health_only() -> None:
     serving = False
-    metrics = GatewayMetrics(lambda: Load(), queue=lambda: (3, 1024), model={"model_name": "llama"},
-                             serving=lambda: serving)  # fmt: skip
+    metrics = GatewayMetrics(
+        lambda: Load(), queue=lambda: (3, 1024), model={"model_name": "llama"}, serving=lambda: serving
+    )
     metrics.requests.labels("FINISH_REASON_LENGTH").inc()
     port = free_port()
     metrics.serve(port, "127.0.0.1")

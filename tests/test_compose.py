@@ -366,8 +366,14 @@ def test_healthchecks_and_startup_order() -> None:
 
 @pytest.mark.parametrize("files", [(COMPOSE,), (COMPOSE, COMPOSE_GPU)], ids=["cpu", "gpu"])
 def test_the_public_ports_settings_reach_the_gateway_alone(files: tuple[Path, ...]) -> None:
-    public = {"CBSERVE_TLS_CERT", "CBSERVE_TLS_KEY", "CBSERVE_TLS_CLIENT_CA", "CBSERVE_API_KEYS",
-              "CBSERVE_API_KEY_FILE", "CBSERVE_MAX_STREAMS_PER_KEY"}  # fmt: skip
+    public = {
+        "CBSERVE_TLS_CERT",
+        "CBSERVE_TLS_KEY",
+        "CBSERVE_TLS_CLIENT_CA",
+        "CBSERVE_API_KEYS",
+        "CBSERVE_API_KEY_FILE",
+        "CBSERVE_MAX_STREAMS_PER_KEY",
+    }
     services = resolved(*files)["services"]
     assert public <= set(environment(services["gateway"]))
     assert "CBSERVE_INTERNAL_KEY" in environment(services["gateway"]), "the shared settings stay merged in"

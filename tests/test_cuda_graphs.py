@@ -49,9 +49,16 @@ SWAP_BLOCKS = {"llama": 20, "qwen3": 20, "gemma2": 40}
 
 # What a CUDA graph cannot hold: a value read on the host (a sync, and frozen into the graph) or an
 # output whose size depends on values.
-HOST_READS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default",
-              "aten.equal.default", "aten.is_nonzero.default", "aten.unique_dim.default",
-              "aten._unique2.default", "aten.repeat_interleave.Tensor"}  # fmt: skip
+HOST_READS = {
+    "aten._local_scalar_dense.default",
+    "aten.nonzero.default",
+    "aten.masked_select.default",
+    "aten.equal.default",
+    "aten.is_nonzero.default",
+    "aten.unique_dim.default",
+    "aten._unique2.default",
+    "aten.repeat_interleave.Tensor",
+}
 
 
 class CaptureGuard(TorchDispatchMode):
@@ -99,8 +106,9 @@ def generate_reference(
     model.generation_config.eos_token_id = None
     outs = []
     for prompt in prompts:
-        out = model.generate(torch.tensor([prompt], device=device), max_new_tokens=new_tokens,
-                             do_sample=False, pad_token_id=0)  # fmt: skip
+        out = model.generate(
+            torch.tensor([prompt], device=device), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+        )
         outs.append(out[0, len(prompt) :].tolist())
     return outs
 

@@ -43,8 +43,11 @@ __all__ = ["node_client"]  # a fixture, used by name: exported so that its impor
 ALPHA, BETA, WRONG = ("k" + secrets.token_urlsafe(24) for _ in range(3))
 MAX_STREAMS = 2
 PAGE_SIZE = 8
-OK, UNAUTHENTICATED, UNAVAILABLE = (grpc.StatusCode.OK, grpc.StatusCode.UNAUTHENTICATED,
-                                   grpc.StatusCode.UNAVAILABLE)  # fmt: skip
+OK, UNAUTHENTICATED, UNAVAILABLE = (
+    grpc.StatusCode.OK,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.UNAVAILABLE,
+)
 HEALTH_CHECK = health_pb2.HealthCheckRequest()
 
 
@@ -89,9 +92,18 @@ class Gateway:
         self.target = f"127.0.0.1:{self.port}"
         self.log_path = log_dir / f"gateway-{self.port}.log"
         self.metadata = bearer(key)
-        argv = cbserve_argv("gateway", "--model", str(stack.model_dir), "--port", str(self.port),
-                            "--worker-address", f"ipc://{stack.runtime_dir() / 'worker.sock'}",
-                            "--metrics-port", "0", *flags)  # fmt: skip
+        argv = cbserve_argv(
+            "gateway",
+            "--model",
+            str(stack.model_dir),
+            "--port",
+            str(self.port),
+            "--worker-address",
+            f"ipc://{stack.runtime_dir() / 'worker.sock'}",
+            "--metrics-port",
+            "0",
+            *flags,
+        )
         env = os.environ | {INTERNAL_KEY_ENV: stack.internal_key}
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
@@ -138,20 +150,47 @@ def secure_stack(
     folder = tmp_path_factory.mktemp("secure_stack")
     key_file = folder / "api-keys"
     key_file.write_text(f"# tenant beta\n\n{BETA}\n")
-    up_args = ["--tls-cert", str(pki.server.cert), "--tls-key", str(pki.server.key), "--api-key", ALPHA,
-               "--api-key-file", str(key_file), "--max-streams-per-key", str(MAX_STREAMS),
-               "--health-port", str(health_port)]  # fmt: skip
-    stack = Stack(tiny_models("llama"), folder, up_args=up_args, credentials=tls(pki), metadata=bearer(ALPHA),
-                  page_size=PAGE_SIZE, num_blocks=256)  # fmt: skip
+    up_args = [
+        "--tls-cert",
+        str(pki.server.cert),
+        "--tls-key",
+        str(pki.server.key),
+        "--api-key",
+        ALPHA,
+        "--api-key-file",
+        str(key_file),
+        "--max-streams-per-key",
+        str(MAX_STREAMS),
+        "--health-port",
+        str(health_port),
+    ]
+    stack = Stack(
+        tiny_models("llama"),
+        folder,
+        up_args=up_args,
+        credentials=tls(pki),
+        metadata=bearer(ALPHA),
+        page_size=PAGE_SIZE,
+        num_blocks=256,
+    )
     yield stack
     stack.stop()
 
 
 @pytest.fixture(scope="module")
 def mtls_gateway(secure_stack: Stack, pki: Pki) -> Iterator[Gateway]:
-    flags = ["--tls-cert", str(pki.server.cert), "--tls-key", str(pki.server.key),
-             "--tls-client-ca", str(pki.ca), "--api-key", ALPHA,
-             "--no-open-health", "--no-open-reflection"]  # fmt: skip
+    flags = [
+        "--tls-cert",
+        str(pki.server.cert),
+        "--tls-key",
+        str(pki.server.key),
+        "--tls-client-ca",
+        str(pki.ca),
+        "--api-key",
+        ALPHA,
+        "--no-open-health",
+        "--no-open-reflection",
+    ]
     gateway = Gateway(secure_stack, secure_stack.log_path.parent, flags, tls(pki, client=True), ALPHA)
     yield gateway
     gateway.stop()
@@ -166,13 +205,23 @@ def mtls_gateway(secure_stack: Stack, pki: Pki) -> Iterator[Gateway]:
         (["gateway", "--tls-cert", "{server.cert}"], "--tls-cert and --tls-key go together"),
         (["up", "--tls-client-ca", "{ca}"], "--tls-client-ca needs --tls-cert and --tls-key"),
         (["gateway", "--tls-cert", "{server.cert}", "--tls-key", "{client.key}"], "KEY_VALUES_MISMATCH"),
-        (["up", "--tls-cert", "{server.cert}", "--tls-key", "{server.key}",
-          "--tls-client-ca", "{server.key}"], "--tls-client-ca"),
+        (
+            [
+                "up",
+                "--tls-cert",
+                "{server.cert}",
+                "--tls-key",
+                "{server.key}",
+                "--tls-client-ca",
+                "{server.key}",
+            ],
+            "--tls-client-ca",
+        ),
         (["gateway", "--max-streams-per-key", "2"], "--max-streams-per-key needs API keys"),
         (["up", "--api-key", "has space"], "API key #1 is empty or holds a character other than"),
         (["gateway", "--api-key-file", "/nonexistent/keys"], "--api-key-file /nonexistent/keys:"),
     ],
-)  # fmt: skip
+)
 def test_public_port_settings_that_cannot_work_are_usage_errors(
     argv: list[str], message: str, pki: Pki, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -313,8 +362,16 @@ def test_the_command_line_client_speaks_tls_and_keys(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    mutual = ["--target", mtls_gateway.target, "--tls-ca", str(pki.ca),
-              "--tls-client-cert", str(pki.client.cert), "--tls-client-key", str(pki.client.key)]  # fmt: skip
+    mutual = [
+        "--target",
+        mtls_gateway.target,
+        "--tls-ca",
+        str(pki.ca),
+        "--tls-client-cert",
+        str(pki.client.cert),
+        "--tls-client-key",
+        str(pki.client.key),
+    ]
     assert main(["health", *mutual, "--api-key", ALPHA]) == 0
     assert capsys.readouterr().out.strip() == "SERVING"
     assert main(["health", *mutual]) == 1  # health is closed on this gateway
@@ -334,8 +391,11 @@ def test_the_command_line_client_speaks_tls_and_keys(
 @needs_node
 @pytest.mark.parametrize("key", ["good", "missing", "wrong"])
 def test_node_client_over_tls_with_keys(secure_stack: Stack, pki: Pki, node_client: Any, key: str) -> None:
-    metadata = {"good": {"metadata": f"authorization=Bearer {BETA}"}, "missing": {},
-                "wrong": {"metadata": f"authorization=Bearer {WRONG}"}}[key]  # fmt: skip
+    metadata = {
+        "good": {"metadata": f"authorization=Bearer {BETA}"},
+        "missing": {},
+        "wrong": {"metadata": f"authorization=Bearer {WRONG}"},
+    }[key]
     out = node_client(secure_stack.target, request=node_request(prompt(4), 6), tls_ca=str(pki.ca), **metadata)
     if key == "good":
         assert out.get("token_ids") == secure_stack.reference(prompt(4), 6), out
@@ -350,8 +410,14 @@ def test_node_client_with_client_certificates(
     mtls_gateway: Gateway, secure_stack: Stack, pki: Pki, node_client: Any, client: str
 ) -> None:
     pair = pki.client if client == "issued by the CA" else pki.stranger
-    out = node_client(mtls_gateway.target, "model-info", tls_ca=str(pki.ca), tls_cert=str(pair.cert),
-                      tls_key=str(pair.key), metadata=f"authorization=Bearer {ALPHA}")  # fmt: skip
+    out = node_client(
+        mtls_gateway.target,
+        "model-info",
+        tls_ca=str(pki.ca),
+        tls_cert=str(pair.cert),
+        tls_key=str(pair.key),
+        metadata=f"authorization=Bearer {ALPHA}",
+    )
     if pair is pki.client:
         assert out.get("vocabSize") == secure_stack.vocab_size, out
     else:

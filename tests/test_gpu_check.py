@@ -16,9 +16,21 @@ REPO = Path(__file__).resolve().parents[1]
 def test_the_quick_cpu_check_runs_every_section_and_reports_json(tmp_path: Path) -> None:
     out = tmp_path / "out"
     # A generous budget: a busy machine must not turn figures into "out of time".
-    argv = [sys.executable, "scripts/gpu_check.py", "--device", "cpu", "--quick", "--budget-s", "3600",
-            "--sections", "env,parity,throughput,serve,stack", "--workdir", str(tmp_path),
-            "--out-dir", str(out)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "scripts/gpu_check.py",
+        "--device",
+        "cpu",
+        "--quick",
+        "--budget-s",
+        "3600",
+        "--sections",
+        "env,parity,throughput,serve,stack",
+        "--workdir",
+        str(tmp_path),
+        "--out-dir",
+        str(out),
+    ]
     done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     summary: dict[str, Any] = json.loads(done.stdout)

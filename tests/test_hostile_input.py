@@ -385,8 +385,11 @@ def describe(case: Case) -> str:
     request = pb.GenerateRequest()
     request.CopyFrom(case.request)
     kind = request.WhichOneof("input")
-    size = {"text": len(request.text), "token_ids": len(request.token_ids.ids),
-            "chat": len(request.chat.messages)}.get(kind or "", 0)  # fmt: skip
+    size = {
+        "text": len(request.text),
+        "token_ids": len(request.token_ids.ids),
+        "chat": len(request.chat.messages),
+    }.get(kind or "", 0)
     if kind:
         request.ClearField(kind)
     text = f"input={kind}[{size}] {str(request)[:600]!r} metadata={[(k, len(v)) for k, v in case.metadata]}"
@@ -630,12 +633,21 @@ def test_garbage_and_bad_requests_on_the_worker_socket(
     assert sorted(o.finish for o in by_id["dup"]) == ["error", "length"]
     assert not {"t", "w", "v2"} & {o.request_id for o in finals}
 
-    wait_events(stack, "dropped an undecodable gateway message",
-                counts["dropped an undecodable gateway message"] + len(junk))  # fmt: skip
-    wait_events(stack, "dropped a gateway message with a wrong frame count",
-                counts["dropped a gateway message with a wrong frame count"] + 2)  # fmt: skip
-    wait_events(stack, "dropped a gateway message of another version",
-                counts["dropped a gateway message of another version"] + 1)  # fmt: skip
+    wait_events(
+        stack,
+        "dropped an undecodable gateway message",
+        counts["dropped an undecodable gateway message"] + len(junk),
+    )
+    wait_events(
+        stack,
+        "dropped a gateway message with a wrong frame count",
+        counts["dropped a gateway message with a wrong frame count"] + 2,
+    )
+    wait_events(
+        stack,
+        "dropped a gateway message of another version",
+        counts["dropped a gateway message of another version"] + 1,
+    )
     sock.close(linger=0)
     assert_sound(stack, before)
 
@@ -700,8 +712,12 @@ def test_fuzzed_requests_of_a_fake_gateway_are_refused_or_served(
         finals = collect_finals(sock, len(adds))
         assert sorted(o.request_id for o in finals) == sorted(a.request_id for a in adds), finals
         for out in finals:
-            assert (out.finish, out.code) in {("error", "INVALID_ARGUMENT"), ("length", ""), ("eos", ""),
-                                              ("stop_token", "")}, out  # fmt: skip
+            assert (out.finish, out.code) in {
+                ("error", "INVALID_ARGUMENT"),
+                ("length", ""),
+                ("eos", ""),
+                ("stop_token", ""),
+            }, out
             assert all(0 <= t < stack.vocab_size for t in out.token_ids)
 
     run()
@@ -838,8 +854,10 @@ def test_fuzzed_step_plans_are_served_whole_or_refused_whole(
             # The others finish and the offloaded requests come back, as a worker would have them.
             back = [r for r in bm.requests.values() if r.state is CacheState.OFFLOADED]
             if back:
-                entries = [PlanEntry(r.request_id, 1, [] if r.num_computed < len(r.token_ids) else [0], 0)
-                           for r in back]  # fmt: skip
+                entries = [
+                    PlanEntry(r.request_id, 1, [] if r.num_computed < len(r.token_ids) else [0], 0)
+                    for r in back
+                ]
                 others = [rid for rid, r in bm.requests.items() if r.state is not CacheState.OFFLOADED]
                 assert isinstance(server.handle(b"peer", encode(StepPlan(99, entries, others))), StepGrant)
                 assert_accounted(bm)
@@ -912,8 +930,11 @@ def test_gateway_messages_without_the_key_are_dropped(tiny_stack: Stack, zmq_con
     sock = dealer(zmq_context, stack, "worker.sock")
     ok = SamplingParams(max_new_tokens=2, ignore_eos=True)
     for n, key in enumerate(("", "guess", stack.internal_key.upper())):
-        sock.send(encode(GatewayMessage(f"{FAKE}-keyless-{n}", [NewRequest("r", [3, 4, 5], ok)], load_query=1,
-                                        key=key)))  # fmt: skip
+        sock.send(
+            encode(
+                GatewayMessage(f"{FAKE}-keyless-{n}", [NewRequest("r", [3, 4, 5], ok)], load_query=1, key=key)
+            )
+        )
     wait_events(stack, "dropped a gateway message without the internal key", dropped + 3)
     assert not sock.poll(1000), "a peer without the key was answered"
     assert stack.load().requests_running + stack.load().requests_waiting == 0

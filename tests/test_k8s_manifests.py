@@ -164,8 +164,18 @@ def quantity(text: str | int | float) -> float:
     """A Kubernetes quantity (`4`, `500m`, `8Gi`, `1.5G`) as a number."""
     match = re.fullmatch(r"([0-9.]+)([a-zA-Z]*)", str(text))
     assert match, f"{text!r} is not a quantity"
-    suffixes = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
-                "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}  # fmt: skip
+    suffixes = {
+        "": 1,
+        "m": 1e-3,
+        "k": 1e3,
+        "M": 1e6,
+        "G": 1e9,
+        "T": 1e12,
+        "Ki": 1 << 10,
+        "Mi": 1 << 20,
+        "Gi": 1 << 30,
+        "Ti": 1 << 40,
+    }
     assert match[2] in suffixes, f"{text!r}: unknown suffix"
     return float(match[1]) * suffixes[match[2]]
 
@@ -583,8 +593,11 @@ def test_smg_discovers_the_cbserve_pods_and_routes_cache_aware() -> None:
     assert router.model_path == f"{_cbserve_home()}/models/{CONVERTED_DIR_NAME}"
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert (router.host, router.port, router.health_check_port, router.prometheus_port) == (
-        "0.0.0.0", ports["http"], ports["health"], ports["metrics"]
-    )  # fmt: skip
+        "0.0.0.0",
+        ports["http"],
+        ports["health"],
+        ports["metrics"],
+    )
     for kind, probe in probes(container):
         assert probe["httpGet"]["port"] == "health", f"smg {kind}: the dedicated probe listener"
     assert container["readinessProbe"]["httpGet"]["path"] == "/readiness"
@@ -597,9 +610,10 @@ def test_smg_may_read_the_pods_of_its_namespace_and_nothing_more() -> None:
     find(docs, "ServiceAccount", account)
     assert pod["automountServiceAccountToken"] is True, "the discovery watch needs the account's token"
     bindings = [
-        b for b in of_kind(docs, "RoleBinding")
+        b
+        for b in of_kind(docs, "RoleBinding")
         if {"kind": "ServiceAccount", "name": account} in b["subjects"]
-    ]  # fmt: skip
+    ]
     assert len(bindings) == 1
     assert bindings[0]["roleRef"]["kind"] == "Role"
     role = find(docs, "Role", bindings[0]["roleRef"]["name"])

@@ -22,8 +22,14 @@ VERSION = "2.13.0"
 
 def make(*args: str, path: str | None = None) -> subprocess.CompletedProcess[str]:
     env = os.environ | {"PATH": path} if path is not None else dict(os.environ)
-    return subprocess.run(["make", "-s", "--no-print-directory", f"PY={sys.executable}", *args], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    return subprocess.run(
+        ["make", "-s", "--no-print-directory", f"PY={sys.executable}", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def fake_nvidia_smi(tmp_path: Path, works: bool) -> str:

@@ -115,16 +115,20 @@ def test_the_log_says_how_each_request_ended(tiny_stack: Stack, smol_stack: Stac
     assert (event["reason"], event["completion_tokens"], event["prompt_tokens"]) == ("length", 3, 6)
 
     cancelled = trace("cancel")
-    call = tiny_stack.stub.Generate(greedy_request(prompt, long), timeout=CALL_TIMEOUT_S,
-                                    metadata=(("x-request-id", cancelled),))  # fmt: skip
+    call = tiny_stack.stub.Generate(
+        greedy_request(prompt, long), timeout=CALL_TIMEOUT_S, metadata=(("x-request-id", cancelled),)
+    )
     assert next(call).HasField("chunk")
     call.cancel()
     assert finished(tiny_stack, cancelled)["reason"] == "cancelled"
 
     expired = trace("deadline")
     with pytest.raises(grpc.RpcError) as info:
-        list(tiny_stack.stub.Generate(greedy_request(prompt, long), timeout=0.5,
-                                      metadata=(("x-request-id", expired),)))  # fmt: skip
+        list(
+            tiny_stack.stub.Generate(
+                greedy_request(prompt, long), timeout=0.5, metadata=(("x-request-id", expired),)
+            )
+        )
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert finished(tiny_stack, expired)["reason"] == "deadline"
 
@@ -218,10 +222,33 @@ def test_errors_use_the_apis_field_names(tiny_stack: Stack) -> None:
 def test_generate_command_with_every_sampling_flag(
     smol_stack: Stack, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = ["generate", "--target", smol_stack.target, "--chat", "What is the capital of France?",
-            "--max-tokens", "5", "--ignore-eos", "--logprobs", "2", "--top-k", "5", "--top-p", "0.9",
-            "--min-p", "0.01", "--seed", "1", "--priority", "4", "--cache-salt", "cli", "-v",
-            "--prompt-logprobs", "0"]  # fmt: skip
+    argv = [
+        "generate",
+        "--target",
+        smol_stack.target,
+        "--chat",
+        "What is the capital of France?",
+        "--max-tokens",
+        "5",
+        "--ignore-eos",
+        "--logprobs",
+        "2",
+        "--top-k",
+        "5",
+        "--top-p",
+        "0.9",
+        "--min-p",
+        "0.01",
+        "--seed",
+        "1",
+        "--priority",
+        "4",
+        "--cache-salt",
+        "cli",
+        "-v",
+        "--prompt-logprobs",
+        "0",
+    ]
     assert main(argv) == 0
     out, err = capsys.readouterr()
     assert out.strip()

@@ -63,10 +63,12 @@ class RunResult:
         return sum(self.hits) / workload.shared_tokens
 
     def summary(self, workload: Workload) -> str:
-        return (f"hit rate {self.hit_rate(workload):.3f} of {workload.shared_tokens} shared tokens "
-                f"(hits per stack {self.hits}, looked up {self.queries}); "
-                f"TTFT p50 {statistics.median(self.ttft_s) * 1e3:.0f} ms, "
-                f"mean {statistics.mean(self.ttft_s) * 1e3:.0f} ms")  # fmt: skip
+        return (
+            f"hit rate {self.hit_rate(workload):.3f} of {workload.shared_tokens} shared tokens "
+            f"(hits per stack {self.hits}, looked up {self.queries}); "
+            f"TTFT p50 {statistics.median(self.ttft_s) * 1e3:.0f} ms, "
+            f"mean {statistics.mean(self.ttft_s) * 1e3:.0f} ms"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -106,9 +108,14 @@ def shared_prefix_workload(model_dir: Path, seed: int = 0) -> Workload:
 def router(stacks: Sequence[Stack], policy: str, log_path: Path) -> Iterator[int]:
     """smg in front of `stacks` with `policy`, once every stack is a healthy worker: its HTTP port."""
     http = free_port()
-    argv = smg_command(host="127.0.0.1", http_port=http, metrics_port=free_port(),
-                       model_dir=str(stacks[0].model_dir), policy=policy,
-                       worker_urls=[gateway_url("127.0.0.1", s.port) for s in stacks])  # fmt: skip
+    argv = smg_command(
+        host="127.0.0.1",
+        http_port=http,
+        metrics_port=free_port(),
+        model_dir=str(stacks[0].model_dir),
+        policy=policy,
+        worker_urls=[gateway_url("127.0.0.1", s.port) for s in stacks],
+    )
     with log_path.open("wb") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=log, preexec_fn=die_with_parent)
         try:
@@ -131,8 +138,9 @@ def run_workload(stacks: Sequence[Stack], http_port: int, workload: Workload) ->
     def ttft(prompt: str) -> float:
         start = time.perf_counter()
         first = None
-        for event in api.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS,
-                                            temperature=0.0, stream=True):  # fmt: skip
+        for event in api.completions.create(
+            model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0, stream=True
+        ):
             if first is None and any(c.text for c in event.choices):
                 first = time.perf_counter() - start
         assert first is not None, "a stream without text"
@@ -164,9 +172,11 @@ def test_cache_aware_routing_hits_the_prefixes_one_stack_would(
 ) -> None:
     workload = shared_prefix_workload(stacks[0].model_dir)
     results: dict[str, RunResult] = {}
-    for name, fleet, policy in (("single stack", stacks[:1], "round_robin"),
-                                ("round_robin", stacks, "round_robin"),
-                                ("cache_aware", stacks, "cache_aware")):  # fmt: skip
+    for name, fleet, policy in (
+        ("single stack", stacks[:1], "round_robin"),
+        ("round_robin", stacks, "round_robin"),
+        ("cache_aware", stacks, "cache_aware"),
+    ):
         flush_prefix_caches(stacks)
         log_path = tmp_path / f"smg-{policy}-{len(fleet)}.log"
         with router(fleet, policy, log_path) as http:

@@ -63,8 +63,9 @@ def wait_router(http_port: int, healthy: int = 1, timeout_s: float = ROUTER_STAR
 
 def client(http_port: int) -> openai.OpenAI:
     # No retries of the client's own: what must recover is smg.
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0,
-                         timeout=CALL_TIMEOUT_S)  # fmt: skip
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0, timeout=CALL_TIMEOUT_S
+    )
 
 
 @contextlib.contextmanager
@@ -127,8 +128,9 @@ def assert_same_answer(stack: Stack, http_port: int, kind: str, stream: bool, ma
     got, usage = openai_answer(client(http_port), stack.info.model_id, kind, max_tokens, stream)
     assert text and got == text
     assert (usage.prompt_tokens, usage.completion_tokens) == (
-        final.usage.prompt_tokens, final.usage.completion_tokens,
-    )  # fmt: skip
+        final.usage.prompt_tokens,
+        final.usage.completion_tokens,
+    )
 
 
 # ------------------------------------------------------------------------------ cbserve up --http-port
@@ -161,15 +163,17 @@ def test_a_node_fetch_client_streams_the_cbserve_answer(routed: tuple[Stack, int
     assert text and out["text"] == text
     assert out["finish_reason"] == OPENAI_FINISH_REASONS[final.finish_reason]
     assert (out["usage"]["prompt_tokens"], out["usage"]["completion_tokens"]) == (
-        final.usage.prompt_tokens, final.usage.completion_tokens,
-    )  # fmt: skip
+        final.usage.prompt_tokens,
+        final.usage.completion_tokens,
+    )
     stack.assert_idle()
 
 
 def test_a_client_that_goes_away_frees_its_request(routed: tuple[Stack, int]) -> None:
     stack, http = routed
-    events = client(http).completions.create(model=stack.info.model_id, prompt=PROMPT, max_tokens=900,
-                                             temperature=0.0, stream=True)  # fmt: skip
+    events = client(http).completions.create(
+        model=stack.info.model_id, prompt=PROMPT, max_tokens=900, temperature=0.0, stream=True
+    )
     for _, _ in zip(range(3), events, strict=False):
         pass
     assert stack.load().requests_running == 1
@@ -196,8 +200,9 @@ def test_a_bad_request_is_a_400_streamed_or_not(routed: tuple[Stack, int], strea
     byte of an answer, streamed as well: the gateway refuses before it sends its headers."""
     stack, http = routed
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
-        reply = client(http).completions.create(model=stack.info.model_id, prompt=PROMPT, max_tokens=100_000,
-                                                stream=stream)  # fmt: skip
+        reply = client(http).completions.create(
+            model=stack.info.model_id, prompt=PROMPT, max_tokens=100_000, stream=stream
+        )
         if stream:
             list(reply)  # type: ignore[arg-type]
 
@@ -214,12 +219,22 @@ def test_the_router_is_a_supervised_child(routed: tuple[Stack, int]) -> None:
 
 
 def test_up_refuses_a_router_it_cannot_run(
-    tiny_models: Callable[[str], Path], text_model: Path, capsys: pytest.CaptureFixture[str],
+    tiny_models: Callable[[str], Path],
+    text_model: Path,
+    capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
+) -> None:
     def up(model: Path, *flags: str) -> str:
-        ports = ["--port", str(free_port()), "--metrics-port", "0", "--http-port", str(free_port()),
-                 "--router-metrics-port", str(free_port())]  # fmt: skip
+        ports = [
+            "--port",
+            str(free_port()),
+            "--metrics-port",
+            "0",
+            "--http-port",
+            str(free_port()),
+            "--router-metrics-port",
+            str(free_port()),
+        ]
         argv = ["up", "--model", str(model), *ports, *flags]
         code, _, err = run_main(argv, capsys)
         assert code == 2, err
@@ -245,9 +260,14 @@ def test_a_killed_gateway_is_routed_around_and_rejoins(
     first, _ = routed
     second = Stack(text_model, tmp_path_factory.mktemp("second"), **TINY_STACK_SETTINGS)
     http = free_port()
-    argv = smg_command(host="127.0.0.1", http_port=http, metrics_port=free_port(), model_dir=str(text_model),
-                       worker_urls=[gateway_url("127.0.0.1", s.port) for s in (first, second)],
-                       policy="round_robin")  # fmt: skip
+    argv = smg_command(
+        host="127.0.0.1",
+        http_port=http,
+        metrics_port=free_port(),
+        model_dir=str(text_model),
+        worker_urls=[gateway_url("127.0.0.1", s.port) for s in (first, second)],
+        policy="round_robin",
+    )
     log = (tmp_path_factory.mktemp("fleet_router") / "smg.log").open("wb")
     router = subprocess.Popen(argv, stdout=log, stderr=log, preexec_fn=die_with_parent)
     try:

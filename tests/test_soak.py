@@ -30,8 +30,13 @@ NEW_TOKENS = 6
 ABORTED_TOKENS = 400
 QUESTIONS = ["Name a color.", "What is 2+2?", "Say hi.", "Name a fruit.", "What is the sun?", "Count to 3."]
 STOPS = [" the", ".", ","]
-OUTCOMES = {"normal": "OK", "stop": "OK", "bad": "INVALID_ARGUMENT", "deadline": "DEADLINE_EXCEEDED",
-            "cancel": "CANCELLED"}  # fmt: skip
+OUTCOMES = {
+    "normal": "OK",
+    "stop": "OK",
+    "bad": "INVALID_ARGUMENT",
+    "deadline": "DEADLINE_EXCEEDED",
+    "cancel": "CANCELLED",
+}
 
 
 def metrics(stack: Stack) -> dict[str, float]:
@@ -123,8 +128,10 @@ def test_soak(smol_stack: Stack) -> None:
     assert not any(held.values()), held
     assert {name: stack.child_pid(name) for name in children} == children, "a process restarted"
     growth = {name: rss_kib(pid) / baseline[name] - 1 for name, pid in children.items()}
-    print(f"\nsoak: {REQUESTS} requests in {elapsed:.1f} s after warm-up; outcomes {dict(outcomes)}; "
-          f"RSS growth {({k: f'{v:+.1%}' for k, v in growth.items()})}")  # fmt: skip
+    print(
+        f"\nsoak: {REQUESTS} requests in {elapsed:.1f} s after warm-up; outcomes {dict(outcomes)}; "
+        f"RSS growth { ({k: f'{v:+.1%}' for k, v in growth.items()}) }"
+    )
     assert all(g < 0.10 for g in growth.values()), growth
     assert outcomes == Counter((kind, OUTCOMES[kind]) for kind, _, _ in plans), outcomes
     assert {kind for kind, _ in outcomes} == set(OUTCOMES), outcomes

@@ -38,8 +38,16 @@ GIB = 1 << 30
 # the tokenizer in each process, the step's activations. Measured about 2.4 GiB under load.
 PROCESS_BUDGET = 3 * GIB
 SAMPLE_INTERVAL_S = 1.0
-FIELDS = ["seconds", "requests_done", "rss_bytes", "shm_bytes", "stack_bytes", "committed_bytes",
-          "cached_blocks", "host_available_bytes"]  # fmt: skip
+FIELDS = [
+    "seconds",
+    "requests_done",
+    "rss_bytes",
+    "shm_bytes",
+    "stack_bytes",
+    "committed_bytes",
+    "cached_blocks",
+    "host_available_bytes",
+]
 
 pytestmark = pytest.mark.soak_memory
 
@@ -121,11 +129,18 @@ def test_memory_stays_bounded(smollm2_dir: Path, tmp_path: Path) -> None:
         def sample() -> None:
             load = stack.load()
             rss, shm = tree_rss_bytes(stack.process.pid), mapped_shm_bytes(cachemgr)
-            samples.append({
-                "seconds": round(time.monotonic() - t0, 1), "requests_done": done, "rss_bytes": rss,
-                "shm_bytes": shm, "stack_bytes": rss + shm, "committed_bytes": load.kv_pool_committed_bytes,
-                "cached_blocks": load.kv_blocks_cached, "host_available_bytes": load.host_available_bytes,
-            })  # fmt: skip
+            samples.append(
+                {
+                    "seconds": round(time.monotonic() - t0, 1),
+                    "requests_done": done,
+                    "rss_bytes": rss,
+                    "shm_bytes": shm,
+                    "stack_bytes": rss + shm,
+                    "committed_bytes": load.kv_pool_committed_bytes,
+                    "cached_blocks": load.kv_blocks_cached,
+                    "host_available_bytes": load.host_available_bytes,
+                }
+            )
             writer.writerow(samples[-1])
             curve.flush()
 

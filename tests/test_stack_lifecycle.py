@@ -41,8 +41,12 @@ from tests.stack import (
 )
 
 # As compose runs them: tcp:// sockets, the internal key shared through the environment.
-SETTINGS = {"CBSERVE_PAGE_SIZE": "8", "CBSERVE_NUM_BLOCKS": "200", "CBSERVE_THREADS": "1",
-            "CBSERVE_INTERNAL_KEY": "lifecycle-test-key"}  # fmt: skip
+SETTINGS = {
+    "CBSERVE_PAGE_SIZE": "8",
+    "CBSERVE_NUM_BLOCKS": "200",
+    "CBSERVE_THREADS": "1",
+    "CBSERVE_INTERNAL_KEY": "lifecycle-test-key",
+}
 
 
 def health(channel: grpc.Channel, service: str = "") -> str:
@@ -90,8 +94,17 @@ def test_health_follows_readiness_and_drain(
     cachemgr_address = f"tcp://127.0.0.1:{free_port()}"
     worker_address = f"tcp://127.0.0.1:{free_port()}"
     port = free_port()
-    gateway = spawn("gateway", "--model", model, "--worker-address", worker_address, "--port", str(port),
-                    "--metrics-port", "0")  # fmt: skip
+    gateway = spawn(
+        "gateway",
+        "--model",
+        model,
+        "--worker-address",
+        worker_address,
+        "--port",
+        str(port),
+        "--metrics-port",
+        "0",
+    )
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     stub = pb_grpc.TextGenerationStub(channel)
     wait_for(lambda: health(channel) != "UNAVAILABLE", START_TIMEOUT_S, "gateway never answered")
@@ -102,8 +115,9 @@ def test_health_follows_readiness_and_drain(
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
 
     cachemgr = spawn("cachemgr", "--model", model, "--cachemgr-address", cachemgr_address)
-    worker = spawn("worker", "--model", model, "--worker-address", worker_address,
-                   "--cachemgr-address", cachemgr_address)  # fmt: skip
+    worker = spawn(
+        "worker", "--model", model, "--worker-address", worker_address, "--cachemgr-address", cachemgr_address
+    )
     wait_for(lambda: health(channel) == "SERVING", START_TIMEOUT_S, "stack never became SERVING")
     assert health(channel, SERVICE_NAME) == "SERVING"
 
@@ -178,8 +192,10 @@ def test_streams_survive_a_killed_worker(
         metrics = scrape_metrics(stack)
         resubmitted = metrics["cbserve:resubmitted_requests_total"]
         recomputed = metrics["cbserve:resubmit_recomputed_tokens_total"]
-        print(f"\nrecovery: {len(prompts)} streams completed {took:.1f} s after the worker's SIGKILL; "
-              f"{resubmitted:.0f} re-submitted, {recomputed:.0f} tokens recomputed")  # fmt: skip
+        print(
+            f"\nrecovery: {len(prompts)} streams completed {took:.1f} s after the worker's SIGKILL; "
+            f"{resubmitted:.0f} re-submitted, {recomputed:.0f} tokens recomputed"
+        )
         assert 1 <= resubmitted <= len(prompts)
         assert recomputed <= resubmitted * (page + 1)
         stack.assert_idle()
@@ -197,8 +213,17 @@ def test_a_gateway_on_a_port_in_use_exits_with_the_configuration_status(
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        argv = cbserve_argv("gateway", "--model", str(tiny_models("llama")), "--port", str(port),
-                            "--metrics-port", "0", "--worker-address", "tcp://127.0.0.1:9")  # fmt: skip
+        argv = cbserve_argv(
+            "gateway",
+            "--model",
+            str(tiny_models("llama")),
+            "--port",
+            str(port),
+            "--metrics-port",
+            "0",
+            "--worker-address",
+            "tcp://127.0.0.1:9",
+        )
         done = subprocess.run(argv, capture_output=True, timeout=START_TIMEOUT_S, preexec_fn=die_with_parent)
     log = done.stderr.decode(errors="replace")
     assert done.returncode == 2, log[-3000:]
@@ -222,10 +247,16 @@ def fault_stack(
 ) -> Iterator[Stack]:
     """Short timeouts so that crashes and silences are noticed in seconds, and a queue of 4."""
     stack = Stack(
-        tiny_models("llama"), tmp_path_factory.mktemp("faults"), page_size=8, num_blocks=400,
-        cachemgr_timeout=CACHEMGR_TIMEOUT_S, gateway_timeout=3, max_queue_size=4, worker_timeout=4,
+        tiny_models("llama"),
+        tmp_path_factory.mktemp("faults"),
+        page_size=8,
+        num_blocks=400,
+        cachemgr_timeout=CACHEMGR_TIMEOUT_S,
+        gateway_timeout=3,
+        max_queue_size=4,
+        worker_timeout=4,
         resubmit_timeout=10,
-    )  # fmt: skip
+    )
     yield stack
     stack.stop()
 
@@ -295,8 +326,10 @@ def test_a_flood_from_many_clients_is_refused_and_memory_stays_bounded(fault_sta
         fault_stack.assert_idle()
         settled.append({name: rss_kib(fault_stack.child_pid(name)) for name in names})
         mib, idle_mib = ({k: round(v / 1024) for k, v in d.items()} for d in (peak, idle))
-        print(f"\nflood {seed}: {FLOOD_CLIENTS} clients x {FLOOD_CALLS} calls: {dict(outcomes)}; "
-              f"peak RSS MiB {mib}, idle before {idle_mib}")  # fmt: skip
+        print(
+            f"\nflood {seed}: {FLOOD_CLIENTS} clients x {FLOOD_CALLS} calls: {dict(outcomes)}; "
+            f"peak RSS MiB {mib}, idle before {idle_mib}"
+        )
         assert set(outcomes) <= {"OK", "RESOURCE_EXHAUSTED"}, outcomes
         assert outcomes["RESOURCE_EXHAUSTED"] > 0 and outcomes["OK"] > 0, outcomes
     growth = {name: settled[2][name] / settled[0][name] - 1 for name in names}
@@ -366,8 +399,10 @@ def test_a_hung_worker_fails_its_streams_and_frees_their_blocks(fault_stack: Sta
         os.kill(worker, signal.SIGCONT)
     assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value.details()
     fault_stack.wait_serving(30)
-    print(f"\nrecovery: a hung worker's stream failed UNAVAILABLE {failed_after:.1f} s after SIGSTOP "
-          f"(--resubmit-timeout 10); SERVING {time.monotonic() - stopped:.1f} s after")  # fmt: skip
+    print(
+        f"\nrecovery: a hung worker's stream failed UNAVAILABLE {failed_after:.1f} s after SIGSTOP "
+        f"(--resubmit-timeout 10); SERVING {time.monotonic() - stopped:.1f} s after"
+    )
     fault_stack.assert_idle()
 
 
@@ -418,8 +453,10 @@ def test_a_killed_cachemgr_fails_streams_then_the_stack_recovers(fault_stack: St
     assert failed_after < CACHEMGR_TIMEOUT_S + 4, failed_after
     wait_for(lambda: fault_stack.health_status() == "NOT_SERVING", 20, "health never turned NOT_SERVING")
     fault_stack.wait_serving(60)
-    print(f"\nrecovery: stream failed UNAVAILABLE {failed_after:.1f} s and SERVING again "
-          f"{time.monotonic() - killed:.1f} s after the cachemgr's SIGKILL")  # fmt: skip
+    print(
+        f"\nrecovery: stream failed UNAVAILABLE {failed_after:.1f} s and SERVING again "
+        f"{time.monotonic() - killed:.1f} s after the cachemgr's SIGKILL"
+    )
     assert fault_stack.child_pid("cachemgr") != cachemgr
     # The new cachemgr deletes them at start; the worker, attached to the new pools, maps none of them.
     assert not [p for p in pools if p.exists()], pools

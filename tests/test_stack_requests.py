@@ -145,10 +145,12 @@ BAD_REQUESTS: dict[str, tuple[str, Build]] = {
     "max_tokens_0": ("tiny_stack", lambda s: greedy_request(tiny_prompt(1), 0)),
     "min_tokens_over_max": ("tiny_stack", _greedy(min_tokens=5)),
     "prompt_plus_max_tokens_over_model_len": (
-        "tiny_stack", lambda s: greedy_request(tiny_prompt(1), s.info.max_model_len),
+        "tiny_stack",
+        lambda s: greedy_request(tiny_prompt(1), s.info.max_model_len),
     ),
     "prompt_over_model_len": (
-        "tiny_stack", lambda s: greedy_request(tiny_prompt(2, s.info.max_model_len), 1),
+        "tiny_stack",
+        lambda s: greedy_request(tiny_prompt(2, s.info.max_model_len), 1),
     ),
     "logprobs_21": ("tiny_stack", _logprobs),
     "prompt_logprobs_21": ("tiny_stack", _prompt_logprobs),
@@ -159,7 +161,7 @@ BAD_REQUESTS: dict[str, tuple[str, Build]] = {
     "chat_no_messages": ("smol_stack", _no_messages),
     "stop_string_empty": ("smol_stack", lambda s: chat_request(CHAT, 4, stop=["ok", ""])),
     "stop_strings_17": ("smol_stack", lambda s: chat_request(CHAT, 4, stop=[f"s{i}" for i in range(17)])),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(BAD_REQUESTS))
@@ -320,9 +322,10 @@ def test_many_streams_cancelled_at_random_points(stack_name: str, request: pytes
     def run(i: int, reads: int) -> None:
         try:
             call = tiny_stack.stub.Generate(
-                long_request(tiny_stack, 100 + i), timeout=CALL_TIMEOUT_S,
+                long_request(tiny_stack, 100 + i),
+                timeout=CALL_TIMEOUT_S,
                 metadata=(("x-request-id", trace_ids[i]),),
-            )  # fmt: skip
+            )
             for _ in range(reads):
                 assert next(call).HasField("chunk")
             call.cancel()

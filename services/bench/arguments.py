@@ -102,10 +102,20 @@ def add_offline_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-requests", type=bounded(int, 1), default=48, help="requests in the W1 workload"
     )
     parser.add_argument("--seed", type=int, default=0, help="W1 seed")
-    parser.add_argument("--prompt-len", type=int_range, default=(32, 384), metavar="LO,HI",
-                        help="W1's prompt lengths, uniform (default 32,384)")  # fmt: skip
-    parser.add_argument("--output-len", type=int_range, default=(8, 128), metavar="LO,HI",
-                        help="W1's output lengths, uniform (default 8,128)")  # fmt: skip
+    parser.add_argument(
+        "--prompt-len",
+        type=int_range,
+        default=(32, 384),
+        metavar="LO,HI",
+        help="W1's prompt lengths, uniform (default 32,384)",
+    )
+    parser.add_argument(
+        "--output-len",
+        type=int_range,
+        default=(8, 128),
+        metavar="LO,HI",
+        help="W1's output lengths, uniform (default 8,128)",
+    )
     parser.add_argument(
         "--workload",
         type=Path,

@@ -67,7 +67,11 @@ def wait_quiet(
             return waited
         if waited >= timeout_s:
             cores = (after - before) / window_s
-            print(f"warning: the host stayed busy ({cores:.2f} cores) for {waited:.0f} s before a timed "
-                  "run; starting anyway", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"warning: the host stayed busy ({cores:.2f} cores) for {waited:.0f} s before a timed "
+                "run; starting anyway",
+                file=sys.stderr,
+                flush=True,
+            )
             return waited
         before = after

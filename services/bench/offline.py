@@ -269,9 +269,18 @@ def run(args: argparse.Namespace) -> int:
 
     if args.json is not None:
         report = _report(
-            args, model_path, threads, workload, points, paired, useful_flop, matmul_gflops, check, top1,
+            args,
+            model_path,
+            threads,
+            workload,
+            points,
+            paired,
+            useful_flop,
+            matmul_gflops,
+            check,
+            top1,
             None if prose is None else sum(len(p) - 1 for p in prose),
-        )  # fmt: skip
+        )
         args.json.write_text(json.dumps(report, indent=2) + "\n")
         print(f"\nwrote {args.json}")
     return status
@@ -921,8 +930,10 @@ def _report(
             elif value is not None:
                 same_top1, positions = value
                 out[name]["top1_agreement_with_fp32"] = {
-                    "same": same_top1, "positions": positions, "share": same_top1 / positions
-                }  # fmt: skip
+                    "same": same_top1,
+                    "positions": positions,
+                    "share": same_top1 / positions,
+                }
             for base in ("hf-cb", "hf-generate", "engine"):
                 if base in results and base != name:
                     out[name][f"ratio_vs_{base}"] = r.output_tok_s / results[base].output_tok_s

@@ -186,8 +186,21 @@ def _openvino_prepare(home: Path, model: Path, log: IO[str]) -> Path:
     if not (out / "openvino_model.xml").exists():
         tmp = out.with_name(out.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
-        _run([home / "venv" / "bin" / "optimum-cli", "export", "openvino", "--model", model,
-              "--task", "text-generation-with-past", "--weight-format", "fp32", tmp], log)  # fmt: skip
+        _run(
+            [
+                home / "venv" / "bin" / "optimum-cli",
+                "export",
+                "openvino",
+                "--model",
+                model,
+                "--task",
+                "text-generation-with-past",
+                "--weight-format",
+                "fp32",
+                tmp,
+            ],
+            log,
+        )
         tmp.rename(out)
     return out
 
@@ -203,16 +216,44 @@ def _llama_steps(home: Path) -> list[Step]:
     def fetch(log: IO[str]) -> None:
         download = home / "download"
         shutil.rmtree(download, ignore_errors=True)
-        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-              "-d", download, LLAMA_CPP_SDIST], log)  # fmt: skip
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                "-d",
+                download,
+                LLAMA_CPP_SDIST,
+            ],
+            log,
+        )
         (archive,) = download.glob("*.tar.gz")
         with tarfile.open(archive) as tar:
             tar.extractall(home / "src", filter="data")
 
     def configure(log: IO[str]) -> None:
-        _run(["cmake", "-S", src, "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
-              "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_OPENSSL=OFF",
-              "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_CURL=OFF"], log)  # fmt: skip
+        _run(
+            [
+                "cmake",
+                "-S",
+                src,
+                "-B",
+                build,
+                "-DCMAKE_BUILD_TYPE=Release",
+                "-DGGML_NATIVE=ON",
+                "-DLLAMA_BUILD_TESTS=OFF",
+                "-DLLAMA_BUILD_EXAMPLES=OFF",
+                "-DLLAMA_OPENSSL=OFF",
+                "-DLLAMA_USE_PREBUILT_UI=OFF",
+                "-DLLAMA_BUILD_UI=OFF",
+                "-DLLAMA_CURL=OFF",
+            ],
+            log,
+        )
 
     def compile_server(log: IO[str]) -> None:
         _run(["cmake", "--build", build, "-j", str(os.cpu_count() or 1), "--target", "llama-server"], log)
@@ -247,8 +288,18 @@ def _llama_prepare(home: Path, model: Path, log: IO[str]) -> Path:
                 config["tokenizer_class"] = "PreTrainedTokenizerFast"
                 config_path.write_text(json.dumps(config))
             partial = out.with_suffix(".partial")
-            _run([home / "converter" / "bin" / "python", _llama_source(home) / "convert_hf_to_gguf.py",
-                  copy, "--outtype", "f32", "--outfile", partial], log)  # fmt: skip
+            _run(
+                [
+                    home / "converter" / "bin" / "python",
+                    _llama_source(home) / "convert_hf_to_gguf.py",
+                    copy,
+                    "--outtype",
+                    "f32",
+                    "--outfile",
+                    partial,
+                ],
+                log,
+            )
             partial.rename(out)
     return out
 
@@ -321,8 +372,11 @@ def setup(specs: list[PeerSpec], model: Path | None = None, out: IO[str] | None 
             except (PeerUnavailable, OSError, ValueError) as exc:
                 log.flush()
                 tail = "".join(log_path.read_text(errors="replace").splitlines(keepends=True)[-15:])
-                print(f"[{name}] cannot be installed here: {exc}\n{tail}[{name}] full log: {log_path}",
-                      file=out, flush=True)  # fmt: skip
+                print(
+                    f"[{name}] cannot be installed here: {exc}\n{tail}[{name}] full log: {log_path}",
+                    file=out,
+                    flush=True,
+                )
                 status = 1
                 continue
         for note in spec.notes:
@@ -355,8 +409,15 @@ class PeerProcess:
         if spec.prepare is not None:
             model = spec.prepare(home, model, self._log)
         self.work_dir = Path(tempfile.mkdtemp(prefix=f"cbserve-peer-{spec.name}-"))  # its workload files
-        argv = [str(spec.interpreter()), str(spec.runner), "--model", str(model), "--threads", str(threads),
-                *spec.runner_args(home)]  # fmt: skip
+        argv = [
+            str(spec.interpreter()),
+            str(spec.runner),
+            "--model",
+            str(model),
+            "--threads",
+            str(threads),
+            *spec.runner_args(home),
+        ]
         if precision is not None:
             argv += ["--precision", precision]
         self._log.write(f"$ {' '.join(argv)}\n")

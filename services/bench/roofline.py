@@ -121,13 +121,20 @@ def _line(p: RooflinePoint) -> str:
 def add_roofline_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2-135M)")
     parser.add_argument("--dtype", choices=ENGINE_DTYPES, default="bfloat16", help="the weights' dtype")
-    parser.add_argument("--in-flight", type=in_flight_list, default=[1, 16], metavar="N,N,...",
-                        help="requests decoding together, one point each (default 1,16)")  # fmt: skip
-    parser.add_argument("--context", type=bounded(int, 1), default=512,
-                        help="prompt tokens of each request (default 512)")  # fmt: skip
+    parser.add_argument(
+        "--in-flight",
+        type=in_flight_list,
+        default=[1, 16],
+        metavar="N,N,...",
+        help="requests decoding together, one point each (default 1,16)",
+    )
+    parser.add_argument(
+        "--context", type=bounded(int, 1), default=512, help="prompt tokens of each request (default 512)"
+    )
     parser.add_argument("--steps", type=bounded(int, 2), default=32, help="timed decode steps a point")
-    parser.add_argument("--threads", type=bounded(int, 1), default=None,
-                        help="torch threads (default: usable cores)")  # fmt: skip
+    parser.add_argument(
+        "--threads", type=bounded(int, 1), default=None, help="torch threads (default: usable cores)"
+    )
     parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the points here")
     add_cb_arguments(parser)
 
@@ -144,8 +151,11 @@ def run(args: argparse.Namespace) -> int:
     ask_huge_pages()
     model_path = Path(model_dir(args.model))
     read_rate = measure_read_rate()
-    print(f"memory read rate: {read_rate / 1e9:.1f} GB/s ({PROBE_BYTES >> 20} MiB read by {threads} threads, "
-          "best of 7)", flush=True)  # fmt: skip
+    print(
+        f"memory read rate: {read_rate / 1e9:.1f} GB/s ({PROBE_BYTES >> 20} MiB read by {threads} threads, "
+        "best of 7)",
+        flush=True,
+    )
     settings = cb_settings(args)
     points = []
     with Engine.from_pretrained(model_path, dtype=getattr(torch, args.dtype), **settings) as engine:

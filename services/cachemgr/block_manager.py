@@ -249,8 +249,9 @@ class BlockManager:
             # The wire's decoder bounds token ids, an in-process caller may not; `block_hash` packs
             # them as signed 64-bit integers and would raise half way through the step.
             if not all(0 <= t < 2**63 for t in entry.new_token_ids):
-                raise ValueError(f"StepPlan {plan.step}: a token id of {entry.request_id!r} is negative "
-                                 "or over 64 bits")  # fmt: skip
+                raise ValueError(
+                    f"StepPlan {plan.step}: a token id of {entry.request_id!r} is negative or over 64 bits"
+                )
             if entry.num_placeholders < 0:
                 raise ValueError(
                     f"StepPlan {plan.step}: {entry.request_id!r} has {entry.num_placeholders} placeholders"

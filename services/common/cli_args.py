@@ -213,5 +213,10 @@ def add_max_tokens(parser: argparse.ArgumentParser, default: int | None, help: s
     """`--max-tokens`, the API's name, in every command; `--max-new-tokens` (chat's old name) is still
     read but no longer shown."""
     parser.add_argument("--max-tokens", type=bounded(int, 1), default=default, help=help)
-    parser.add_argument("--max-new-tokens", dest="max_tokens", type=bounded(int, 1),
-                        default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # fmt: skip
+    parser.add_argument(
+        "--max-new-tokens",
+        dest="max_tokens",
+        type=bounded(int, 1),
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
+    )

@@ -108,8 +108,17 @@ def share_cuda_tensor(tensor: torch.Tensor) -> TensorHandle:
     _, args = reduce_tensor(tensor)
     # (cls, size, stride, offset, storage_cls, dtype, device, handle, size_bytes, offset_bytes,
     #  requires_grad, refcount_handle, refcount_offset, event_handle, event_sync_required)
-    ipc = [int(args[3]), int(args[6]), args[7], int(args[8]), int(args[9]), args[11], int(args[12]),
-           args[13], bool(args[14])]  # fmt: skip
+    ipc = [
+        int(args[3]),
+        int(args[6]),
+        args[7],
+        int(args[8]),
+        int(args[9]),
+        args[11],
+        int(args[12]),
+        args[13],
+        bool(args[14]),
+    ]
     return TensorHandle("cuda_ipc", list(tensor.shape), dtype_name(tensor.dtype), ipc=ipc)
 
 
@@ -131,6 +140,19 @@ def open_tensor(handle: TensorHandle) -> torch.Tensor:
     shape = torch.Size(handle.shape)
     stride = torch.empty(0).new_empty(shape, device="meta").stride()
     return rebuild_cuda_tensor(
-        torch.Tensor, shape, stride, offset, torch.storage.TypedStorage, dtype, device, ipc_handle,
-        size_bytes, offset_bytes, False, rc_handle, rc_offset, event, sync,
-    )  # fmt: skip
+        torch.Tensor,
+        shape,
+        stride,
+        offset,
+        torch.storage.TypedStorage,
+        dtype,
+        device,
+        ipc_handle,
+        size_bytes,
+        offset_bytes,
+        False,
+        rc_handle,
+        rc_offset,
+        event,
+        sync,
+    )

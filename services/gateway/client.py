@@ -85,8 +85,13 @@ def completion_request(
         request.chat.messages.append(pb.ChatMessage(role="user", content=prompt))
     else:
         request.text = prompt
-    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("min_p", min_p),
-                        ("seed", seed)):  # fmt: skip
+    for name, value in (
+        ("temperature", temperature),
+        ("top_p", top_p),
+        ("top_k", top_k),
+        ("min_p", min_p),
+        ("seed", seed),
+    ):
         if value is not None:
             setattr(request.sampling, name, value)
     if max_tokens is not None:

@@ -75,8 +75,11 @@ def add_health_arguments(parser: argparse.ArgumentParser) -> None:
     add_env_argument(parser, "--target", default="127.0.0.1:50051", help="gateway host:port")
     parser.add_argument("--service", default="", help='service name ("" = the whole server)')
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
-    parser.add_argument("--ready-file", help="instead of asking a gateway: SERVING while the worker "
-                            "(or gateway) given this --ready-file is warm (or serves)")  # fmt: skip
+    parser.add_argument(
+        "--ready-file",
+        help="instead of asking a gateway: SERVING while the worker "
+        "(or gateway) given this --ready-file is warm (or serves)",
+    )
     add_client_arguments(parser)
 
 
@@ -111,11 +114,21 @@ def generate_request(args: argparse.Namespace) -> Any:
     from services.gateway.client import completion_request
 
     return completion_request(
-        args.prompt, chat=args.chat, max_tokens=args.max_tokens, temperature=args.temperature,
-        top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed, stops=args.stop,
-        ignore_eos=args.ignore_eos, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs,
-        priority=args.priority, cache_salt=args.cache_salt,
-    )  # fmt: skip
+        args.prompt,
+        chat=args.chat,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        stops=args.stop,
+        ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs,
+        prompt_logprobs=args.prompt_logprobs,
+        priority=args.priority,
+        cache_salt=args.cache_salt,
+    )
 
 
 def run_generate(args: argparse.Namespace) -> int:

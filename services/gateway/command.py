@@ -16,25 +16,52 @@ if TYPE_CHECKING:
 def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     add_env_argument(parser, "--host", default="127.0.0.1", help="gRPC and metrics listen address")
     add_env_argument(parser, "--port", type=PORT, default=50051, help="gRPC port")
-    add_env_argument(parser, "--metrics-port", type=PORT, default=9090,
-                     help="HTTP port of Prometheus' /metrics and a plain /health (0: off)")  # fmt: skip
-    add_env_argument(parser, "--served-model-name",
-                     help="the model's name in GetModelInfo and metrics (default: the model directory's "
-                          "name)")  # fmt: skip
-    add_env_argument(parser, "--max-queue-size", type=bounded(int, 1), default=1024,
-                     help="streams waiting for their first token before RESOURCE_EXHAUSTED")  # fmt: skip
-    add_env_argument(parser, "--drain-grace", type=bounded(float, 0), default=30.0,
-                     help="seconds in-flight streams may take to finish after SIGTERM")  # fmt: skip
-    add_env_argument(parser, "--default-max-tokens", type=bounded(int, 1), default=256,
-                     help="max_tokens of requests that set none")  # fmt: skip
+    add_env_argument(
+        parser,
+        "--metrics-port",
+        type=PORT,
+        default=9090,
+        help="HTTP port of Prometheus' /metrics and a plain /health (0: off)",
+    )
+    add_env_argument(
+        parser,
+        "--served-model-name",
+        help="the model's name in GetModelInfo and metrics (default: the model directory's name)",
+    )
+    add_env_argument(
+        parser,
+        "--max-queue-size",
+        type=bounded(int, 1),
+        default=1024,
+        help="streams waiting for their first token before RESOURCE_EXHAUSTED",
+    )
+    add_env_argument(
+        parser,
+        "--drain-grace",
+        type=bounded(float, 0),
+        default=30.0,
+        help="seconds in-flight streams may take to finish after SIGTERM",
+    )
+    add_env_argument(
+        parser,
+        "--default-max-tokens",
+        type=bounded(int, 1),
+        default=256,
+        help="max_tokens of requests that set none",
+    )
     add_env_argument(
         parser, "--max-stop-strings", type=bounded(int, 0), default=16, help="stop strings per request"
     )
     add_env_argument(
         parser, "--max-message-bytes", type=bounded(int, 1), default=16 << 20, help="gRPC message limit"
     )
-    add_env_argument(parser, "--max-concurrent-streams", type=bounded(int, 1), default=1024,
-                     help="concurrent streams per HTTP/2 connection")  # fmt: skip
+    add_env_argument(
+        parser,
+        "--max-concurrent-streams",
+        type=bounded(int, 1),
+        default=1024,
+        help="concurrent streams per HTTP/2 connection",
+    )
     add_env_argument(
         parser,
         "--keepalive-time",
@@ -42,15 +69,33 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="seconds between pings",
     )
-    add_env_argument(parser, "--worker-timeout", type=bounded(float, 0, strict=True), default=10.0,
-                     help="seconds without a worker status before it is presumed dead")  # fmt: skip
-    add_env_argument(parser, "--resubmit-timeout", type=bounded(float, 0), default=60.0,
-                     help="seconds streams of a lost worker wait for a new one")  # fmt: skip
-    add_env_argument(parser, "--ready-file", help="a file that exists while the gateway serves, for "
-                     "`cbserve health --ready-file` (containers' health checks)")  # fmt: skip
-    add_env_argument(parser, "--announce-http", metavar="URL",
-                     help="the OpenAI HTTP endpoint in front of this gateway: the `serving` line waits "
-                          "until its /v1/models lists the model, and names it")  # fmt: skip
+    add_env_argument(
+        parser,
+        "--worker-timeout",
+        type=bounded(float, 0, strict=True),
+        default=10.0,
+        help="seconds without a worker status before it is presumed dead",
+    )
+    add_env_argument(
+        parser,
+        "--resubmit-timeout",
+        type=bounded(float, 0),
+        default=60.0,
+        help="seconds streams of a lost worker wait for a new one",
+    )
+    add_env_argument(
+        parser,
+        "--ready-file",
+        help="a file that exists while the gateway serves, for "
+        "`cbserve health --ready-file` (containers' health checks)",
+    )
+    add_env_argument(
+        parser,
+        "--announce-http",
+        metavar="URL",
+        help="the OpenAI HTTP endpoint in front of this gateway: the `serving` line waits "
+        "until its /v1/models lists the model, and names it",
+    )
 
     access = parser.add_argument_group("the public port's security (docs/deployment.md)")
     add_env_argument(access, "--tls-cert", help="PEM certificate (chain): the gRPC port speaks TLS")

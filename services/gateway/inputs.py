@@ -143,8 +143,9 @@ def prepare(request: Any, tokenizer: Any, facts: WorkerFacts, limits: Limits) ->
             f"{facts.max_request_tokens} tokens"
         )
     if len(request.cache_salt) > limits.max_salt_chars:
-        raise InvalidRequest(f"cache_salt holds {len(request.cache_salt)} characters; the limit is "
-                             f"{limits.max_salt_chars}")  # fmt: skip
+        raise InvalidRequest(
+            f"cache_salt holds {len(request.cache_salt)} characters; the limit is {limits.max_salt_chars}"
+        )
     s, stop, out = request.sampling, request.stopping, request.output
     if stop.HasField("max_tokens"):
         max_tokens = stop.max_tokens

@@ -75,56 +75,79 @@ class _LoadCollector(Collector):
         yield _info("cbserve:build_info", "Versions of cbserve and of what it runs on.", self._build)
         if self._model:
             yield _info("cbserve:model_info", "The served model.", self._model)
-        yield GaugeMetricFamily("cbserve:gateway_streams", "Generate streams the gateway holds.",
-                                value=self._streams())  # fmt: skip
+        yield GaugeMetricFamily(
+            "cbserve:gateway_streams", "Generate streams the gateway holds.", value=self._streams()
+        )
         waiting, limit = self._queue()
-        yield GaugeMetricFamily("cbserve:gateway_waiting_streams",
-                                "Generate streams waiting for their first token.", value=waiting)  # fmt: skip
-        yield GaugeMetricFamily("cbserve:max_queue_size", "Waiting streams beyond which calls get "
-                                "RESOURCE_EXHAUSTED (--max-queue-size).", value=limit)  # fmt: skip
+        yield GaugeMetricFamily(
+            "cbserve:gateway_waiting_streams",
+            "Generate streams waiting for their first token.",
+            value=waiting,
+        )
+        yield GaugeMetricFamily(
+            "cbserve:max_queue_size",
+            "Waiting streams beyond which calls get RESOURCE_EXHAUSTED (--max-queue-size).",
+            value=limit,
+        )
         resubmitted, recomputed = self._recovery()
         yield CounterMetricFamily(
             "cbserve:resubmitted_requests",
             "Requests re-submitted after their worker was lost.",
             value=resubmitted,
         )
-        yield CounterMetricFamily("cbserve:resubmit_recomputed_tokens",
-                                  "Prompt tokens that re-submitted requests recomputed.",
-                                  value=recomputed)  # fmt: skip
+        yield CounterMetricFamily(
+            "cbserve:resubmit_recomputed_tokens",
+            "Prompt tokens that re-submitted requests recomputed.",
+            value=recomputed,
+        )
         load = self._load()
         total = max(load.kv_blocks_total, 1)
         gauges = {
             "cbserve:num_requests_running": ("Requests being computed.", load.requests_running),
             "cbserve:num_requests_waiting": ("Requests queued or offloaded.", load.requests_waiting),
-            "cbserve:kv_cache_usage_perc": ("Fraction of KV blocks held by requests.",
-                                            load.kv_blocks_used / total),
-            "cbserve:kv_cache_cached_blocks": ("KV blocks holding reclaimable cached prefixes.",
-                                               load.kv_blocks_cached),
+            "cbserve:kv_cache_usage_perc": (
+                "Fraction of KV blocks held by requests.",
+                load.kv_blocks_used / total,
+            ),
+            "cbserve:kv_cache_cached_blocks": (
+                "KV blocks holding reclaimable cached prefixes.",
+                load.kv_blocks_cached,
+            ),
             "cbserve:kv_cache_total_blocks": ("KV blocks in the pool.", load.kv_blocks_total),
             "cbserve:kv_pool_bytes": ("Bytes of the KV pool.", load.kv_pool_bytes),
-            "cbserve:kv_pool_committed_bytes": ("Bytes of the KV pool committed: all of it for a device "
-                                                "or a prefaulted host pool, else those written at least "
-                                                "once.",
-                                                load.kv_pool_committed_bytes),
-            "cbserve:host_available_bytes": ("Memory the host can still give (MemAvailable).",
-                                             load.host_available_bytes),
+            "cbserve:kv_pool_committed_bytes": (
+                "Bytes of the KV pool committed: all of it for a device "
+                "or a prefaulted host pool, else those written at least "
+                "once.",
+                load.kv_pool_committed_bytes,
+            ),
+            "cbserve:host_available_bytes": (
+                "Memory the host can still give (MemAvailable).",
+                load.host_available_bytes,
+            ),
             "cbserve:worker_streams": ("Requests the worker tracks for gateways.", load.worker_streams),
             "cbserve:cache_requests": ("Requests the cachemgr holds state for.", load.cache_requests),
-            "cbserve:swap_pool_usage_perc": ("Fraction of swap-pool slots in use.",
-                                             load.swap_slots_used / max(load.swap_slots_total, 1)),
-        }  # fmt: skip
+            "cbserve:swap_pool_usage_perc": (
+                "Fraction of swap-pool slots in use.",
+                load.swap_slots_used / max(load.swap_slots_total, 1),
+            ),
+        }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
         counters = {
-            "cbserve:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.",
-                                             load.prefix_cache_queries),
+            "cbserve:prefix_cache_queries": (
+                "Prompt tokens looked up in the prefix cache.",
+                load.prefix_cache_queries,
+            ),
             "cbserve:prefix_cache_hits": ("Prompt tokens found in the prefix cache.", load.prefix_cache_hits),
-            "cbserve:num_preemptions": ("Requests preempted (offloaded or soft-reset).",
-                                        load.offloads + load.soft_resets),
+            "cbserve:num_preemptions": (
+                "Requests preempted (offloaded or soft-reset).",
+                load.offloads + load.soft_resets,
+            ),
             "cbserve:offloads": ("Requests offloaded to the swap pool.", load.offloads),
             "cbserve:soft_resets": ("Requests soft-reset (recomputed later).", load.soft_resets),
             "cbserve:engine_steps": ("Engine steps run.", load.steps),
-        }  # fmt: skip
+        }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
 
@@ -148,22 +171,45 @@ class GatewayMetrics:
         self.serving = serving
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram("cbserve:time_to_first_token_seconds", "Arrival to first token.",
-                              buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.itl = Histogram("cbserve:inter_token_latency_seconds", "Time between a stream's tokens.",
-                             buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.e2e = Histogram("cbserve:e2e_request_latency_seconds", "Arrival to final message.",
-                             buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.queue = Histogram("cbserve:request_queue_time_seconds", "Arrival at the worker to first step.",
-                               buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.step = Histogram("cbserve:step_time_seconds", "Worker step time by phase.", ["phase"],
-                              buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.ttft = Histogram(
+            "cbserve:time_to_first_token_seconds",
+            "Arrival to first token.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "cbserve:inter_token_latency_seconds",
+            "Time between a stream's tokens.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "cbserve:e2e_request_latency_seconds",
+            "Arrival to final message.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue = Histogram(
+            "cbserve:request_queue_time_seconds",
+            "Arrival at the worker to first step.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.step = Histogram(
+            "cbserve:step_time_seconds",
+            "Worker step time by phase.",
+            ["phase"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.prompt_tokens = Counter("cbserve:prompt_tokens", "Prompt tokens of requests.", registry=r)
         self.generation_tokens = Counter("cbserve:generation_tokens", "Generated tokens.", registry=r)
-        self.requests = Counter("cbserve:request_success", "Finished requests by reason.",
-                                ["finished_reason"], registry=r)  # fmt: skip
-        self.errors = Counter("cbserve:request_errors", "Requests ended by a gRPC error status.",
-                              ["code"], registry=r)  # fmt: skip
+        self.requests = Counter(
+            "cbserve:request_success", "Finished requests by reason.", ["finished_reason"], registry=r
+        )
+        self.errors = Counter(
+            "cbserve:request_errors", "Requests ended by a gRPC error status.", ["code"], registry=r
+        )
         r.register(_LoadCollector(load, recovery, streams, queue, model))
         self._server: ThreadingHTTPServer | None = None
 

@@ -90,8 +90,17 @@ async def _announce(
     where = f", OpenAI HTTP on {http_url}" if http_url else ""
     where += f", metrics on http://{metrics}/metrics" if metrics else ""
     print(f"serving {model} in {facts.dtype} on {address}{where}; {pool}", flush=True)
-    log.info("stack serving", model=model, address=address, metrics=metrics, kv_blocks=facts.total_blocks,
-             kv_tokens=tokens, kv_bytes=facts.kv_bytes, device=facts.device, dtype=facts.dtype)  # fmt: skip
+    log.info(
+        "stack serving",
+        model=model,
+        address=address,
+        metrics=metrics,
+        kv_blocks=facts.total_blocks,
+        kv_tokens=tokens,
+        kv_bytes=facts.kv_bytes,
+        device=facts.device,
+        dtype=facts.dtype,
+    )
 
 
 async def _http_lists_model(url: str, timeout_s: float) -> bool:
@@ -167,9 +176,11 @@ async def serve(
         if status == SERVING and not announced and client.facts is not None:
             announced = True
             metrics_address = f"{host}:{metrics_port}" if metrics_port else None
-            spawn(_announce(
-                info["model_id"], f"{host}:{bound}", metrics_address, client.facts, settings.http_url
-            ))  # fmt: skip
+            spawn(
+                _announce(
+                    info["model_id"], f"{host}:{bound}", metrics_address, client.facts, settings.http_url
+                )
+            )
 
     metrics: GatewayMetrics
     client = WorkerClient(
@@ -231,8 +242,14 @@ async def serve(
     except (RuntimeError, OSError) as exc:
         # A port in use (or not ours to bind) stays so: exit as a configuration error, which a
         # supervisor does not answer with a restart.
-        log.error("cannot listen", host=host, port=port, metrics_port=metrics_port,
-                  health_port=settings.health_port, error=str(exc))  # fmt: skip
+        log.error(
+            "cannot listen",
+            host=host,
+            port=port,
+            metrics_port=metrics_port,
+            health_port=settings.health_port,
+            error=str(exc),
+        )
         raise SystemExit(CONFIG_ERROR_EXIT) from None
     await server.start()
     if health_server is not None:
@@ -240,9 +257,16 @@ async def serve(
     await client.start()
     if settings.access.keys is not None and settings.tls is None:
         log.warning("API keys are checked on a plaintext port: they cross the network readable")
-    log.info("gateway listening", host=host, port=bound, metrics_port=metrics_port, worker=worker_address,
-             tls=settings.tls.mode if settings.tls is not None else "off",
-             api_keys=len(settings.access.keys or ()), health_port=settings.health_port)  # fmt: skip
+    log.info(
+        "gateway listening",
+        host=host,
+        port=bound,
+        metrics_port=metrics_port,
+        worker=worker_address,
+        tls=settings.tls.mode if settings.tls is not None else "off",
+        api_keys=len(settings.access.keys or ()),
+        health_port=settings.health_port,
+    )
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -138,9 +138,10 @@ class TextGenerationService(_TextGenerationServicer):
         await context.send_initial_metadata((("x-request-id", trace_id),))
         internal = f"r{next(self._ids)}"
         queue = self.client.submit(
-            NewRequest(internal, prepared.prompt_ids, prepared.params, request.priority, request.cache_salt,
-                       trace_id)
-        )  # fmt: skip
+            NewRequest(
+                internal, prepared.prompt_ids, prepared.params, request.priority, request.cache_salt, trace_id
+            )
+        )
         self.active += 1
         self.waiting += 1
         stream = _Stream(arrival, len(prepared.prompt_ids))

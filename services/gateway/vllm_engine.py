@@ -63,9 +63,18 @@ SERVICE_NAME: str = vllm.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 GENERATE_METHOD = f"/{SERVICE_NAME}/Generate"
 TOKENIZER_CHUNK_BYTES = 64 << 10
 # What a caller needs to build the model's tokenizer and chat template where it runs (GetTokenizer).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.json", "config.json",
-                   "generation_config.json")  # fmt: skip
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.json",
+    "config.json",
+    "generation_config.json",
+)
 TOKENIZER_GLOBS = ("*.jinja", "*.tiktoken")
 NOT_SERVED = {
     "Embed": "cbserve serves generation only, not embeddings",
@@ -245,8 +254,9 @@ class VllmEngineService(vllm_grpc.VllmEngineServicer):
             n = len(chunk.token_ids)
             generated += n
             if request.stream:
-                message = vllm.GenerateStreamChunk(token_ids=chunk.token_ids, prompt_tokens=prompt_tokens,
-                                                   completion_tokens=n)  # fmt: skip
+                message = vllm.GenerateStreamChunk(
+                    token_ids=chunk.token_ids, prompt_tokens=prompt_tokens, completion_tokens=n
+                )
                 if with_logprobs:
                     message.output_logprobs.CopyFrom(_output_logprobs(chunk.logprobs, with_top))
                 if (input_logprobs := prompt.take()) is not None:

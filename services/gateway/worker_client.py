@@ -214,8 +214,11 @@ class WorkerClient:
         assert isinstance(events, int)  # EVENTS is an int option; pyzmq types all as int | bytes
         if not events & zmq.POLLOUT:
             for new in message.adds:
-                self._deliver(RequestOutput(new.request_id, [], finish="error", error="worker unreachable",
-                                            code="UNAVAILABLE"))  # fmt: skip
+                self._deliver(
+                    RequestOutput(
+                        new.request_id, [], finish="error", error="worker unreachable", code="UNAVAILABLE"
+                    )
+                )
             return
         sent = self._socket.send(self._encoder.encode(message), zmq.NOBLOCK)
         # pyzmq annotates an Awaitable; zmq.asyncio's send returns an asyncio.Future.
@@ -267,8 +270,12 @@ class WorkerClient:
             if output.cached_tokens >= 0:
                 prompt = len(stream.request.prompt_ids) + len(stream.tokens)
                 self.recomputed_tokens += prompt - output.cached_tokens
-                log.info("re-submitted request resumed", request_id=output.request_id, prompt_tokens=prompt,
-                         cached_tokens=output.cached_tokens)  # fmt: skip
+                log.info(
+                    "re-submitted request resumed",
+                    request_id=output.request_id,
+                    prompt_tokens=prompt,
+                    cached_tokens=output.cached_tokens,
+                )
             # The client's usage and timings describe the request as it first ran.
             output = msgspec.structs.replace(output, cached_tokens=-1, queue_seconds=-1.0)
         stream.tokens += output.token_ids

@@ -198,8 +198,11 @@ class BatchBuilder:
         self.position_buf[:num_tokens] = positions
         sample_idx = [i for i, it in enumerate(items) if it.sample]
         logits_indices = (offsets + lens - 1)[sample_idx]
-        extra = [torch.arange(it.logit_rows.start, it.logit_rows.stop) - it.start + offsets[i]
-                 for i, it in enumerate(items) if it.logit_rows]  # fmt: skip
+        extra = [
+            torch.arange(it.logit_rows.start, it.logit_rows.stop) - it.start + offsets[i]
+            for i, it in enumerate(items)
+            if it.logit_rows
+        ]
         if extra:
             logits_indices = torch.cat([logits_indices, *extra])
 

@@ -25,19 +25,34 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     add_env_argument(
         parser, "--threads", type=bounded(int, 1), help="worker torch threads (default: usable cores)"
     )
-    add_env_argument(parser, "--cachemgr-timeout", type=bounded(float, 0, strict=True), default=10.0,
-                     help="seconds to wait for the cachemgr's answer before failing requests")  # fmt: skip
-    add_env_argument(parser, "--gateway-timeout", type=bounded(float, 0, strict=True), default=15.0,
-                     help="seconds of gateway silence before its requests are aborted")  # fmt: skip
+    add_env_argument(
+        parser,
+        "--cachemgr-timeout",
+        type=bounded(float, 0, strict=True),
+        default=10.0,
+        help="seconds to wait for the cachemgr's answer before failing requests",
+    )
+    add_env_argument(
+        parser,
+        "--gateway-timeout",
+        type=bounded(float, 0, strict=True),
+        default=15.0,
+        help="seconds of gateway silence before its requests are aborted",
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
-    add_env_argument(parser, "--worker-address", default=DEFAULT_WORKER_ADDRESS,
-                     help="ZMQ bind address for gateways")  # fmt: skip
+    add_env_argument(
+        parser, "--worker-address", default=DEFAULT_WORKER_ADDRESS, help="ZMQ bind address for gateways"
+    )
     add_env_argument(parser, "--cachemgr-address", default=DEFAULT_CACHEMGR_ADDRESS, help="cachemgr address")
-    add_env_argument(parser, "--ready-file", help="a file that exists while the worker is attached and warm, "
-                     "for `cbserve health --ready-file` (containers' health checks)")  # fmt: skip
+    add_env_argument(
+        parser,
+        "--ready-file",
+        help="a file that exists while the worker is attached and warm, "
+        "for `cbserve health --ready-file` (containers' health checks)",
+    )
     add_worker_arguments(parser)
     add_cb_arguments(parser)
 

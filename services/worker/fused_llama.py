@@ -98,14 +98,16 @@ class FusedLlama:
         self.layers = []
         for layer in inner.layers[: config.num_hidden_layers]:
             attn, mlp = layer.self_attn, layer.mlp
-            self.layers.append(_Layer(
-                input_norm=layer.input_layernorm.weight.detach().float(),
-                post_norm=layer.post_attention_layernorm.weight.detach().float(),
-                qkv=PackedWeight.of(linear_ops, attn.q_proj, attn.k_proj, attn.v_proj),
-                o=PackedWeight.of(linear_ops, attn.o_proj),
-                gate_up=PackedWeight.of(linear_ops, mlp.gate_proj, mlp.up_proj, gated=True),
-                down=PackedWeight.of(linear_ops, mlp.down_proj),
-            ))  # fmt: skip
+            self.layers.append(
+                _Layer(
+                    input_norm=layer.input_layernorm.weight.detach().float(),
+                    post_norm=layer.post_attention_layernorm.weight.detach().float(),
+                    qkv=PackedWeight.of(linear_ops, attn.q_proj, attn.k_proj, attn.v_proj),
+                    o=PackedWeight.of(linear_ops, attn.o_proj),
+                    gate_up=PackedWeight.of(linear_ops, mlp.gate_proj, mlp.up_proj, gated=True),
+                    down=PackedWeight.of(linear_ops, mlp.down_proj),
+                )
+            )
         # transformers' own cos/sin for every position, computed once (the same products per position).
         positions = torch.arange(config.max_position_embeddings).unsqueeze(0)
         with torch.no_grad():

@@ -137,8 +137,14 @@ class GatewaySessions:
                 error, code = req.error, "INVALID_ARGUMENT"
             del self.tracked[req.request_id]
             tracked.gateway.requests.discard(req.request_id)
-            log.info("request finished", request_id=tracked.trace_id, reason=finish, error=error or None,
-                     completion_tokens=len(req.output_ids), cached_tokens=req.num_cached_tokens)  # fmt: skip
+            log.info(
+                "request finished",
+                request_id=tracked.trace_id,
+                reason=finish,
+                error=error or None,
+                completion_tokens=len(req.output_ids),
+                cached_tokens=req.num_cached_tokens,
+            )
         tracked.gateway.outputs.append(
             RequestOutput(
                 tracked.request_id,

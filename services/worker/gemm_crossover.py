@@ -180,8 +180,12 @@ def torch_from_rows(
         measured = measure(pack_weight, panel_linear, dtype)
         if measured.quiet:
             break
-        log.warning("the host was busy while measuring the GEMM crossover",
-                    cpu_share=round(measured.cpu_share, 2), quiet=QUIET, attempt=attempt)  # fmt: skip
+        log.warning(
+            "the host was busy while measuring the GEMM crossover",
+            cpu_share=round(measured.cpu_share, 2),
+            quiet=QUIET,
+            attempt=attempt,
+        )
     chosen = choose(measured.timings)
     flop = 2 * _LAYER_PARAMS
     gflops = {

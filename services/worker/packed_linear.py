@@ -54,8 +54,11 @@ class PackedWeight:
         CPU's crossover sends many rows to torch's GEMM, its prepared one. `many_rows=False` spares
         that copy for a product that seldom has many rows (the LM head: the panels serve it at every
         size). `gated`: the linears are an MLP's gate and up (one width, no biases)."""
-        if gated and (len(linears) != 2 or any(lin.bias is not None for lin in linears)
-                      or linears[0].out_features != linears[1].out_features):  # fmt: skip
+        if gated and (
+            len(linears) != 2
+            or any(lin.bias is not None for lin in linears)
+            or linears[0].out_features != linears[1].out_features
+        ):
             raise ValueError(f"a gated product takes a gate and an up linear, one width, no bias: {linears}")
         with torch.no_grad():
             if len(linears) == 1:
@@ -67,10 +70,16 @@ class PackedWeight:
                     lin.weight = nn.Parameter(weight[first : first + lin.out_features], requires_grad=False)
                     first += lin.out_features
             biases = [lin.bias for lin in linears]
-            bias = None if all(b is None for b in biases) else torch.cat([
-                b.detach().float() if b is not None else torch.zeros(lin.out_features)
-                for b, lin in zip(biases, linears, strict=True)
-            ])  # fmt: skip
+            bias = (
+                None
+                if all(b is None for b in biases)
+                else torch.cat(
+                    [
+                        b.detach().float() if b is not None else torch.zeros(lin.out_features)
+                        for b, lin in zip(biases, linears, strict=True)
+                    ]
+                )
+            )
             prepared = None
             if many_rows and ops.torch_from_rows < NEVER:
                 prepared = torch_gemm.prepare(weight.to(ops.dtype))

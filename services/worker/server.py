@@ -288,8 +288,10 @@ class WorkerServer:
                 raise ValueError(f"duplicate request_id {new.request_id!r}")
             total = len(new.prompt_ids) + new.params.max_new_tokens
             if total > facts.max_request_tokens:
-                raise ValueError(f"prompt + max_new_tokens = {total} tokens; a request holds at most "
-                                 f"{facts.max_request_tokens}")  # fmt: skip
+                raise ValueError(
+                    f"prompt + max_new_tokens = {total} tokens; a request holds at most "
+                    f"{facts.max_request_tokens}"
+                )
             engine.add_request(
                 new.prompt_ids, new.params, request_id=key, priority=new.priority, cache_salt=new.cache_salt
             )
@@ -298,8 +300,13 @@ class WorkerServer:
             return
         self._awaited -= 1
         self.sessions.track(gateway, new)
-        log.info("request added", request_id=new.trace_id, prompt_tokens=len(new.prompt_ids),
-                 max_tokens=new.params.max_new_tokens, priority=new.priority)  # fmt: skip
+        log.info(
+            "request added",
+            request_id=new.trace_id,
+            prompt_tokens=len(new.prompt_ids),
+            max_tokens=new.params.max_new_tokens,
+            priority=new.priority,
+        )
 
     def _abort(self, gateway: Gateway, request_id: str) -> None:
         tracked = self.sessions.untrack(gateway, request_id)
@@ -332,9 +339,17 @@ class WorkerServer:
             overlapped = engine.config.async_batching_enabled(engine.device.type)  # resolved by Engine
             schedule = times.rest_of(t_emit - t_step - flush_s, overlapped)
             self._profile = StepTimes(
-                schedule, times.cache, times.build, times.forward, times.sample,
-                t_end - t_emit + flush_s, times.num_tokens, times.num_requests, times.wait, t_end - t_step,
-            )  # fmt: skip
+                schedule,
+                times.cache,
+                times.build,
+                times.forward,
+                times.sample,
+                t_end - t_emit + flush_s,
+                times.num_tokens,
+                times.num_requests,
+                times.wait,
+                t_end - t_step,
+            )
 
     def _fail_all(self, reason: str, code: str) -> None:
         for key in self.sessions.fail_all(reason, code):

@@ -43,10 +43,31 @@ class LlamaCppPeer:
         self.weights = Path(args.model).stem.rpartition("-")[2]  # f32, f16, q8_0...
         self.url = f"http://127.0.0.1:{port}"
         self.argv = [
-            args.server, "-m", args.model, "--host", "127.0.0.1", "--port", str(port),
-            "-c", str(SLOTS * SLOT_CONTEXT), "-np", str(SLOTS), "-t", str(args.threads),
-            "-b", "512", "-ub", "512", "-ctk", KV_TYPE, "-ctv", KV_TYPE, "-cram", "0", "--no-webui",
-        ]  # fmt: skip
+            args.server,
+            "-m",
+            args.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "-c",
+            str(SLOTS * SLOT_CONTEXT),
+            "-np",
+            str(SLOTS),
+            "-t",
+            str(args.threads),
+            "-b",
+            "512",
+            "-ub",
+            "512",
+            "-ctk",
+            KV_TYPE,
+            "-ctv",
+            KV_TYPE,
+            "-cram",
+            "0",
+            "--no-webui",
+        ]
         self.server = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL)
         deadline = time.monotonic() + 300
         while True:
@@ -62,9 +83,14 @@ class LlamaCppPeer:
 
     def _complete(self, prompt: list[int], n: int) -> list[int]:
         body = {
-            "prompt": prompt, "n_predict": n, "temperature": 0, "ignore_eos": True,
-            "cache_prompt": False, "return_tokens": True, "stream": False,
-        }  # fmt: skip
+            "prompt": prompt,
+            "n_predict": n,
+            "temperature": 0,
+            "ignore_eos": True,
+            "cache_prompt": False,
+            "return_tokens": True,
+            "stream": False,
+        }
         request = urllib.request.Request(
             self.url + "/completion", json.dumps(body).encode(), {"Content-Type": "application/json"}
         )

@@ -112,12 +112,14 @@ class OpenVinoPeer:
         for prompt in prompts:
             request.reset_state()  # the IR is stateful: its KV cache would carry the last prompt over
             n = len(prompt)
-            request.infer({
-                "input_ids": np.asarray([prompt], dtype=np.int64),
-                "attention_mask": np.ones((1, n), dtype=np.int64),
-                "position_ids": np.arange(n, dtype=np.int64)[None],
-                "beam_idx": np.zeros(1, dtype=np.int32),
-            })  # fmt: skip
+            request.infer(
+                {
+                    "input_ids": np.asarray([prompt], dtype=np.int64),
+                    "attention_mask": np.ones((1, n), dtype=np.int64),
+                    "position_ids": np.arange(n, dtype=np.int64)[None],
+                    "beam_idx": np.zeros(1, dtype=np.int32),
+                }
+            )
             logits = request.get_tensor("logits").data[0, :-1]
             top1.append(logits.argmax(-1).tolist())  # the lowest id among equals, as the reference's
         del request, compiled

@@ -26,63 +26,136 @@ def _labels(text: str) -> tuple[str, str]:
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", choices=("cbserve", "openai"), default="cbserve",
-                        help="cbserve: the gateway's gRPC API; openai: an OpenAI-compatible "
-                             "HTTP server's streaming /v1/completions (smg, vLLM)")  # fmt: skip
-    parser.add_argument("--target", default=None,
-                        help=f"cbserve: the gateway's host:port (default {DEFAULT_GRPC_TARGET}); "
-                             "openai: the server's URL, http://HOST:PORT")  # fmt: skip
-    parser.add_argument("--tokenizer", type=Path, default=None, metavar="MODEL_DIR",
-                        help="openai: the served model's directory, whose tokenizer writes token-id "
-                             "prompts as text of exact length (required)")  # fmt: skip
-    parser.add_argument("--served-model-name", default=None, metavar="NAME",
-                        help="openai: the model to request (default: the one /v1/models lists)")  # fmt: skip
+    parser.add_argument(
+        "--backend",
+        choices=("cbserve", "openai"),
+        default="cbserve",
+        help="cbserve: the gateway's gRPC API; openai: an OpenAI-compatible "
+        "HTTP server's streaming /v1/completions (smg, vLLM)",
+    )
+    parser.add_argument(
+        "--target",
+        default=None,
+        help=f"cbserve: the gateway's host:port (default {DEFAULT_GRPC_TARGET}); "
+        "openai: the server's URL, http://HOST:PORT",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        metavar="MODEL_DIR",
+        help="openai: the served model's directory, whose tokenizer writes token-id "
+        "prompts as text of exact length (required)",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="openai: the model to request (default: the one /v1/models lists)",
+    )
     parser.add_argument("--workload", choices=WORKLOADS, default="random")
     parser.add_argument("--num-requests", type=int, default=64, help="requests per phase")
     load = parser.add_mutually_exclusive_group()
-    load.add_argument("--request-rate", type=float, default=math.inf,
-                      help="Poisson arrivals per second (inf: all at once; default)")  # fmt: skip
-    load.add_argument("--request-rates", type=_rates, default=None, metavar="R1,R2,...",
-                      help="a sweep: one phase per rate, reported separately")  # fmt: skip
+    load.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="Poisson arrivals per second (inf: all at once; default)",
+    )
+    load.add_argument(
+        "--request-rates",
+        type=_rates,
+        default=None,
+        metavar="R1,R2,...",
+        help="a sweep: one phase per rate, reported separately",
+    )
     parser.add_argument("--concurrency", type=int, default=None, help="most requests in flight (closed loop)")
-    parser.add_argument("--duration", type=float, default=None, metavar="S",
-                        help="end each phase after S seconds, cancelling requests in flight")  # fmt: skip
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        metavar="S",
+        help="end each phase after S seconds, cancelling requests in flight",
+    )
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens (shared-prefix: suffix)")
     parser.add_argument("--output-len", type=int, default=64, help="tokens to generate (max_tokens)")
-    parser.add_argument("--range-ratio", type=float, default=0.0,
-                        help="lengths uniform within ±ratio of --input-len and --output-len")  # fmt: skip
+    parser.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths uniform within ±ratio of --input-len and --output-len",
+    )
     parser.add_argument("--num-groups", type=int, default=4, help="shared-prefix: groups")
     parser.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: shared prompt tokens")
     parser.add_argument("--long-prompt-len", type=int, default=4000, help="long-prompt: its prompt tokens")
     parser.add_argument("--long-output-len", type=int, default=8, help="long-prompt: its max_tokens")
-    parser.add_argument("--long-prompt-after", type=int, default=None, metavar="K",
-                        help="long-prompt: send it once K short requests decode (default n/4)")  # fmt: skip
+    parser.add_argument(
+        "--long-prompt-after",
+        type=int,
+        default=None,
+        metavar="K",
+        help="long-prompt: send it once K short requests decode (default n/4)",
+    )
     parser.add_argument("--dataset", type=Path, default=None, help="jsonl: the prompts file")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                        help="generate exactly max_tokens (default on)")  # fmt: skip
+    parser.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="generate exactly max_tokens (default on)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths and arrivals")
-    parser.add_argument("--cache-salt", default=None,
-                        help="prefix-cache salt of all requests (default: new each run)")  # fmt: skip
+    parser.add_argument(
+        "--cache-salt", default=None, help="prefix-cache salt of all requests (default: new each run)"
+    )
     parser.add_argument("--request-timeout", type=float, default=600.0, help="deadline of each call (s)")
     parser.add_argument("--load-interval", type=float, default=0.5, help="seconds between load samples")
-    parser.add_argument("--metrics-url", default=None,
-                        help="the server's Prometheus endpoint: the step profile (cbserve) and, for "
-                             "openai, the load (cbserve's or vLLM's metrics)")  # fmt: skip
-    parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
-                        help="one short untimed request first (default on)")  # fmt: skip
-    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
-                        help="live progress bar on stderr (default on)")  # fmt: skip
+    parser.add_argument(
+        "--metrics-url",
+        default=None,
+        help="the server's Prometheus endpoint: the step profile (cbserve) and, for "
+        "openai, the load (cbserve's or vLLM's metrics)",
+    )
+    parser.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one short untimed request first (default on)",
+    )
+    parser.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="live progress bar on stderr (default on)",
+    )
     compare = parser.add_argument_group("side by side (compare.py)")
-    compare.add_argument("--baseline", default=None, metavar="TARGET",
-                         help="a second server of the same model and backend: both run every phase, "
-                              "alternating, and the report compares them")  # fmt: skip
-    compare.add_argument("--baseline-metrics-url", default=None, metavar="URL",
-                         help="the baseline's Prometheus endpoint (as --metrics-url)")  # fmt: skip
-    compare.add_argument("--repeat", type=int, default=1, metavar="N",
-                         help="with --baseline: rounds; medians and rounds ahead are reported")  # fmt: skip
-    compare.add_argument("--labels", type=_labels, default=("target", "baseline"), metavar="TARGET,BASELINE",
-                         help="the two servers' names in the report")  # fmt: skip
+    compare.add_argument(
+        "--baseline",
+        default=None,
+        metavar="TARGET",
+        help="a second server of the same model and backend: both run every phase, "
+        "alternating, and the report compares them",
+    )
+    compare.add_argument(
+        "--baseline-metrics-url",
+        default=None,
+        metavar="URL",
+        help="the baseline's Prometheus endpoint (as --metrics-url)",
+    )
+    compare.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --baseline: rounds; medians and rounds ahead are reported",
+    )
+    compare.add_argument(
+        "--labels",
+        type=_labels,
+        default=("target", "baseline"),
+        metavar="TARGET,BASELINE",
+        help="the two servers' names in the report",
+    )
     parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the full report here")
     parser.add_argument("--plot", type=Path, default=None, metavar="FILE", help="latency CDFs (png)")
 
@@ -93,10 +166,14 @@ def validate(args: argparse.Namespace) -> None:
     if args.target is None and not openai:
         args.target = DEFAULT_GRPC_TARGET
     problems = [
-        (openai and not str(args.target).startswith(("http://", "https://")),
-         f"--backend openai needs --target http://HOST:PORT, got {args.target}"),
-        (openai and args.baseline is not None and not args.baseline.startswith(("http://", "https://")),
-         f"--backend openai needs --baseline http://HOST:PORT, got {args.baseline}"),
+        (
+            openai and not str(args.target).startswith(("http://", "https://")),
+            f"--backend openai needs --target http://HOST:PORT, got {args.target}",
+        ),
+        (
+            openai and args.baseline is not None and not args.baseline.startswith(("http://", "https://")),
+            f"--backend openai needs --baseline http://HOST:PORT, got {args.baseline}",
+        ),
         (args.repeat < 1, "--repeat must be at least 1"),
         (args.repeat > 1 and args.baseline is None, "--repeat compares rounds: it needs --baseline"),
         (args.baseline is not None and args.plot is not None, "--plot draws one server: not with --baseline"),
@@ -106,13 +183,17 @@ def validate(args: argparse.Namespace) -> None:
         (args.duration is not None and args.duration <= 0, "--duration must be positive"),
         (not args.request_rate > 0, "--request-rate must be positive"),
         (not 0.0 <= args.range_ratio < 1.0, "--range-ratio must be in [0, 1)"),
-        (min(args.input_len, args.output_len, args.long_prompt_len, args.long_output_len) < 1,
-         "lengths must be at least 1"),
+        (
+            min(args.input_len, args.output_len, args.long_prompt_len, args.long_output_len) < 1,
+            "lengths must be at least 1",
+        ),
         (args.workload == "jsonl" and args.dataset is None, "--workload jsonl needs --dataset"),
         (args.load_interval <= 0, "--load-interval must be positive"),
-        (args.long_prompt_after is not None and not 0 <= args.long_prompt_after <= args.num_requests,
-         "--long-prompt-after must be in [0, --num-requests]"),
-    ]  # fmt: skip
+        (
+            args.long_prompt_after is not None and not 0 <= args.long_prompt_after <= args.num_requests,
+            "--long-prompt-after must be in [0, --num-requests]",
+        ),
+    ]
     for bad, message in problems:
         if bad:
             raise SystemExit(f"cbserve bench serve: {message}")

@@ -91,8 +91,14 @@ class MetricComparison:
         return self.target / self.baseline
 
     def to_json(self) -> dict[str, Any]:
-        return {"metric": self.metric.label, "target": self.target, "baseline": self.baseline,
-                "ratio": self.ratio, "rounds_ahead": self.ahead, "rounds": self.rounds}  # fmt: skip
+        return {
+            "metric": self.metric.label,
+            "target": self.target,
+            "baseline": self.baseline,
+            "ratio": self.ratio,
+            "rounds_ahead": self.ahead,
+            "rounds": self.rounds,
+        }
 
 
 def compare_phase(rounds: list[dict[str, dict[str, Any]]]) -> list[MetricComparison]:
@@ -120,17 +126,21 @@ def format_comparison(phase_name: str, labels: tuple[str, str], table: list[Metr
 
     for m in table:
         ratio = "-" if m.ratio is None else f"{m.ratio:.2f}x"
-        lines.append(f"{m.metric.label:<16}{shown(m.target):>16}{shown(m.baseline):>16}{ratio:>9}"
-                     f"{f'{m.ahead}/{m.rounds}':>15}")  # fmt: skip
+        lines.append(
+            f"{m.metric.label:<16}{shown(m.target):>16}{shown(m.baseline):>16}{ratio:>9}"
+            f"{f'{m.ahead}/{m.rounds}':>15}"
+        )
     return "\n".join(lines)
 
 
 def one_line(label: str, round_index: int, rounds: int, summary: dict[str, Any]) -> str:
     """A run's figures at a glance while the comparison goes on."""
     ttft, itl = summary["latency_s"]["ttft"], summary["latency_s"]["itl"]  # None: no request got one
-    return (f"round {round_index + 1}/{rounds} {label:<14} {summary['name']}: "
-            f"{summary['throughput']['output_tokens_per_s']:.1f} tok/s, TTFT p50/p99 {ms(ttft, 'p50')}/"
-            f"{ms(ttft, 'p99')} ms, ITL p50 {ms(itl, 'p50')} ms")  # fmt: skip
+    return (
+        f"round {round_index + 1}/{rounds} {label:<14} {summary['name']}: "
+        f"{summary['throughput']['output_tokens_per_s']:.1f} tok/s, TTFT p50/p99 {ms(ttft, 'p50')}/"
+        f"{ms(ttft, 'p99')} ms, ITL p50 {ms(itl, 'p50')} ms"
+    )
 
 
 @dataclass
@@ -161,8 +171,10 @@ async def run_comparison(
                 warm[side] = False
                 vocab.setdefault(side, info.vocab_size)
                 if len(set(vocab.values())) > 1:
-                    raise BackendError(f"the target and the baseline serve different models (vocabulary "
-                                       f"sizes {vocab['target']} and {vocab['baseline']})")  # fmt: skip
+                    raise BackendError(
+                        f"the target and the baseline serve different models (vocabulary "
+                        f"sizes {vocab['target']} and {vocab['baseline']})"
+                    )
                 model = info.facts if side == "target" else model
                 summary = summarize_phase(data)
                 runs[phase.index].append(Run(side, r, data, summary))

@@ -68,15 +68,25 @@ class LoadNames:
 
 
 CBSERVE_NAMES = LoadNames(
-    "cbserve:num_requests_running", "cbserve:num_requests_waiting", "cbserve:kv_cache_usage_perc",
-    ("cbserve:kv_cache_total_blocks", None), "cbserve:prefix_cache_queries_total",
-    "cbserve:prefix_cache_hits_total", "cbserve:offloads_total", "cbserve:soft_resets_total",
-)  # fmt: skip
+    "cbserve:num_requests_running",
+    "cbserve:num_requests_waiting",
+    "cbserve:kv_cache_usage_perc",
+    ("cbserve:kv_cache_total_blocks", None),
+    "cbserve:prefix_cache_queries_total",
+    "cbserve:prefix_cache_hits_total",
+    "cbserve:offloads_total",
+    "cbserve:soft_resets_total",
+)
 VLLM_NAMES = LoadNames(
-    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-    ("vllm:cache_config_info", "num_gpu_blocks"), "vllm:prefix_cache_queries_total",
-    "vllm:prefix_cache_hits_total", None, "vllm:num_preemptions_total",
-)  # fmt: skip
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    ("vllm:cache_config_info", "num_gpu_blocks"),
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    None,
+    "vllm:num_preemptions_total",
+)
 
 
 def parse_load(text: str) -> dict[str, int] | None:

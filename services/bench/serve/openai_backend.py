@@ -83,8 +83,11 @@ class OpenAIBackend:
             yield backend
 
     async def info(self) -> ServerInfo:
-        facts = self.model | {"tokenizer": str(self.args.tokenizer), "vocab_size": self.prompts.vocab_size,
-                              "word_tokens": len(self.prompts.words)}  # fmt: skip
+        facts = self.model | {
+            "tokenizer": str(self.args.tokenizer),
+            "vocab_size": self.prompts.vocab_size,
+            "word_tokens": len(self.prompts.words),
+        }
         max_len = self.model.get("max_model_len")
         return ServerInfo(self.prompts.vocab_size, max_len if isinstance(max_len, int) else None, facts)
 
@@ -150,8 +153,10 @@ class OpenAIBackend:
             print(f"warning: {url}: {exc}; the server's load is unknown", file=sys.stderr)
             return None
         if found is None:
-            print(f"warning: {url} has neither cbserve's nor vLLM's load metrics; the server's load "
-                  f"is unknown", file=sys.stderr)  # fmt: skip
+            print(
+                f"warning: {url} has neither cbserve's nor vLLM's load metrics; the server's load is unknown",
+                file=sys.stderr,
+            )
             return None
         return f"metrics {url}"
 

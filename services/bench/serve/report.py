@@ -377,9 +377,11 @@ def _load_lines(s: dict[str, Any]) -> list[str]:
         hits = f"{deltas['prefix_cache_hits']} / {deltas['prefix_cache_queries']} tokens"
         lines += [
             _line("Prefix cache hits (server counters)", hits + ("" if rate is None else f" ({rate:.1%})")),
-            _line("Preemptions (offloads + soft resets)",
-                  f"{deltas['preemptions']} ({deltas['offloads']} + {deltas['soft_resets']})"),
-        ]  # fmt: skip
+            _line(
+                "Preemptions (offloads + soft resets)",
+                f"{deltas['preemptions']} ({deltas['offloads']} + {deltas['soft_resets']})",
+            ),
+        ]
     if prefix is not None and prefix["hit_rate"] is not None:
         value = f"{prefix['cached_tokens']} / {prefix['shared_tokens']} ({prefix['hit_rate']:.1%})"
         lines.append(_line("Shared tokens cached after group's first", value))
@@ -389,10 +391,13 @@ def _load_lines(s: dict[str, Any]) -> list[str]:
 def format_long_prompt(lp: dict[str, Any]) -> list[str]:
     lines = [
         "-" * _RULE,
-        _line("Long prompt", f"{lp['long_prompt_tokens']} tokens, {lp['status']}, "
-                             f"sent at {lp['sent_at_s']:.2f} s, prefill {lp['prefill_s']:.2f} s"),
+        _line(
+            "Long prompt",
+            f"{lp['long_prompt_tokens']} tokens, {lp['status']}, "
+            f"sent at {lp['sent_at_s']:.2f} s, prefill {lp['prefill_s']:.2f} s",
+        ),
         f"{'Short requests ITL (ms)':<30}{'tokens':>8}{'p50':>8}{'p99':>8}",
-    ]  # fmt: skip
+    ]
     for key, label in (("during", "during the long prefill"), ("outside", "otherwise")):
         stats = lp[key]
         count = "0" if stats is None else str(stats["count"])

@@ -190,8 +190,15 @@ async def sample_load(
     while True:
         load = await backend.load(timeout_s=max(4 * interval, 5.0))
         if load is not None:
-            samples.append(LoadSample(now(), load["kv_blocks_used"], load["kv_blocks_total"],
-                                      load["requests_running"], load["requests_waiting"]))  # fmt: skip
+            samples.append(
+                LoadSample(
+                    now(),
+                    load["kv_blocks_used"],
+                    load["kv_blocks_total"],
+                    load["requests_running"],
+                    load["requests_waiting"],
+                )
+            )
         await asyncio.sleep(interval)
 
 
@@ -259,10 +266,21 @@ async def run_phase(
     load_after = await backend.load(timeout_s=10.0)
     steps_after = await asyncio.to_thread(scrape_steps, args.metrics_url)
     return PhaseData(
-        phase.name, args.workload, phase.rate, args.concurrency, wall, records, load_before, load_after,
-        samples, steps_before, steps_after, check_lengths=args.ignore_eos, backend=backend.description,
+        phase.name,
+        args.workload,
+        phase.rate,
+        args.concurrency,
+        wall,
+        records,
+        load_before,
+        load_after,
+        samples,
+        steps_before,
+        steps_after,
+        check_lengths=args.ignore_eos,
+        backend=backend.description,
         load_source=backend.load_source,
-    )  # fmt: skip
+    )
 
 
 async def warmup(backend: Backend, args: argparse.Namespace, info: ServerInfo) -> None:
@@ -275,8 +293,11 @@ async def warmup(backend: Backend, args: argparse.Namespace, info: ServerInfo) -
     except RequestFailed as exc:
         raise BackendError(f"{backend.description}: the warm-up request failed: {exc}") from exc
     if record.prompt_tokens != len(prompt):
-        print(f"warning: the server counted {record.prompt_tokens} prompt tokens for a prompt of "
-              f"{len(prompt)}; over HTTP, is --tokenizer the served model's?", file=sys.stderr)  # fmt: skip
+        print(
+            f"warning: the server counted {record.prompt_tokens} prompt tokens for a prompt of "
+            f"{len(prompt)}; over HTTP, is --tokenizer the served model's?",
+            file=sys.stderr,
+        )
 
 
 def phase_requests(args: argparse.Namespace, phase: Phase, info: ServerInfo) -> list[BenchRequest]:
