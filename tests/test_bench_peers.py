@@ -14,7 +14,9 @@ import pytest
 from services.bench import offline, peers
 from services.bench.agreement import prose_conversations
 from services.bench.arguments import EngineVariant, engine_variant
-from services.bench.offline import SystemResult, _parse_systems, agreement, fp32_reference
+from services.bench.offline.compare import agreement, fp32_reference
+from services.bench.offline.results import SystemResult
+from services.bench.offline.systems import _parse_systems
 from services.bench.peer_runners import protocol
 from services.bench.peer_runners.protocol import closed_loop
 from services.cli import main

@@ -1,0 +1,33 @@
+"""What every system's turn in `cbserve bench offline` shares: the untimed warm-up request it runs
+first, and the `SystemResult` its timed run returns, which the report reads whatever the system."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# Token ids for the warm-up requests: fewer than one page, so a prefix cache cannot keep anything from
+# them that W1 (random ids) would hit.
+_WARMUP_PROMPT = list(range(100, 116))
+_WARMUP_NEW_TOKENS = 4
+
+
+@dataclass
+class SystemResult:
+    """One system's timed run. `outputs` holds each request's generated ids, in workload order."""
+
+    name: str
+    wall_s: float
+    outputs: list[list[int]]
+    prompt_tokens: int
+    # Tokens a system computed beyond what was asked (static batches run to their longest request).
+    wasted_output_tokens: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(len(o) for o in self.outputs)
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.wall_s
