@@ -60,6 +60,8 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
 import torch  # noqa: E402
 
+from services.bench.offline.transformers_cb import hf_cb_collect, started_manager  # noqa: E402
+from services.bench.workload import Workload  # noqa: E402
 from services.common.config import CBConfig  # noqa: E402
 from services.common.sampling_params import SamplingParams  # noqa: E402
 from services.worker.cuda_graphs import eager_capture  # noqa: E402
@@ -288,21 +290,13 @@ def speed_settings(check: Check) -> Entry:
     return {"page_size": 32, "num_blocks": 2048, "max_batch_tokens": 512, "max_requests_per_batch": 64}
 
 
-@dataclasses.dataclass
-class Workload:
-    prompts: list[list[int]]
-    new_tokens: int
-
-    @classmethod
-    def decode_heavy(cls, check: Check, vocab: int) -> Workload:
-        rng = random.Random(SEED)
-        count, lengths, new_tokens = (12, (8, 24), 8) if check.quick else (256, (32, 128), 256)
-        prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(*lengths))] for _ in range(count)]
-        return cls(prompts, new_tokens)
-
-    @property
-    def output_tokens(self) -> int:
-        return len(self.prompts) * self.new_tokens
+def decode_heavy(check: Check, vocab: int) -> Workload:
+    """The throughput load: random prompts of 32-128 tokens, each request 256 new tokens (`--quick`:
+    12 of 8-24 tokens, 8 new), drawn from `SEED` so every system and every run sees the same."""
+    rng = random.Random(SEED)
+    count, lengths, new_tokens = (12, (8, 24), 8) if check.quick else (256, (32, 128), 256)
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(*lengths))] for _ in range(count)]
+    return Workload(prompts, [new_tokens] * count)
 
 
 class StepClock:
@@ -372,9 +366,9 @@ def engine_system(
         engine.generate([load.prompts[0][:8]], 4, ignore_eos=True)  # first-use costs, untimed
         clock = None if async_ else StepClock(engine)
         started = time.perf_counter()
-        outputs = engine.generate(load.prompts, load.new_tokens, ignore_eos=True)
+        outputs = engine.generate(load.prompts, load.max_new_tokens, ignore_eos=True)
         wall = time.perf_counter() - started
-        entry |= {"wall_s": round(wall, 2), "output_tok_s": round(load.output_tokens / wall, 1)}
+        entry |= {"wall_s": round(wall, 2), "output_tok_s": round(load.total_output_tokens / wall, 1)}
         if clock is not None:
             entry["steps"] = clock.facts()
         attempt(entry, "decode_at_full_batch", decode_steps_per_s, engine, check, vocab)
@@ -384,7 +378,9 @@ def engine_system(
 
 
 def hf_continuous_batching(check: Check, model: Any, settings: Entry, load: Workload) -> Entry:
-    """transformers' continuous batching on the same model and workload, with its CUDA graphs."""
+    """transformers' continuous batching on the same model and workload, with its CUDA graphs, through
+    the benchmarks' one driver of it (services/bench/offline/transformers_cb.py): the engine's settings,
+    not the CPU baseline's, and every request at once."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
@@ -397,27 +393,25 @@ def hf_continuous_batching(check: Check, model: Any, settings: Entry, load: Work
         "auto_switch_to_flash": False,
     }
     cb_config = ContinuousBatchingConfig(**{k: v for k, v in wanted.items() if k in fields})
-    # eos -1: no stop token, as the engine's ignore_eos (RequestState keeps only ids >= 0).
-    gen_config = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=load.new_tokens)
+    gen_config = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=max(load.max_new_tokens))
     model.set_attn_implementation("sdpa")  # transformers makes it "paged|sdpa"; ours would not do
     started = time.perf_counter()
-    manager = model.init_continuous_batching(
-        generation_config=gen_config, continuous_batching_config=cb_config
-    )
-    try:
-        manager.warmup()
+    # A bounded, hard stop: after a failure requests may be left, and a hung thread must not hang us.
+    with started_manager(model, gen_config, cb_config, stop_timeout_s=60) as manager:
         entry: Entry = {"setup_s": round(time.perf_counter() - started, 2)}
-        manager.start()
-        hf_collect(manager, [load.prompts[0][:8]], 4, "warmup", 60)
+        hf_cb_collect(manager, [load.prompts[0][:8]], [4], "warmup", 1, deadline=time.monotonic() + 60)
         started = time.perf_counter()
         # Not past the time the stack and the tests need: a stalled baseline must not cost them.
         timeout = max(20.0, check.seconds_left(keep=KEEP_AFTER_THROUGHPUT_S))
-        outputs = hf_collect(manager, load.prompts, load.new_tokens, "run", timeout)
+        deadline = time.monotonic() + timeout
+        outputs = hf_cb_collect(
+            manager, load.prompts, load.max_new_tokens, "run", load.num_requests, deadline=deadline
+        )
         wall = time.perf_counter() - started
         resolved = manager.continuous_batching_config
         entry |= {
             "wall_s": round(wall, 2),
-            "output_tok_s": round(load.output_tokens / wall, 1),
+            "output_tok_s": round(load.total_output_tokens / wall, 1),
             "settings": {
                 name: str(getattr(resolved, name, None))
                 for name in (
@@ -430,49 +424,21 @@ def hf_continuous_batching(check: Check, model: Any, settings: Entry, load: Work
             },
             "attn_implementation": model.config._attn_implementation,
         }
-    finally:
-        # Bounded, and hard: after a failure requests may be left, and a hung thread must not hang us.
-        manager.stop(block=True, timeout=60, hard_stop=True)
-        if not manager.is_running():
-            manager.destroy()
     entry["outputs"] = outputs
     return entry
-
-
-def hf_collect(
-    manager: Any, prompts: list[list[int]], new_tokens: int, tag: str, timeout_s: float
-) -> list[list[int]]:
-    ids = [f"{tag}-{i}" for i in range(len(prompts))]
-    for rid, prompt in zip(ids, prompts, strict=True):
-        manager.add_request(prompt, request_id=rid, max_new_tokens=new_tokens, eos_token_id=-1)
-    done: dict[str, list[int]] = {}
-    deadline = time.monotonic() + timeout_s
-    while len(done) < len(ids):
-        result = manager.get_result(timeout=1.0)
-        if result is None:
-            if not manager.is_running() or time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"transformers' batching stopped with {len(ids) - len(done)} requests left"
-                )
-            continue
-        if result.is_finished():
-            if result.error is not None:
-                raise RuntimeError(f"request {result.request_id} failed: {result.error}")
-            done[result.request_id] = list(result.generated_tokens)
-    return [done[rid] for rid in ids]
 
 
 def throughput_section(check: Check) -> Entry:
     model = speed_model(check)
     vocab = model.config.vocab_size
-    load = Workload.decode_heavy(check, vocab)
+    load = decode_heavy(check, vocab)
     settings = speed_settings(check)
     entry: Entry = {
         "model": {"parameters": sum(p.numel() for p in model.parameters()), "dtype": str(model.dtype)},
         "workload": {
-            "requests": len(load.prompts),
-            "prompt_tokens": sum(map(len, load.prompts)),
-            "new_tokens_each": load.new_tokens,
+            "requests": load.num_requests,
+            "prompt_tokens": load.total_prompt_tokens,
+            "new_tokens_each": load.max_new_tokens[0],  # decode_heavy gives every request the same
             "running_at_most": settings["max_requests_per_batch"],
         },
     }
@@ -618,7 +584,7 @@ def profile_section(check: Check) -> Entry:
     (what the second saves is a per-shape cost), then under torch's profiler on a third (its top
     operators by host and by device time); and SDPA's first and second call per shape and backend."""
     model = speed_model(check)
-    load = Workload.decode_heavy(check, model.config.vocab_size)
+    load = decode_heavy(check, model.config.vocab_size)
     prompts = load.prompts[: 4 if check.quick else PROFILE_REQUESTS]
     settings = speed_settings(check) | {"use_async_batching": False}  # each step's time its own
     entry: Entry = {"sdpa": sdpa_probe(check)}
