@@ -1,19 +1,20 @@
 """`cbserve up`: the three processes on one machine, supervised.
 
-The cachemgr, worker and gateway run as child processes (`cbserve cachemgr|worker|gateway`) on
-`ipc://` sockets in a private runtime folder; with `--http-port`, the smg router (router.py) runs in
-front of the gateway as a fourth, started once the gateway serves (its ready file), so that the router
-finds it at once instead of warning every second that it cannot. Their JSON logs go straight to this
-terminal's stderr (the router's too, which it writes to stdout): stdout holds the gateway's one
-`serving` line. A child that dies is started again (the worker re-attaches to the cachemgr, whose
-KV pool outlived it), unless it exited with the configuration-error status (a port in use, a bad
-setting): then it would fail again, and the whole stack stops with that status. SIGTERM or Ctrl-C
-stops the router first, then the gateway, so that it drains its streams, then the worker, then the
-cachemgr.
+The cachemgr, worker and gateway run as child processes (`cbserve cachemgr|worker|gateway`) on `ipc://`
+sockets in a private runtime folder; with `--http-port`, the smg router (router.py) runs in front of the
+gateway as a fourth, started once the gateway serves (its ready file), so that the router finds it at
+once instead of warning every second that it cannot. Their JSON logs go straight to this terminal's
+stderr: stdout holds the gateway's one `serving` line. The router writes its JSON logs to stdout; they
+are relayed to stderr with the `service` field every other child's logs carry. A child that dies is
+started again (the worker re-attaches to the cachemgr, whose KV pool outlived it), unless it exited with
+the configuration-error status (a port in use, a bad setting): then it would fail again, and the whole
+stack stops with that status. SIGTERM or Ctrl-C stops the router first, then the gateway, so that it
+drains its streams, then the worker, then the cachemgr.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -22,11 +23,13 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
+from typing import IO
 
 import structlog
 
@@ -50,7 +53,7 @@ class Child:
     due_at: float = 0.0  # when a dead child is started again
     history: list[float] = field(default_factory=list)
     after: Path | None = None  # a ready file (common/ready_file.py): the child starts once it is ready
-    logs_to_stdout: bool = False  # its logs go to stdout, which is sent to stderr
+    foreign_logs: bool = False  # not ours: its stdout is relayed to stderr, tagged `service=name`
 
     def start(self, env: dict[str, str]) -> None:
         # Own session: a terminal's Ctrl-C reaches only the supervisor, which stops the children in
@@ -58,12 +61,32 @@ class Child:
         self.process = subprocess.Popen(
             self.argv,
             env=env,
-            stdout=sys.stderr if self.logs_to_stdout else None,
+            stdout=subprocess.PIPE if self.foreign_logs else None,
             start_new_session=True,
             preexec_fn=die_with_parent,
         )
+        if self.process.stdout is not None:
+            threading.Thread(
+                target=relay_logs, args=(self.process.stdout, self.name, sys.stderr), daemon=True
+            ).start()
         self.started_at = time.monotonic()
         log.info("started", child=self.name, child_pid=self.process.pid)
+
+
+def relay_logs(stream: IO[bytes], service: str, out: IO[str]) -> None:
+    """Copy a child's log lines to `out` until it closes them: each JSON object gains `service` (as
+    structlog's records carry theirs), any other line passes as it is."""
+    for raw in stream:
+        line = raw.decode(errors="replace").rstrip("\n")
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict):
+            record.setdefault("service", service)
+            line = json.dumps(record)
+        out.write(line + "\n")
+        out.flush()
 
 
 def cbserve_argv(*args: str) -> list[str]:
@@ -222,7 +245,7 @@ def run_up(
         Child("gateway", cbserve_argv(*gateway)),
     ]
     if router:
-        children.append(Child("router", list(router), after=gateway_ready, logs_to_stdout=True))
+        children.append(Child("router", list(router), after=gateway_ready, foreign_logs=True))
     log.info("stack starting", runtime=str(runtime), port=port, metrics_port=metrics_port)
     try:
         return Supervisor(children, env, stop_timeout_s=drain_grace_s + 10).run()

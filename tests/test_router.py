@@ -207,6 +207,14 @@ def test_a_bad_request_is_a_400_streamed_or_not(routed: tuple[Stack, int], strea
             list(reply)  # type: ignore[arg-type]
 
 
+def test_the_routers_logs_reach_stderr_tagged_as_the_router(routed: tuple[Stack, int]) -> None:
+    stack, _ = routed
+    router_records = [e for e in stack.log_events() if e.get("service") == "router"]
+    assert router_records, stack.log_tail()
+    # smg's own fields are kept: each record is smg's JSON with `service` added.
+    assert all("level" in e or "message" in e or "fields" in e for e in router_records), router_records[:3]
+
+
 def test_the_router_is_a_supervised_child(routed: tuple[Stack, int]) -> None:
     stack, http = routed
     os.kill(stack.child_pid("router"), signal.SIGKILL)
