@@ -36,7 +36,9 @@ from hypothesis.stateful import (
 )
 
 from services.cachemgr.allocator import RECYCLED, pages_for
-from services.cachemgr.block_manager import BlockManager, CacheState, block_hash
+from services.cachemgr.block_manager import BlockManager
+from services.cachemgr.cache_request import CacheState
+from services.cachemgr.prefix_cache import block_hash
 from services.common.cachemgr_messages import (
     PROTOCOL_VERSION,
     KvEvents,

@@ -37,7 +37,8 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 from transformers import AutoConfig
 
-from services.cachemgr.block_manager import BlockManager, CacheState
+from services.cachemgr.block_manager import BlockManager
+from services.cachemgr.cache_request import CacheState
 from services.cachemgr.kv_cache import KVCache
 from services.cachemgr.server import CacheServer
 from services.common.cachemgr_messages import (

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import itertools
 
-from services.cachemgr.block_manager import BlockManager, CacheState
+from services.cachemgr.block_manager import BlockManager
+from services.cachemgr.cache_request import CacheState
 from services.common.config import CBConfig
 from services.common.kv_geometry import KVGeometry
 from services.common.sampling_params import SamplingParams

@@ -21,7 +21,7 @@ from smg_grpc_proto import vllm_engine_pb2 as vllm
 from smg_grpc_proto import vllm_engine_pb2_grpc as vllm_grpc
 from smg_grpc_proto.generated import common_pb2
 
-from services.cachemgr.block_manager import block_hash
+from services.cachemgr.prefix_cache import block_hash
 from services.common.sampling_params import SamplingParams
 from services.gateway.api import pb
 from services.gateway.vllm_engine import SERVICE_NAME, block_hash_id

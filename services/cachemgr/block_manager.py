@@ -1,10 +1,13 @@
 """BlockManager: the cachemgr's pure core. One `step(plan) -> grant` call per worker step.
 
 It owns block tables, the prefix index, refcounts, eviction and offload decisions; it never touches KV
-bytes (the worker copies them as the grant says). No sockets, no tensors.
-
-Request states here: *pending* (known, no blocks yet), *active* (holds blocks), *offloaded* (its
-blocks live in swap slots). A request the BlockManager soft-resets or releases is forgotten.
+bytes (the worker copies them as the grant says). No sockets, no tensors. It is the facade over:
+- `cache_request.py`: `CacheRequest`, a request as the cachemgr sees it, and its states (*pending*,
+  *active*, *offloaded*); a request the BlockManager soft-resets or releases is forgotten;
+- `allocator.py` over `chunk_pool.py`: the block tables, the chunks, refcounts and LRU eviction;
+- `prefix_cache.py`: the hash chain of full pages, prefix lookups, the pages in flight, KV events;
+- `offload.py`: victims, swap-out and restore, over `swap_space.py`;
+- `grant_builder.py`: the step's answer as it is built.
 
 A grant *settles* (its tokens count as computed, its full pages enter the prefix cache) when the next
 plan arrives, or with async batching (`StepPlan.overlapped`) the plan after that: the worker plans
@@ -26,56 +29,26 @@ Invariants (see `check`):
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import Counter, deque
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from enum import Enum
+from dataclasses import dataclass
 
 from services.cachemgr.allocator import FullAttentionAllocator, SlidingAttentionAllocator, pages_for
+from services.cachemgr.cache_request import CacheRequest, CacheState, take_ids
 from services.cachemgr.chunk_pool import ChunkPool
+from services.cachemgr.grant_builder import GrantBuilder
+from services.cachemgr.offload import Offloader
+from services.cachemgr.prefix_cache import PrefixCache
 from services.cachemgr.swap_space import SwapSpace
 from services.common.cachemgr_messages import (
     PROTOCOL_VERSION,
     Flushed,
-    Granted,
     KvEvents,
     PlanEntry,
     Rejected,
     StepGrant,
     StepPlan,
-    StoredBlock,
 )
 from services.common.kv_geometry import KVGeometry
-
-
-class CacheState(Enum):
-    PENDING = "pending"
-    ACTIVE = "active"
-    OFFLOADED = "offloaded"
-
-
-@dataclass
-class CacheRequest:
-    request_id: str
-    arrival: int
-    salt: bytes
-    token_ids: list[int]  # the ids known; `num_placeholders` more tokens follow
-    state: CacheState = CacheState.PENDING
-    num_computed: int = 0  # settled
-    in_flight: int = 0  # granted, not settled yet
-    num_placeholders: int = 0  # tokens a running step samples, ids not sent yet
-    block_hashes: list[bytes] = field(default_factory=list)  # chain over full computed pages
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids) + self.num_placeholders
-
-    @property
-    def num_granted(self) -> int:
-        """Where its next grant starts."""
-        return self.num_computed + self.in_flight
 
 
 @dataclass
@@ -88,15 +61,6 @@ class CacheStats:
     rejected: int = 0
     prefix_waits: int = 0  # admissions put off a step because another request computed their next page
     steps: int = 0
-
-
-def block_hash(parent: bytes, token_ids: list[int], salt: bytes) -> bytes:
-    """Collision-resistant chained hash: a collision would hand one tenant another's KV."""
-    h = hashlib.blake2b(parent, digest_size=16)
-    h.update(len(salt).to_bytes(4, "little"))  # length-prefixed: no salt can mimic a parent digest
-    h.update(salt)
-    h.update(array("q", token_ids).tobytes())
-    return h.digest()
 
 
 class BlockManager:
@@ -130,15 +94,9 @@ class BlockManager:
         self.requests: dict[str, CacheRequest] = {}
         # Each step's grants until they settle, oldest first: (request, tokens) pairs.
         self._unsettled: deque[list[tuple[CacheRequest, int]]] = deque()
-        # The hashes of the full pages in flight (granted, not settled): see the module docstring.
-        self._computing: set[bytes] = set()
+        self.prefix = PrefixCache(self.pool, self.page_size, self.sharing)
+        self.offloader = Offloader(self.pool, self.swap, self.allocators, self.page_size)
         self.stats = CacheStats()
-        # KV events (see cachemgr_messages.KvEvents): the announced pages, in the order announced, so that
-        # evicting a salted page (never announced) is not announced either, and so that a subscriber
-        # joining late can be given the whole live set (`kv_snapshot`).
-        self._announced: dict[bytes, StoredBlock] = {}
-        self._stored: list[StoredBlock] = []
-        self._cleared = self.sharing
 
     # ----------------------------------------------------------------------------------------- step
 
@@ -150,17 +108,17 @@ class BlockManager:
         for entry in plan.entries:  # the ids first: a settling page may be waiting for them
             known = self.requests.get(entry.request_id)
             if known is not None:
-                _take_ids(known, entry)
+                take_ids(known, entry)
         self._settle(keep=1 if plan.overlapped else 0)
         for rid in (*plan.frees, *plan.aborts):
             self._forget(rid)
-        self._computing.clear()
+        self.prefix.computing.clear()
         for grants in self._unsettled:  # the step still computing (async batching)
             for settling, _ in grants:
                 if self.requests.get(settling.request_id) is settling:  # its pages will settle
-                    self._note_computing(settling)
+                    self.prefix.note_computing(settling)
 
-        out = _GrantBuilder(plan.step)
+        out = GrantBuilder(plan.step)
         placed: set[str] = set()
         blocked: list[PlanEntry] = []
         admission_budget = self._admission_budget(plan)
@@ -201,7 +159,7 @@ class BlockManager:
         self.swap.end_step()
         self._unsettled.append(out.in_flight)
         out.blocked = [e.request_id for e in blocked]
-        out.kv_events = self._drain_kv_events()
+        out.kv_events = self.prefix.drain_events()
         return out.build()
 
     def _settle(self, keep: int) -> None:
@@ -219,20 +177,11 @@ class BlockManager:
     def kv_snapshot(self) -> KvEvents:
         """Between steps: the live announced pages as one resync (`cleared`, then each page, parents
         first), for a subscriber that joins after the cache started."""
-        return KvEvents(cleared=True, stored=list(self._announced.values()))
+        return self.prefix.snapshot()
 
     def flush_cache(self) -> Flushed:
         """Between steps: drop the cached prefixes no request holds, and say so to routers."""
-        return Flushed(self.pool.drop_evictable(), self._drain_kv_events())
-
-    def _drain_kv_events(self) -> KvEvents | None:
-        removed = [d for d in self.pool.evicted if self._announced.pop(d, None) is not None]
-        self.pool.evicted.clear()
-        if not (self._cleared or self._stored or removed):
-            return None
-        events = KvEvents(self._cleared, self._stored, removed)
-        self._cleared, self._stored = False, []
-        return events
+        return Flushed(self.pool.drop_evictable(), self.prefix.drain_events())
 
     @staticmethod
     def _check_plan(plan: StepPlan) -> None:
@@ -259,7 +208,7 @@ class BlockManager:
 
     # ------------------------------------------------------------------------------------ ingestion
 
-    def _ingest(self, entry: PlanEntry, out: _GrantBuilder) -> CacheRequest | None:
+    def _ingest(self, entry: PlanEntry, out: GrantBuilder) -> CacheRequest | None:
         req = self.requests.get(entry.request_id)
         if req is None:
             req = CacheRequest(entry.request_id, entry.arrival, entry.cache_salt.encode(), [])
@@ -269,7 +218,7 @@ class BlockManager:
                 out.rejected.append(Rejected(entry.request_id, reason))
                 return None
             self.requests[entry.request_id] = req
-            _take_ids(req, entry)
+            take_ids(req, entry)
         available = req.num_tokens - req.num_granted
         if entry.num_tokens < 1 or entry.num_tokens > available:
             self._forget(entry.request_id)
@@ -322,7 +271,7 @@ class BlockManager:
                 planned += entry.num_tokens
         return plan.token_budget - planned
 
-    def _place(self, req: CacheRequest, entry: PlanEntry, out: _GrantBuilder) -> bool:
+    def _place(self, req: CacheRequest, entry: PlanEntry, out: GrantBuilder) -> bool:
         """Grant an admitted (ACTIVE) or offloaded request its planned tokens."""
         if req.state is CacheState.ACTIVE:
             return self._grow(req, entry.num_tokens, out)
@@ -333,25 +282,25 @@ class BlockManager:
             alloc.recycle(rid, start)  # always safe: no later step reads before `start - window`
         return sum(a.chunks_needed(rid, end) for a in self.allocators)
 
-    def _grow(self, req: CacheRequest, num_tokens: int, out: _GrantBuilder) -> bool:
+    def _grow(self, req: CacheRequest, num_tokens: int, out: GrantBuilder) -> bool:
         start = req.num_granted
         end = start + num_tokens
         if self._need(req.request_id, start, end) > self.pool.num_free:
             return False
         tables = [a.grow(req.request_id, end) for a in self.allocators]
         out.grant(req, start, num_tokens, tables, replace=False)
-        self._note_computing(req)
+        self.prefix.note_computing(req)
         return True
 
-    def _admit(self, req: CacheRequest, entry: PlanEntry, out: _GrantBuilder, budget: int | None) -> int:
+    def _admit(self, req: CacheRequest, entry: PlanEntry, out: GrantBuilder, budget: int | None) -> int:
         """Admit a request from its longest cached prefix on: it computes up to `entry.num_tokens`
         tokens from there, at most `budget`. Returns the tokens granted (0: it waits)."""
         if budget is not None and budget < 1:
             return 0
         if self.pool.num_free < self.safety_margin * self.pool.capacity:
             return 0
-        hits, missed = self._lookup_prefix(req) if self.sharing else ([], None)
-        if missed in self._computing:
+        hits, missed = self.prefix.lookup(req) if self.sharing else ([], None)
+        if missed in self.prefix.computing:
             self.stats.prefix_waits += 1
             return 0
         start = len(hits) * self.page_size
@@ -375,64 +324,22 @@ class BlockManager:
         req.state = CacheState.ACTIVE
         req.num_computed = start
         out.grant(req, start, end - start, [a.tables[req.request_id] for a in self.allocators], replace=True)
-        self._note_computing(req)
+        self.prefix.note_computing(req)
         return end - start
 
-    def _lookup_prefix(self, req: CacheRequest) -> tuple[list[int], bytes | None]:
-        """Cached chunks for the longest prefix of full pages of known ids, leaving at least the last
-        prompt token to compute (its logits are needed); and the hash of the page that missed (None:
-        no page was left to look up)."""
-        hits: list[int] = []
-        parent = b""
-        p = self.page_size
-        for i in range(min(req.num_tokens - 1, len(req.token_ids)) // p):
-            digest = block_hash(parent, req.token_ids[i * p : (i + 1) * p], req.salt)
-            chunk = self.pool.lookup(digest)
-            if chunk is None:
-                return hits, digest
-            hits.append(chunk)
-            parent = digest
-        return hits, None
-
-    def _note_computing(self, req: CacheRequest) -> None:
-        """Count `req`'s granted full pages of known ids past its settled ones as in flight."""
-        if not self.sharing:
-            return
-        p = self.page_size
-        digest = req.block_hashes[-1] if req.block_hashes else b""
-        for i in range(len(req.block_hashes), min(req.num_granted, len(req.token_ids)) // p):
-            digest = block_hash(digest, req.token_ids[i * p : (i + 1) * p], req.salt)
-            self._computing.add(digest)
-
-    def _restore(self, req: CacheRequest, num_tokens: int, out: _GrantBuilder) -> bool:
-        layout = self.swap.held[req.request_id]
-        live = sum(1 for table in layout for s in table if s >= 0)
+    def _restore(self, req: CacheRequest, num_tokens: int, out: GrantBuilder) -> bool:
         start = req.num_granted
-        end = start + num_tokens
-        growth = 0
-        for alloc, table in zip(self.allocators, layout, strict=True):
-            growth += max(0, pages_for(end, self.page_size) - len(table) // alloc.k) * alloc.k
-        if live + growth > self.pool.num_free:
+        if not self.offloader.swap_in(req, start + num_tokens, out.swap_in):
             return False
-        self.swap.give_back(req.request_id, read_this_step=True)
-        fresh = iter(self.pool.allocate(live))
-        for alloc, slots in zip(self.allocators, layout, strict=True):
-            alloc.install(req.request_id, _relocate(slots, fresh, out.swap_in))
-            alloc.grow(req.request_id, end)
-        req.state = CacheState.ACTIVE
         self.stats.swap_restores += 1
         out.grant(req, start, num_tokens, [a.tables[req.request_id] for a in self.allocators], replace=True)
-        self._note_computing(req)
+        self.prefix.note_computing(req)
         return True
 
     # ------------------------------------------------------------------------------------- offload
 
     def _choose_victims(self, blocked: list[PlanEntry], placed: set[str]) -> list[CacheRequest]:
-        """Fewest requests, newest first, whose blocks cover the blocked demand.
-
-        Never a request placed in this step, never the last active request. A blocked request may be
-        its own victim (its demand then disappears with it).
-        """
+        """See `Offloader.choose_victims`: the demand is what each blocked entry needs."""
         active = [r for r in self.requests.values() if r.state is CacheState.ACTIVE]
         demand = {
             e.request_id: self._need(
@@ -442,59 +349,24 @@ class BlockManager:
             )
             for e in blocked
         }
-        shortfall = sum(demand.values()) - self.pool.num_free
-        candidates = sorted(
-            (r for r in active if r.request_id not in placed), key=lambda r: r.arrival, reverse=True
-        )
-        victims: list[CacheRequest] = []
-        for victim in candidates:
-            if shortfall <= 0 or len(active) - len(victims) <= 1:
-                break
-            victims.append(victim)
-            shortfall -= demand.get(victim.request_id, 0) + self._exclusive_chunks(victim.request_id)
-        return victims
+        return self.offloader.choose_victims(active, demand, placed)
 
-    def _exclusive_chunks(self, rid: str) -> int:
-        return sum(1 for a in self.allocators for c in a.live_chunks(rid) if self.pool.refcount[c] == 1)
-
-    def _offload(self, req: CacheRequest, out: _GrantBuilder) -> None:
-        rid = req.request_id
-        for alloc in self.allocators:
-            alloc.recycle(rid, req.num_granted)  # pages no later step reads are not worth saving
-        live = [c for a in self.allocators for c in a.live_chunks(rid)]
-        if live and self.swap.num_free >= len(live):
-            slots = iter(self.swap.take(len(live)))
-            layout = []
-            for alloc in self.allocators:
-                table = alloc.detach(rid)
-                layout.append(_relocate(table, slots, out.swap_out))
-                self.pool.release(table[::-1])
-            self.swap.held[rid] = layout
-            req.state = CacheState.OFFLOADED
+    def _offload(self, req: CacheRequest, out: GrantBuilder) -> None:
+        if self.offloader.swap_out(req, out.swap_out):
             self.stats.offloads += 1
-            out.offloaded.append(rid)
+            out.offloaded.append(req.request_id)
         else:
             # Soft reset: computed full pages stay in the prefix index (registered at commit), so
             # the re-prefill of prompt + generated tokens mostly hits the cache.
-            self._forget(rid)
+            self._forget(req.request_id)
             self.stats.soft_resets += 1
-            out.soft_reset.append(rid)
+            out.soft_reset.append(req.request_id)
 
     # --------------------------------------------------------------------------------- bookkeeping
 
     def _register_full_pages(self, req: CacheRequest) -> None:
-        if not self.sharing or req.state is not CacheState.ACTIVE:
-            return
-        table = self.allocators[0].tables[req.request_id]
-        p = self.page_size
-        for i in range(len(req.block_hashes), min(req.num_computed, len(req.token_ids)) // p):
-            parent = req.block_hashes[-1] if req.block_hashes else b""
-            tokens = req.token_ids[i * p : (i + 1) * p]
-            digest = block_hash(parent, tokens, req.salt)
-            req.block_hashes.append(digest)
-            if self.pool.register(table[i], digest) and not req.salt:
-                self._announced[digest] = StoredBlock(digest, parent, tokens)
-                self._stored.append(self._announced[digest])
+        if self.sharing and req.state is CacheState.ACTIVE:
+            self.prefix.register_full_pages(req, self.allocators[0].tables[req.request_id])
 
     def _forget(self, rid: str) -> None:
         req = self.requests.pop(rid, None)
@@ -532,8 +404,7 @@ class BlockManager:
         """Assert every invariant in the module docstring (used by property tests)."""
         self.pool.check()
         self.swap.check()
-        if not self._announced.keys() <= self.pool.by_hash.keys():
-            raise AssertionError("a page announced as cached is no longer cached")
+        self.prefix.check()
         refs: Counter[int] = Counter()
         for alloc in self.allocators:
             for rid, table in alloc.tables.items():
@@ -552,58 +423,3 @@ class BlockManager:
         for rid, req in self.requests.items():
             if req.state is CacheState.OFFLOADED and rid not in self.swap.held:
                 raise AssertionError(f"offloaded {rid} holds no swap slots")
-
-
-def _take_ids(req: CacheRequest, entry: PlanEntry) -> None:
-    """The entry's ids extend the known ones (filling earlier placeholders first); its placeholders
-    are then all that follows."""
-    req.token_ids.extend(entry.new_token_ids)
-    req.num_placeholders = entry.num_placeholders
-
-
-def _relocate(table: list[int], fresh: Iterator[int], moves: list[tuple[int, int]]) -> list[int]:
-    """Give each live entry of `table` the next id from `fresh`, keep recycled holes, and record every
-    (old, new) pair in `moves` (a swap copy list)."""
-    out = []
-    for old in table:
-        if old < 0:
-            out.append(old)
-            continue
-        new = next(fresh)
-        moves.append((old, new))
-        out.append(new)
-    return out
-
-
-class _GrantBuilder:
-    """Collects one step's answer; the lists become the immutable StepGrant."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-        self.granted: list[Granted] = []
-        self.blocked: list[str] = []
-        self.offloaded: list[str] = []
-        self.soft_reset: list[str] = []
-        self.rejected: list[Rejected] = []
-        self.swap_out: list[tuple[int, int]] = []
-        self.swap_in: list[tuple[int, int]] = []
-        self.kv_events: KvEvents | None = None
-        self.in_flight: list[tuple[CacheRequest, int]] = []
-
-    def grant(self, req: CacheRequest, start: int, n: int, tables: list[list[int]], replace: bool) -> None:
-        req.in_flight += n
-        self.in_flight.append((req, n))
-        self.granted.append(Granted(req.request_id, start, n, [list(t) for t in tables], replace))
-
-    def build(self) -> StepGrant:
-        return StepGrant(
-            step=self.step,
-            granted=self.granted,
-            blocked=self.blocked,
-            offloaded=self.offloaded,
-            soft_reset=self.soft_reset,
-            rejected=self.rejected,
-            swap_out=self.swap_out,
-            swap_in=self.swap_in,
-            kv_events=self.kv_events,
-        )

@@ -1,6 +1,8 @@
 """In-process engine: Scheduler + BlockManager + ModelRunner + Sampler in one loop.
 
 The three-process service runs the same cores; this is what tests and `cbserve bench offline` drive.
+The engine is the request API and the batch API over a `StepPipeline` (step_pipeline.py), which runs
+the steps, with or without async batching.
 
     engine = Engine.from_pretrained(model, **cb)
     outs = engine.generate(prompts, max_new_tokens, ignore_eos=False, temperature=0.0, seed=None)
@@ -13,10 +15,8 @@ import itertools
 import os
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -24,87 +24,25 @@ import torch
 from transformers import PreTrainedModel
 
 from services.cachemgr.kv_cache import KVCache
-from services.common.cachemgr_messages import KvEvents, StepGrant
+from services.common.cachemgr_messages import KvEvents
 from services.common.config import CBConfig
 from services.common.kv_geometry import KVGeometry
 from services.common.kv_int8 import scale_bytes
 from services.common.model_source import load_model
 from services.common.precision import kv_cache_dtype
 from services.common.sampling_params import SamplingParams
-from services.worker.batch import BatchItem, ForwardBatch
 from services.worker.cache_client import CacheClient
 from services.worker.model_runner import ModelRunner
 from services.worker.request import FinishReason, Request
-from services.worker.sampler import SampleOutput, Sampler, SamplingRow, TokenLogprobs, token_logprobs
-from services.worker.scheduler import Scheduler, StepBatch
+from services.worker.sampler import Sampler
+from services.worker.scheduler import Scheduler
+from services.worker.step_pipeline import StepPhases, StepPipeline
 
 log = structlog.get_logger(__name__)
 
 # A step that places nothing while requests wait can only repeat if nothing will ever free memory;
 # the BlockManager rejects requests that cannot fit at all, so this many idle steps means a bug.
 MAX_IDLE_STEPS = 1000
-
-
-@dataclass
-class StepPhases:
-    """Seconds one step spent in each phase; `schedule` covers the scheduler's plan, apply and
-    postprocess, `cache` the cachemgr's step (a round trip when it is another process).
-
-    With async batching `forward` and `sample` (and the counts) are those of the step that ended in
-    this call, on the forward thread, overlapping the others; `wait` is how long the host then waited
-    for them: the part of them the overlap did not hide."""
-
-    schedule: float = 0.0
-    cache: float = 0.0
-    build: float = 0.0
-    forward: float = 0.0
-    sample: float = 0.0
-    wait: float = 0.0
-    num_tokens: int = 0
-    num_requests: int = 0
-
-    PHASES = ("schedule", "cache", "build", "forward", "sample", "wait")
-
-    def rest_of(self, wall_s: float, overlapped: bool) -> float:
-        """The schedule phase: what of a step call's `wall_s` no other phase took. Overlapped (async
-        batching), the forward and sampling ran on their own thread, outside the call's time."""
-        ran_here = 0.0 if overlapped else self.forward + self.sample
-        return wall_s - self.cache - self.build - self.wait - ran_here
-
-    def add(self, other: StepPhases) -> None:
-        for name in (*self.PHASES, "num_tokens", "num_requests"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-
-
-@dataclass
-class _Computed:
-    """What a step's forward thread hands back. `sampled.tokens` stays on the device for the next
-    step's placeholders; `host_tokens` is their copy on the host, complete once `copied` has
-    happened (a CUDA event; None: already)."""
-
-    sampled: SampleOutput
-    host_tokens: torch.Tensor
-    copied: torch.cuda.Event | None
-    prompt_logprobs: list[TokenLogprobs]
-    forward_s: float
-    sample_s: float
-
-
-@dataclass
-class _Built:
-    """A step's batch, built."""
-
-    batch: StepBatch
-    items: list[BatchItem]
-    forward: ForwardBatch
-
-
-@dataclass
-class _Running:
-    """A step whose forward has started."""
-
-    built: _Built
-    result: Future[_Computed]
 
 
 def eos_ids_of(model: PreTrainedModel) -> tuple[int, ...]:
@@ -117,7 +55,7 @@ def eos_ids_of(model: PreTrainedModel) -> tuple[int, ...]:
 
 
 class Engine:
-    """Scheduler, model runner and sampler around a KV cache.
+    """Scheduler, model runner and sampler around a KV cache; `pipeline` runs their steps.
 
     `cache` is the cachemgr's surface: a `KVCache` owned here (in-process, the default) or a
     `RemoteCache` speaking to the cachemgr process. The engine closes only a cache it created.
@@ -155,19 +93,16 @@ class Engine:
             config, eos_ids_of(model), cache_budget_pages=self.cache.sizing.max_pages_per_step
         )
         self.sampler = Sampler()
-        self._ids = itertools.count()
-        self.last_step_size = 0  # requests computed in the latest step (progress, for stall detection)
-        self.last_step_times = StepPhases()
-        self.phase_totals = StepPhases()  # since start: the step profile summed
-        # Told each step's prefix-cache changes (a server forwards them to routers); None: dropped.
-        self.on_kv_events: Callable[[KvEvents], None] | None = None
-        # Steps whose tokens are not taken yet, oldest first: with async batching at most two, the
-        # one computing and, briefly, the one launched after it.
-        self._in_flight: deque[_Running] = deque()
-        # One thread: the forwards run one after another, each after the swap copies it depends on.
-        self._forward_thread = (
-            ThreadPoolExecutor(1, thread_name_prefix="forward") if config.use_async_batching else None
+        self.pipeline = StepPipeline(
+            self.scheduler,
+            self.cache,
+            self.runner,
+            self.sampler,
+            vocab_size=self.vocab_size,
+            device=self.device,
+            overlapped=async_batching,
         )
+        self._ids = itertools.count()
 
     @classmethod
     def from_pretrained(
@@ -230,239 +165,54 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or self.scheduler.has_releases or bool(self._in_flight)
+        return self.scheduler.has_work or self.scheduler.has_releases or bool(self.pipeline.in_flight)
 
     @property
     def only_pending(self) -> bool:
         """Requests to compute, none started yet, and no step in flight: nobody waits on a next token."""
-        return self.scheduler.has_work and self.scheduler.all_pending and not self._in_flight
+        return self.scheduler.has_work and self.scheduler.all_pending and not self.pipeline.in_flight
 
     @property
     def in_flight(self) -> int:
         """Steps launched whose tokens the host has not taken yet."""
-        return len(self._in_flight)
+        return self.pipeline.in_flight
+
+    # ------------------------------------------------------------------------------------- progress
+
+    @property
+    def last_step_size(self) -> int:
+        """Requests computed in the latest step (progress, for stall detection)."""
+        return self.pipeline.last_step_size
+
+    @property
+    def last_step_times(self) -> StepPhases:
+        """The latest step call's profile."""
+        return self.pipeline.last_step_times
+
+    @property
+    def phase_totals(self) -> StepPhases:
+        """The step profile summed since start."""
+        return self.pipeline.phase_totals
+
+    @property
+    def on_kv_events(self) -> Callable[[KvEvents], None] | None:
+        """Told each step's prefix-cache changes (a server forwards them to routers); None: dropped."""
+        return self.pipeline.on_kv_events
+
+    @on_kv_events.setter
+    def on_kv_events(self, callback: Callable[[KvEvents], None] | None) -> None:
+        self.pipeline.on_kv_events = callback
 
     # ----------------------------------------------------------------------------------------- step
 
     def step(self, on_committed: Callable[[], None] | None = None) -> list[Request]:
-        """One continuous-batching step. Returns requests that got a token or finished this step.
-
-        With async batching (`use_async_batching`) a step's forward and sampling run on a thread of
-        their own while the next call plans the step after it, takes its grant and builds its batch;
-        the tokens it samples are placeholders until then. A call then returns the previous step's
-        news. The next step is launched before the host has them: the forward thread fills its
-        placeholders from the tokens left on the device, so that forwards follow one another with
-        no host round trip between them. A step that samples with a repetition penalty reads the
-        tokens on the host, and waits for them; presence and frequency penalties read counts that
-        the sampler keeps on the device, and do not.
-
-        `on_committed` runs once the cache manager has taken this step's plan, which commits the KV
-        the previous step computed (its full pages enter the prefix cache); with async batching, the
-        step before that. A server streams the news of the previous call from there: should this
-        process die, whatever a client has seen is cached, and a re-submission recomputes at most one
-        partial page. It runs after this step's batch is built, just before its forward: the
-        processes that news wakes (a gateway, its clients) would otherwise take the cores from the
-        build and slow it several times over."""
-        times = self.last_step_times = StepPhases()
-        t0 = time.perf_counter()
-        previous = self._in_flight[-1] if self._in_flight else None
-        plan = self.scheduler.plan(previous.built.batch if previous is not None else None)
-        t1 = time.perf_counter()
-        grant: StepGrant = self.cache.step(plan)
-        t2 = time.perf_counter()
-        if grant.kv_events is not None and self.on_kv_events is not None:
-            self.on_kv_events(grant.kv_events)
-        batch = self.scheduler.apply(grant)
-        updated: list[Request] = list(batch.failed)
-        self.last_step_size = len(batch.scheduled)
-        for s in batch.scheduled:
-            if s.request.scheduled_at is None:
-                s.request.scheduled_at = t2
-        t4 = time.perf_counter()
-        built = self._build(batch, previous) if batch.scheduled else None
-        t5 = time.perf_counter()
-        if on_committed is not None:
-            on_committed()  # the caller's work: no phase of this step counts it
-        callers_s = time.perf_counter() - t5
-        times.cache, times.build = t2 - t1, t5 - t4
-        if built is None or not self._starts_before_tokens(batch):
-            updated += self.finish_running()
-        if built is None:
-            self.runner.copy_swap(batch.swap_out, batch.swap_in)
-        else:
-            self._launch(built, previous)
-        updated += self.finish_running(keep=0 if self._forward_thread is None else 1)
-        times.schedule = times.rest_of(time.perf_counter() - t0 - callers_s, self._forward_thread is not None)
-        self.phase_totals.add(times)
-        return updated
-
-    def _build(self, batch: StepBatch, before: _Running | None) -> _Built:
-        """`before`: the step still computing. An input id not known yet is the token it samples for
-        that request (it samples one per request): a placeholder the forward takes on the device."""
-        items = [
-            BatchItem(
-                s.start,
-                s.request.tokens(s.start, s.start + s.num_tokens),
-                s.request.tables,
-                s.sample,
-                s.request.prompt_logprob_rows(s.start, s.start + s.num_tokens),
-            )
-            for s in batch.scheduled
-        ]
-        source = (
-            {} if before is None else {id(s.request): i for i, s in enumerate(before.built.batch.sampling)}
-        )
-        fill = []
-        row = 0
-        for s in batch.scheduled:
-            req = s.request
-            if s.start + s.num_tokens > req.num_known:
-                if s.start + s.num_tokens != req.num_known + 1 or id(req) not in source:
-                    raise RuntimeError(
-                        f"{req.request_id}: positions {s.start}..{s.start + s.num_tokens} planned, "
-                        f"{req.num_known} known, and the step computing samples the next one: "
-                        f"{id(req) in source}"
-                    )
-                fill.append((row + req.num_known - s.start, source[id(req)]))
-            row += s.num_tokens
-        return _Built(batch, items, self.runner.build(items, fill))
-
-    @staticmethod
-    def _starts_before_tokens(batch: StepBatch) -> bool:
-        """Whether the step may start before the host has the tokens of the step before: a repetition
-        penalty reads them on the host."""
-        return all(s.request.params.repetition_penalty == 1.0 for s in batch.sampling)
-
-    def _output_counts(self, req: Request) -> torch.Tensor | None:
-        """A request's generated-token counts for presence/frequency penalties (None without them).
-
-        Made at its first sampling step, from the tokens known then (a re-submitted request's
-        include the output at the end of its prompt); from there on only the sampler
-        changes them, in the step order of the forward thread, so that each step reads the counts of
-        every token sampled before it, known to the host or not."""
-        if not req.params.penalizes_output:
-            return None
-        if req.output_counts is None:
-            if req.num_placeholders != 1:
-                raise RuntimeError(
-                    f"{req.request_id}: first penalized sampling step with {req.num_placeholders} tokens "
-                    "still sampling: their counts would be lost"
-                )
-            generated = (
-                req.prompt_ids[len(req.prompt_ids) - req.params.generated_in_prompt :] + req.output_ids
-            )
-            req.output_counts = Sampler.make_output_counts(self.vocab_size, generated, self.device)
-        return req.output_counts
-
-    def _launch(self, step: _Built, before: _Running | None) -> None:
-        """Start the step's forward, after its swap copies: in the forward thread with async batching,
-        else here and now. `before`: the step its placeholders take their tokens from."""
-        sampling = step.batch.sampling
-        rows = [
-            SamplingRow(
-                params=s.request.params,
-                generator=s.request.generator,
-                token_ids=s.request.prompt_ids + s.request.output_ids
-                if s.request.params.repetition_penalty != 1.0
-                else (),
-                suppress_ids=self.scheduler.suppressed_ids(s.request),
-                output_counts=self._output_counts(s.request),
-            )
-            for s in sampling
-        ]
-        chosen: list[int] = []  # prompt logprobs: position i's logits score token i + 1
-        top_n: list[int] = []
-        for s, item in zip(step.batch.scheduled, step.items, strict=True):
-            chosen += s.request.prompt_ids[item.logit_rows.start + 1 : item.logit_rows.stop + 1]
-            top_n += [min(s.request.params.prompt_logprobs or 0, self.vocab_size)] * len(item.logit_rows)
-        batch = step.batch
-        source = before.result if before is not None else None
-        args = (step.forward, batch.swap_out, batch.swap_in, source, rows, chosen, top_n)
-        if self._forward_thread is None:
-            result: Future[_Computed] = Future()
-            result.set_result(self._compute(*args))
-        else:
-            result = self._forward_thread.submit(self._compute, *args)
-        self._in_flight.append(_Running(step, result))
-
-    def _compute(
-        self,
-        built: ForwardBatch,
-        swap_out: Sequence[tuple[int, int]],
-        swap_in: Sequence[tuple[int, int]],
-        before: Future[_Computed] | None,
-        rows: list[SamplingRow],
-        chosen: list[int],
-        top_n: list[int],
-    ) -> _Computed:
-        """The swap copies, the forward and the sampling of one step; touches no request (another
-        thread may be planning the next step). The swap copies wait for the step before: it may
-        still write the KV of the requests moved. `before`: that step, when this one's placeholders
-        take its tokens on the device; this thread computed it, so its result is there (or its
-        error, raised again)."""
-        t0 = time.perf_counter()
-        self.runner.copy_swap(swap_out, swap_in)
-        tokens = before.result().sampled.tokens if before is not None else None
-        logits = self.runner.forward(built, tokens)
-        t1 = time.perf_counter()
-        prompt_logprobs = []
-        if chosen:
-            prompt_logprobs = token_logprobs(
-                logits[len(rows) :], torch.tensor(chosen, device=logits.device), top_n
-            )
-        if rows:
-            sampled = self.sampler.sample(logits[: len(rows)], rows)
-        else:
-            sampled = SampleOutput(torch.empty(0, dtype=torch.long, device=logits.device), [])
-        host_tokens, copied = sampled.tokens, None
-        if host_tokens.is_cuda:
-            # Queued before the next step's forward, so that the host waits for this step alone.
-            host_tokens = torch.empty(host_tokens.shape, dtype=host_tokens.dtype, pin_memory=True)
-            host_tokens.copy_(sampled.tokens, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-        return _Computed(sampled, host_tokens, copied, prompt_logprobs, t1 - t0, time.perf_counter() - t1)
+        """One continuous-batching step. Returns requests that got a token or finished this step;
+        with async batching, in the step before (see `StepPipeline.step`, and `on_committed` there)."""
+        return self.pipeline.step(on_committed)
 
     def finish_running(self, keep: int = 0) -> list[Request]:
-        """Wait for the steps still computing, oldest first, until `keep` are left, and give their
-        tokens to requests not finished meanwhile. Returns the requests that got a token or finished."""
-        updated = []
-        while len(self._in_flight) > keep:
-            try:
-                updated += self._finish_oldest()
-            except Exception:
-                # The steps launched behind the failed one take their tokens from it: they fail alike.
-                for running in self._in_flight:
-                    running.result.exception()  # waited for; the first error is the one to raise
-                self._in_flight.clear()
-                raise
-        return updated
-
-    def _finish_oldest(self) -> list[Request]:
-        running = self._in_flight[0]
-        t0 = time.perf_counter()
-        try:
-            computed = running.result.result()
-            if computed.copied is not None:
-                computed.copied.synchronize()
-        finally:
-            if running.result.done():  # else interrupted: the forward still runs, and stays waited for
-                self._in_flight.popleft()
-        times = self.last_step_times
-        times.wait += time.perf_counter() - t0
-        times.forward, times.sample = computed.forward_s, computed.sample_s
-        batch = running.built.batch
-        times.num_tokens = sum(s.num_tokens for s in batch.scheduled)
-        times.num_requests = len(batch.scheduled)
-        lps = iter(computed.prompt_logprobs)
-        for s, item in zip(batch.scheduled, running.built.items, strict=True):
-            taken = list(itertools.islice(lps, len(item.logit_rows)))
-            if not s.request.finished:
-                s.request.prompt_logprobs += taken
-        for s, lp in zip(batch.sampling, computed.sampled.logprobs, strict=True):
-            if s.request.params.logprobs is not None and not s.request.finished:
-                s.request.logprobs.append(lp)
-        return self.scheduler.postprocess(batch, computed.host_tokens.tolist())
+        """Wait for the steps still computing until `keep` are left; see `StepPipeline.finish_running`."""
+        return self.pipeline.finish_running(keep)
 
     def run_until_done(self) -> None:
         idle = 0
@@ -533,8 +283,7 @@ class Engine:
             self.finish_running()  # its forward writes the pool: done before the pool goes
             self._flush_releases()
         finally:
-            if self._forward_thread is not None:
-                self._forward_thread.shutdown()
+            self.pipeline.close()
             if self._owns_cache:
                 self.cache.close()
 
