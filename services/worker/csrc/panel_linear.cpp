@@ -10,36 +10,25 @@
 // A panel (72 KiB at K = 576) outgrows L1, so with more than one tile every tile after the first
 // re-reads it from L2; the first tile would wait on memory while the others wait on nothing. So while
 // a panel's tiles run, they pull the next panel into L2, a line every few k, spreading the weights'
-// traffic evenly over the FMAs: 1.1-1.2x at 16-64 rows on an Intel Xeon (30 layers of SmolLM2's
-// weights, 2 threads), the range of a decode step. A lone tile of 8-14 rows (16 requests in flight
-// decode about 11 rows a step) pulls only the first line of every other k, one line in four, and
-// leaves the rest to the hardware prefetchers: 1.03-1.07x at 8-14 rows on that Xeon, 3 runs of 9
-// rounds alternating. Our guess at why, not measured: each software prefetch holds one of the core's
-// few fill buffers until memory answers, and the tile's own L2-to-L1 reads queue behind them. With
-// fewer rows, or more than one tile, pulling every line stays faster (the sparse pull ran 0.93-0.97x
-// at 1-4 rows, 0.95-0.98x at 20).
+// traffic evenly over the FMAs. A lone tile of 8-14 rows (a decode step of a dozen requests) pulls
+// only the first line of every other k, one line in four, and leaves the rest to the hardware
+// prefetchers; our guess at why that is faster, not measured: each software prefetch holds one of the
+// core's few fill buffers until memory answers, and the tile's own L2-to-L1 reads queue behind them.
+// With fewer rows, or more than one tile, pulling every line is faster (docs/performance.md).
 //
 // x is first copied tile by tile k-major ([K, rows]), so that a tile reads its 14 values of each k at
 // constant offsets from one pointer: read in place, each row's address took an add of its own, 13
-// dependent integer adds per k beside 28 FMAs. With both (8 -> 14 rows, packed x), on the same Xeon:
-// 1.04-1.17x at 32-192 rows, even at 1-16 (rounds alternating with the old kernel; in a second run,
-// under heavy load from other tenants, the two tied at every size). The copy is a transpose, done in
-// register blocks of 16 x 16 (8 x 8 on AVX2): copied one float at a time it took 3% of a 512-row
-// product (30 layers of SmolLM2's linears, Zen 4, 2 threads), about as long as a panel's FMAs.
+// dependent integer adds per k beside 28 FMAs. The copy is a transpose, done in register blocks of
+// 16 x 16 (8 x 8 on AVX2): one float at a time, it took about as long as a panel's FMAs.
 //
-// Measured on SmolLM2's shapes against oneDNN's brgemm on its own blocked weights (30 layers, so the
-// weights come from memory as in a real step), 2 threads, on an AMD machine: 2.0x at 1 row (44 GB/s
-// of weights against 22), 1.4x at 48 rows, 1.07x at 512. Where torch's GEMM is faster at many rows
-// (MKL on an Intel CPU), gemm_crossover.py sends those there.
+// Where torch's GEMM is faster at many rows (which depends on the CPU), gemm_crossover.py sends those
+// there.
 //
 // On a CPU with AVX2 and FMA but no AVX-512 the same design runs on 16 vector registers of 8 floats:
 // panels of 16 columns (one line per k) and tiles of up to 6 rows. There GCC kept the portable tile's
 // accumulators in memory, and the intrinsics' accumulators too unless every loop over the rows is
-// unrolled (it stored all 12 to the stack on every k): unrolled, on an AMD EPYC (Zen 3, 2 threads, 30
-// layers of SmolLM2's shapes) the linears of a decode step of 16 rows took 45 ms instead of 74, where
-// oneDNN took 78 (2026-12-03). That day the panels measured behind oneDNN from 128 rows; the next day
-// they led it at 64-512 rows, 166-175 GFLOP/s against 128-156, but not in every hour (gemm_crossover.py).
-// Blocking rows and k so that a block of x stays in L2 (Goto's order) ran 0.76-0.96x at 128-512 rows.
+// unrolled (it stored all 12 to the stack on every k), so those loops are unrolled. Blocking rows and
+// k so that a block of x stays in L2 (Goto's order) was slower at 128-512 rows.
 //
 // A gated product (the MLP's gate|up) interleaves the two weights by halves of a panel, gate columns
 // then the same up columns, so that a tile ends with both halves of its outputs in registers and
