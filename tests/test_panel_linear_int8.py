@@ -1,21 +1,23 @@
 """int8 weights in the packed panel linears (csrc/panel_linear.cpp), on every vector path.
 
 The panels' format: W's rows (output columns) are rounded to int8 in groups of G consecutive k (the
-module's `int8_group()`, the last group shorter where G does not divide K), each (column, group) on
-a scale of its own, and with `int8_x` x's rows are rounded in the same groups, each (row, group) on
-its own scale. The reference is computed from the same quantized operands the kernel multiplies: the
-module's own `quantize_int8` rounds both, itself checked against torch's rounding. Each group's
-integer sum S_g must then be exact (|S_g| <= 127^2 G < 2^24 converts to fp32 exactly), so the only
-rounding left is the fp32 epilogue: y = sum over the NG groups of S_g sw_g sx_g, plus the bias. Each
-term takes two roundings (its two scales), the NG terms' sum NG more and the bias one, so each output
-may differ from the float64 reference by at most (NG + 4) u sum_g |S_g sw_g sx_g| + 5 u |b| with
-u = 2^-24 (one u spare for the second-order terms). One product off in a group (a mis-paired k, a
-group's offset short) moves its output by at least a product of two int8 values times its scales,
-hundreds of times that bound on these random operands.
+module's `int8_group()`, the last group shorter where G does not divide K), each (column, group) on a
+scale of its own, and with `int8_x` x's rows are rounded in the same groups, each (row, group) on its
+own scale. Before rounding, each whole group of both is rotated by the orthonormal Walsh-Hadamard matrix
+(the module's `rotate_int8`, checked against torch's same float32 steps), which leaves the products'
+sums as they were. The reference is computed from the same quantized operands the kernel multiplies: the
+module's own `quantize_int8` rounds both, itself checked against torch's rounding. Each group's integer
+sum S_g must then be exact (|S_g| <= 127^2 G < 2^24 converts to fp32 exactly), so the only rounding left
+is the fp32 epilogue: y = sum over the NG groups of S_g sw_g sx_g, plus the bias. Each term takes two
+roundings (its two scales), the NG terms' sum NG more and the bias one, so each output may differ from
+the float64 reference by at most (NG + 4) u sum_g |S_g sw_g sx_g| + 5 u |b| with u = 2^-24 (one u spare
+for the second-order terms). One product off in a group (a mis-paired k, a group's offset short) moves
+its output by at least a product of two int8 values times its scales, hundreds of times that bound on
+these random operands.
 
-Weight-only int8 (`int8_x=False`) multiplies x unrounded by each weight times its group's scale
-(one rounding): its sums are fp32 sums of K products, within (K + 3) u sum_k |x_k q_k sw_k| + 5 u |b|
-of float64's.
+Weight-only int8 (`int8_x=False`) multiplies x rotated, unrounded, by each weight times its group's
+scale (one rounding): its sums are fp32 sums of K products, within (K + 3) u sum_k |x_k q_k sw_k| + 5 u
+|b| of float64's.
 
 The lower paths (AVX-512 without VNNI, AVX2, portable) are compiled with CBSERVE_CPU_ISA in a
 subprocess each, which runs the same checks and asserts that the module names its path.
@@ -58,6 +60,23 @@ def native_int8_path() -> str:
     return "portable"
 
 
+def rotated(ops: Any, x: torch.Tensor) -> torch.Tensor:
+    """x's rows [M, K] float32 with each whole group of G k times the orthonormal Walsh-Hadamard matrix,
+    in the kernel's float32 operations: butterflies (a, b) -> (a + b, a - b) at strides 1, 2, .., G / 2,
+    then one multiply by fp32(1 / sqrt(G)); a shorter last group as it is."""
+    g, k = ops.int8_group(), x.shape[-1]
+    whole = k // g * g
+    v = x[:, :whole].reshape(x.shape[0], whole // g, g).clone()
+    h = 1
+    while h < g:
+        pairs = v.view(*v.shape[:-1], g // (2 * h), 2, h)
+        a, b = pairs[..., 0, :].clone(), pairs[..., 1, :].clone()
+        pairs[..., 0, :], pairs[..., 1, :] = a + b, a - b
+        h *= 2
+    v = v * torch.tensor(1 / g**0.5, dtype=torch.float32)
+    return torch.cat([v.reshape(x.shape[0], whole), x[:, whole:]], dim=1)
+
+
 def quantized(ops: Any, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """t's rows as the kernel rounds them, in float64: (q [rows, K], scales [rows, NG] of the groups)."""
     q, scale = ops.quantize_int8(t.contiguous())
@@ -82,8 +101,8 @@ def reference(
         terms = [(qx[:, k] @ qw[:, k].T) * sx[:, g : g + 1] * sw[:, g] for g, k in enumerate(groups)]
         product = sum(terms, torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64))
         bound = (len(groups) + 4) * U * sum((t.abs() for t in terms), torch.zeros_like(product))
-    else:
-        xd = x.double()
+    else:  # x rotated as the weights were, unrounded
+        xd = rotated(ops, x).double()
         scaled = torch.cat([qw[:, k] * sw[:, g : g + 1] for g, k in enumerate(groups)], dim=1)  # q_k sw_k
         product = xd @ scaled.T
         bound = (x.shape[-1] + 3) * U * (xd.abs() @ scaled.abs().T)
@@ -99,21 +118,37 @@ def assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor) ->
     assert excess.numel() == 0 or excess.max() <= 0, f"off by up to {excess.max():.3g} beyond the bound"
 
 
+def check_rotation(ops: Any) -> None:
+    """The kernel rotates rows exactly as `rotated` does; the rotation is orthonormal and its own
+    inverse (up to the float32 roundings of its steps); a shorter last group is left alone."""
+    gen = torch.Generator().manual_seed(5)
+    g, k = ops.int8_group(), 3 * ops.int8_group() + 7
+    x = torch.randn(9, k, generator=gen) * torch.logspace(-3, 3, 9).unsqueeze(1)
+    x[4, 3] = 1e4  # one outlier: rotated, its group's values are all about 1e4 / sqrt(G)
+    got = ops.rotate_int8(x)
+    assert torch.equal(got, rotated(ops, x))
+    assert torch.equal(got[:, 3 * g :], x[:, 3 * g :])
+    assert torch.allclose(
+        ops.rotate_int8(got), x, rtol=1e-5, atol=1e-5 * x.abs().amax(1, keepdim=True).max().item()
+    )
+    assert torch.allclose(got.norm(dim=1), x.norm(dim=1), rtol=1e-5)
+    assert got[4, :g].abs().min() > 0.5 * 1e4 / g**0.5
+
+
 def check_quantize(ops: Any) -> None:
-    """Each group of G k of a row (the last one shorter): q = round(x * (127 / max|x|)) to nearest even,
-    scale = max|x| * fp32(1/127) over the group; a group of zeros has scale 0. Exactly torch's
-    arithmetic in float32."""
+    """Each group of G k of a row (the last one shorter), rotated (`rotated`): q = round(x * (127 /
+    max|x|)) to nearest even, scale = max|x| * fp32(1/127) over the group; a group of zeros has scale
+    0. Exactly torch's arithmetic in float32."""
     gen = torch.Generator().manual_seed(3)
     g, k = ops.int8_group(), 577
     x = torch.randn(40, k, generator=gen) * torch.logspace(-3, 3, 40).unsqueeze(1)
     x[7] = 0
     x[8, g : 2 * g] = 0  # one group of zeros in a row of others
-    x[9, 5] = 0.5 * x[9, :g].abs().max() / 127  # about half a step: rounds as torch rounds it
     x[10, -1] = 1e6  # the short last group's own scale
     q, scale = ops.quantize_int8(x)
     groups = -(-k // g)
     padded = torch.zeros(40, groups * g)
-    padded[:, :k] = x
+    padded[:, :k] = rotated(ops, x)
     amax = padded.view(40, groups, g).abs().amax(-1, keepdim=True)
     want = torch.where(amax > 0, torch.round(padded.view(40, groups, g) * (127 / amax)), 0)
     want = want.view(40, groups * g)[:, :k].to(torch.int8)
@@ -206,6 +241,7 @@ def check_packing(ops: Any) -> None:
 
 
 def check_every_case(ops: Any) -> None:
+    check_rotation(ops)
     check_quantize(ops)
     check_layout(ops)
     check_packing(ops)
@@ -237,6 +273,10 @@ def test_weight_only_int8_panels_multiply_x_unrounded(rows: int, k: int, n: int)
 @pytest.mark.parametrize("int8_x", [True, False])
 def test_int8_gated_panels_are_silu_of_gate_times_up(rows: int, k: int, width: int, int8_x: bool) -> None:
     check_gated(module(), rows, k, width, int8_x)
+
+
+def test_rows_and_columns_rotate_as_torch_rotates_them() -> None:
+    check_rotation(module())
 
 
 def test_rows_and_columns_round_as_torch_rounds_them() -> None:

@@ -61,7 +61,12 @@
 // sums; at the end of each group the tile adds float(sum) * sw * sx into fp32 accumulators, and only
 // those fp32 steps (and the bias) round. One scale per column or row over all of K let one large
 // weight or activation coarsen the rounding of all the others (docs/kernels.md gives the agreement
-// with fp32 and the speed for groups of 32, 64 and 128 k against one scale per column).
+// with fp32 and the speed for groups of 32, 64 and 128 k against one scale per column). Within a group
+// one large value still does, so each whole group of a weight column and of an x row is first
+// rotated by the same orthonormal Walsh-Hadamard matrix H (QuaRot's idea: H spreads an outlier over
+// the group, and (H w).(H x) = w.x): the rounding error of a group then follows its typical value, not
+// its largest. The weights are rotated once as they are packed; x as it is packed, a few adds per value
+// beside the group's products (a shorter last group is not rotated).
 // With VNNI (AVX512-VNNI, or AVX-VNNI in an AVX2 build) vpdpbusd adds the four products of each lane
 // into its int32 accumulator; it takes x unsigned, so x is packed as x + 128 (in 1 .. 255) and a
 // group's sums start from its offsets, -128 * the column's weight sum over the group, computed at
@@ -73,10 +78,10 @@
 // line's two vectors and a broadcast, 31 of the 32 registers (AVX2: 4 x 3, two, a broadcast and
 // vpmaddwd's product, 16), so int8 tiles take up to 7 rows (3). Tiles of 14 rows that ran the two
 // halves in turn (2 x 14 accumulators, x read twice) were no faster at 256 rows, slower at 1-16.
-// The same panels also multiply x unrounded (`int8_x` false: weight-only int8): each lane's four
-// weights widened to fp32 in turn (a shift up and an arithmetic shift down, then a conversion),
-// multiplied by their group's column scales (one multiply per widened vector, shared by all the
-// tile's rows) and into x's fp32 values of their k by FMAs.
+// The same panels also multiply x unrounded (`int8_x` false: weight-only int8; x rotated alike): each
+// lane's four weights widened to fp32 in turn (a shift up and an arithmetic shift down, then a
+// conversion), multiplied by their group's column scales (one multiply per widened vector, shared by
+// all the tile's rows) and into x's fp32 values of their k by FMAs.
 // Only the headers used: <torch/extension.h> (all of libtorch's C++ API) tripled the compile time.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -138,6 +143,7 @@ constexpr int64_t kXLinesPerQuad = 2;
 #endif
 constexpr int64_t kGroup = CBSERVE_INT8_GROUP;
 static_assert(kGroup % 4 == 0 && kGroup > 0 && 127 * 127 * kGroup < (1 << 24), "whole lanes; sums exact in fp32");
+static_assert((kGroup & (kGroup - 1)) == 0, "a whole group is rotated by a Walsh-Hadamard matrix: a power of 2");
 constexpr int64_t kGroupLines = kGroup / 4;
 constexpr int64_t kInt8Trailer = 2;  // an int8 group's lines after its weights: scales, then -128 * sums
 inline int64_t int8_groups(int64_t K) { return (K + kGroup - 1) / kGroup; }
@@ -283,10 +289,94 @@ inline float quantize_row(const float* x, int64_t K, int8_t* q) {
   return amax * (1.f / 127.f);
 }
 
-// x [K] -> q [K], each group of kGroup k (the last one shorter) rounded on its own scale: scales[g].
+// v [kGroup] -> H v in place, H the Walsh-Hadamard matrix of order kGroup over sqrt(kGroup): orthonormal
+// and its own inverse. The butterflies of stage h = 1, 2, .., kGroup / 2 turn each pair (v[j], v[j + h])
+// into (a + b, a - b); then one multiply by fp32(1 / sqrt(kGroup)). No step can be reordered or
+// contracted, so torch's same operations give the same floats (what the tests compare against).
+inline void rotate_group(float* v) {
+  for (int64_t h = 1; h < kGroup; h *= 2)
+    for (int64_t i = 0; i < kGroup; i += 2 * h)
+      for (int64_t j = i; j < i + h; ++j) {
+        const float a = v[j], b = v[j + h];
+        v[j] = a + b;
+        v[j + h] = a - b;
+      }
+  const float norm = static_cast<float>(1.0 / std::sqrt(static_cast<double>(kGroup)));
+  for (int64_t j = 0; j < kGroup; ++j) v[j] *= norm;
+}
+
+#ifdef __AVX512F__
+// rotate_group on a group of 32 held in two vectors, lane for lane the same operations: at stage h a
+// lane whose index has bit h clear adds its partner (index ^ h), one with it set subtracts itself from
+// its partner; stage 16 pairs the two vectors.
+inline void rotate_pair(__m512& lo, __m512& hi) {
+  auto stage = [](__m512 v, __m512 partner, __mmask16 upper) {
+    return _mm512_mask_sub_ps(_mm512_add_ps(v, partner), upper, partner, v);
+  };
+  lo = stage(lo, _mm512_permute_ps(lo, 0xB1), 0xAAAA);
+  hi = stage(hi, _mm512_permute_ps(hi, 0xB1), 0xAAAA);
+  lo = stage(lo, _mm512_permute_ps(lo, 0x4E), 0xCCCC);
+  hi = stage(hi, _mm512_permute_ps(hi, 0x4E), 0xCCCC);
+  lo = stage(lo, _mm512_shuffle_f32x4(lo, lo, 0xB1), 0xF0F0);
+  hi = stage(hi, _mm512_shuffle_f32x4(hi, hi, 0xB1), 0xF0F0);
+  lo = stage(lo, _mm512_shuffle_f32x4(lo, lo, 0x4E), 0xFF00);
+  hi = stage(hi, _mm512_shuffle_f32x4(hi, hi, 0x4E), 0xFF00);
+  const __m512 a = lo, norm = _mm512_set1_ps(static_cast<float>(1.0 / std::sqrt(32.0)));
+  lo = _mm512_mul_ps(_mm512_add_ps(a, hi), norm);
+  hi = _mm512_mul_ps(_mm512_sub_ps(a, hi), norm);
+}
+
+// quantize_row on a group of 32 held in two vectors: the same scale and roundings.
+inline float quantize_pair(__m512 lo, __m512 hi, int8_t* q) {
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+  if (!(amax > 0.f)) {
+    std::memset(q, 0, 32);
+    return 0.f;
+  }
+  const __m512 inv = _mm512_set1_ps(127.f / amax);
+  const __m512i top = _mm512_set1_epi32(127), bottom = _mm512_set1_epi32(-127);
+  for (const auto& [v, out] : {std::pair{lo, q}, std::pair{hi, q + 16}}) {
+    const __m512i i = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));  // to nearest even
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(_mm512_max_epi32(_mm512_min_epi32(i, top), bottom)));
+  }
+  return amax * (1.f / 127.f);
+}
+#endif
+
+// x [K] -> out [K]: each whole group of kGroup k rotated (rotate_group), a shorter last group as it is.
+inline void rotate_groups(const float* x, int64_t K, float* out) {
+  int64_t k0 = 0;
+#ifdef __AVX512F__
+  if constexpr (kGroup == 32)
+    for (; k0 + kGroup <= K; k0 += kGroup) {
+      __m512 lo = _mm512_loadu_ps(x + k0), hi = _mm512_loadu_ps(x + k0 + 16);
+      rotate_pair(lo, hi);
+      _mm512_storeu_ps(out + k0, lo);
+      _mm512_storeu_ps(out + k0 + 16, hi);
+    }
+#endif
+  std::memcpy(out + k0, x + k0, (K - k0) * sizeof(float));
+  for (; k0 + kGroup <= K; k0 += kGroup) rotate_group(out + k0);
+}
+
+// x [K] -> q [K], each group of kGroup k rotated (rotate_groups), then rounded on its own scale:
+// scales[g]. A group's products are those of the rotated weights and inputs, (H w).(H x) = w.x.
 inline void quantize_groups(const float* x, int64_t K, int8_t* q, float* scales) {
-  for (int64_t k0 = 0, g = 0; k0 < K; k0 += kGroup, ++g)
-    scales[g] = quantize_row(x + k0, std::min(kGroup, K - k0), q + k0);
+  int64_t k0 = 0, g = 0;
+#ifdef __AVX512F__
+  if constexpr (kGroup == 32)
+    for (; k0 + kGroup <= K; k0 += kGroup, ++g) {
+      __m512 lo = _mm512_loadu_ps(x + k0), hi = _mm512_loadu_ps(x + k0 + 16);
+      rotate_pair(lo, hi);
+      scales[g] = quantize_pair(lo, hi, q + k0);
+    }
+#endif
+  std::array<float, kGroup> rotated;
+  for (; k0 < K; k0 += kGroup, ++g) {
+    const int64_t n = std::min(kGroup, K - k0);
+    rotate_groups(x + k0, n, rotated.data());
+    scales[g] = quantize_row(rotated.data(), n, q + k0);
+  }
 }
 
 // One row of x quantized -> its packed lanes for the int8 tiles (kXLinesPerQuad per K4) and its
@@ -1021,9 +1111,12 @@ inline void pack_rows_int8(const float* x, int64_t sx, int64_t rows, int64_t K, 
   copy_lanes(lanes.data(), rows, k0, lines, out);
 }
 
-// x for tile_int8w: [4 K4, rows] in fp32, the pad k zero.
+// x for tile_int8w: the rows rotated as the weights were (rotate_groups), [4 K4, rows] in fp32, the
+// pad k zero.
 inline void pack_rows_padded(const float* x, int64_t sx, int64_t rows, int64_t K, float* out) {
-  pack_rows(x, sx, rows, K, out);
+  std::vector<float> rotated(rows * K);
+  for (int64_t r = 0; r < rows; ++r) rotate_groups(x + r * sx, K, rotated.data() + r * K);
+  pack_rows(rotated.data(), K, rows, K, out);
   std::fill(out + K * rows, out + (K + 3) / 4 * 4 * rows, 0.f);
 }
 
@@ -1181,9 +1274,20 @@ at::Tensor int8_panels(const at::Tensor& q, const at::Tensor& scales, int64_t P)
 }
 }  // namespace
 
+// x [M, K] float32 -> its rows with each whole group of kGroup k rotated, as the int8 panels rotate
+// x's rows and their weights' columns before rounding them (what the tests compare against).
+at::Tensor rotate_int8(at::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.dtype() == at::kFloat, "float32 [M, K] only, got ", x.sizes(), " ", x.scalar_type());
+  const auto xc = x.contiguous();
+  auto out = at::empty_like(xc);
+  const int64_t K = xc.size(1);
+  for (int64_t r = 0; r < xc.size(0); ++r) rotate_groups(xc.data_ptr<float>() + r * K, K, out.data_ptr<float>() + r * K);
+  return out;
+}
+
 // x [M, K] float32 -> (int8 [M, K], scales [M, groups] float32): each group of kGroup k of a row
-// rounded on its own symmetric scale, as the int8 panels round x's rows and their weights' columns
-// (what the tests compare against).
+// rotated (rotate_int8) and rounded on its own symmetric scale, as the int8 panels round x's rows and
+// their weights' columns (what the tests compare against).
 std::tuple<at::Tensor, at::Tensor> quantize_int8(at::Tensor x) {
   TORCH_CHECK(x.dim() == 2, "[M, K] only, got ", x.sizes());
   auto [q, scales] = quantize_rows(x, "[M, K]");
@@ -1333,6 +1437,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_weight_gated_bf16", &pack_weight_gated_bf16, "[gate; up] [2I, K] -> gated bf16 column panels", nogil{});
   m.def("pack_weight_int8", &pack_weight_int8, "W [N, K] -> int8 column panels of quads of k, scales per column and group of k", nogil{});
   m.def("pack_weight_gated_int8", &pack_weight_gated_int8, "[gate; up] [2I, K] -> gated int8 column panels", nogil{});
+  m.def("rotate_int8", &rotate_int8, "x [M, K] -> each whole group of k times the Walsh-Hadamard matrix, as the int8 panels rotate rows", nogil{});
   m.def("quantize_int8", &quantize_int8, "x [M, K] -> (int8 [M, K], scales [M, groups]) as the int8 panels round rows", nogil{});
   m.def("isa", [] { return std::string(kIsa); }, "the vector path compiled: avx512-bf16, avx512, avx2 or portable");
   m.def("int8_path", [] { return std::string(kInt8Path); },
