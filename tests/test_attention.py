@@ -19,8 +19,8 @@ from services.common.model_source import cbserve_home
 from services.worker import gemm_crossover, kernels
 from services.worker.engine import Engine
 from services.worker.packed_linear import PackedLinear, PackedWeight, pack_linears
+from tests.parity import CONFIGS, make_prompts, reference, reference_attn
 from tests.stack import REPO
-from tests.test_engine_parity import CONFIGS, make_prompts, reference, reference_attn
 
 T = TypeVar("T")
 

@@ -21,9 +21,9 @@ from services.common.kv_int8 import SCALE_BYTES, dequantize, quantize
 from services.worker import kernels
 from services.worker.attention import AttentionBatch, attend_paged
 from services.worker.engine import Engine
+from tests.parity import CONFIGS, make_prompts
 from tests.test_attention import built, causal_reference, gather_sdpa, native_kernels_off, prefill_batch
 from tests.test_attention_bf16_kv import DECODE_SHAPES, attention_module, expected_path, rerun_on_lower_path
-from tests.test_engine_parity import CONFIGS, make_prompts
 
 FP32_TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 

@@ -27,7 +27,7 @@ from transformers import AutoTokenizer
 from services.bench.agreement import agreement, engine_top1, prose_conversations, reference_top1
 from services.common.model_source import load_model
 from services.worker.engine import Engine
-from tests.test_engine_parity import SMOL_CONFIGS, assert_no_leak, chat_prompts
+from tests.parity import SMOL_CONFIGS, assert_no_leak, chat_prompts
 
 NEW_TOKENS = 24
 

@@ -33,8 +33,8 @@ from services.common.sampling_params import SamplingParams
 from services.gateway.api import pb
 from services.gateway.text_generation import LOGPROBS_PER_CHUNK
 from tests.openai_penalties import openai_greedy, penalized_request
+from tests.parity import reference_prompt_logprobs
 from tests.stack import Stack, greedy_request
-from tests.test_engine import reference_prompt_logprobs
 from tests.tiny_models import tiny_config
 
 CALL_TIMEOUT_S = 60.0
