@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from services.worker import kernels
+from tests.kernel_modules import built
 from tests.stack import REPO
-from tests.test_attention import built
 
 U = 2.0**-24  # fp32's unit roundoff
 # Rows: none, one tile (1, 5, the tallest AVX-512 tile 14), uneven splits into several (15, 38, 600).

@@ -256,7 +256,7 @@ def test_the_module_names_the_int8_path_this_cpu_compiles() -> None:
         pytest.skip(f"{kernels.ISA_SWITCH} holds this run to a lower path")
     assert module().int8_path() == native_int8_path()
     assert kernels.int8_path() == native_int8_path()  # what the worker's start-up log names
-    from tests.test_attention import built
+    from tests.kernel_modules import built
 
     for int8_x in (True, False):
         ops = built(kernels.packed_linear_ops(torch.int8, int8_x), "panel linears")
