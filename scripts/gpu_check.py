@@ -128,7 +128,7 @@ class Check:
             engine = Engine(model, CBConfig.from_kwargs(**cb))
         if self.device != "cuda":
             if gpu_forward:
-                from tests.test_cuda_graphs import cuda_like
+                from tests.cuda_forward import cuda_like
 
                 cuda_like(engine)
             if graphs:
@@ -191,8 +191,7 @@ PARITY_NEW_TOKENS = 20
 
 
 def parity_section(check: Check) -> Entry:
-    from tests.test_cuda_graphs import SWAP_BLOCKS, generate_reference
-    from tests.test_engine_parity import make_prompts, reference_attn
+    from tests.parity import SWAP_BLOCKS, generate_reference, make_prompts, reference_attn
     from tests.tiny_models import tiny_model_dir
 
     shared = [random.Random(3).randint(3, 255) for _ in range(40)]
@@ -717,8 +716,8 @@ def attach_facts(stack: Any) -> Entry:
 
 
 def stack_section(check: Check) -> Entry:
+    from tests.parity import generate_reference
     from tests.stack import Stack, greedy_request
-    from tests.test_cuda_graphs import generate_reference
     from tests.tiny_models import tiny_model_dir
 
     model_dir = tiny_model_dir("llama", check.workdir / "models")

@@ -3,7 +3,7 @@
 docker-compose.yml (tests/test_compose.py) and the Kubernetes manifests (tests/test_k8s_manifests.py)
 run `cbserve SUBCOMMAND --flag value ...` with CBSERVE_* variables; these helpers parse such a command
 with the parser `cbserve` itself builds, the variables in place, and say which variables each
-subcommand reads.
+subcommand reads. `run_main` runs the command line itself in process, as a user's shell would.
 """
 
 from __future__ import annotations
@@ -58,3 +58,15 @@ def tcp(address: str) -> tuple[str, int]:
     match = re.fullmatch(r"tcp://([^:/]+):(\d+)", address)
     assert match, f"{address!r} is not a tcp://HOST:PORT address"
     return match[1], int(match[2])
+
+
+def run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """`cbserve argv` in process: (exit status, stdout, stderr)."""
+    from services.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err

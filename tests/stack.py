@@ -3,15 +3,20 @@
 Each `Stack` starts one supervisor (which starts cachemgr, worker and gateway as children) with its
 settings in `CBSERVE_*` environment variables, waits until the health service says SERVING, and
 stops it with SIGTERM. Its children's JSON logs go to a file, kept for failure reports.
+
+Beside it: the requests tests send a stack (greedy over token ids, chat) and what a stack must do with
+them, transformers' greedy reference for its streams, and peers that pose as one of its processes.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import secrets
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from functools import cache
 from pathlib import Path
@@ -19,6 +24,7 @@ from typing import Any
 
 import grpc
 import msgspec
+import pytest
 import torch
 import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -162,6 +168,12 @@ def greedy_request(prompt: list[int], max_tokens: int, **stopping: Any) -> Any:
     return request
 
 
+def chat_request(messages: list[dict[str, str]], max_tokens: int, **stopping: Any) -> Any:
+    request = greedy_request([], max_tokens, **stopping)
+    request.chat.messages.extend(pb.ChatMessage(**m) for m in messages)  # replaces the token_ids input
+    return request
+
+
 @cache
 def hf_model(model_dir: Path) -> Any:
     """The model in `model_dir` under transformers, fp32, loaded once."""
@@ -217,3 +229,47 @@ def collect_finals(sock: zmq.Socket, expected: int, timeout_s: float = 30.0) -> 
 def rss_kib(pid: int) -> int:
     status = Path(f"/proc/{pid}/status").read_text()
     return int(re.search(r"VmRSS:\s+(\d+)", status).group(1))  # type: ignore[union-attr]
+
+
+# ------------------------------------------------------------- requests to a stack, and what they leave
+
+CALL_TIMEOUT_S = 60.0
+CHAT = [{"role": "user", "content": "Name three colours of the rainbow, one per line."}]
+
+
+def tiny_prompt(seed: int, length: int = 8) -> list[int]:
+    """A prompt of ids in [3, 256) (no BOS/EOS/PAD), distinct per seed (no accidental prefix hits)."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, 256) for _ in range(length)]
+
+
+def trace(name: str) -> str:
+    return f"{name}-{uuid.uuid4().hex[:8]}"
+
+
+def assert_serves_exactly(stack: Stack, prompt: list[int], max_tokens: int = 4) -> None:
+    ids, _, final, _ = stack.generate(greedy_request(prompt, max_tokens), timeout_s=CALL_TIMEOUT_S)
+    assert ids == stack.reference(prompt, max_tokens)
+    assert final.finish_reason == pb.FINISH_REASON_LENGTH
+    stack.assert_idle()
+
+
+def assert_aborted_in_worker(stack: Stack, trace_id: str, timeout_s: float = 5.0) -> None:
+    """The worker logged that the gateway aborted this request (it did not run to its end)."""
+    deadline = time.monotonic() + timeout_s
+    while not any(
+        e.get("event") == "request aborted by gateway" and e.get("request_id") == trace_id
+        for e in stack.log_events()
+    ):
+        assert time.monotonic() < deadline, f"the worker never aborted {trace_id}:\n{stack.log_tail()}"
+        time.sleep(0.05)
+
+
+def cancel_after_chunks(call: Any, chunks: int = 3) -> None:
+    """Read `chunks` chunks of a streaming call (either API's), cancel it, and see it end CANCELLED."""
+    for _ in range(chunks):
+        assert next(call).HasField("chunk")
+    call.cancel()
+    with pytest.raises(grpc.RpcError) as info:
+        next(call)
+    assert info.value.code() == grpc.StatusCode.CANCELLED

@@ -7,9 +7,8 @@ import copy
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import torch
@@ -19,64 +18,16 @@ from services.common.model_source import cbserve_home
 from services.worker import gemm_crossover, kernels
 from services.worker.engine import Engine
 from services.worker.packed_linear import PackedLinear, PackedWeight, pack_linears
+from tests.attention_cases import causal_reference, decode_batch, gather_sdpa, prefill_batch, rotary_batch
+from tests.kernel_modules import built, native_kernels_off
+from tests.parity import CONFIGS, make_prompts, reference, reference_attn
 from tests.stack import REPO
-from tests.test_engine_parity import CONFIGS, make_prompts, reference, reference_attn
-
-T = TypeVar("T")
-
-
-def built(kernel: T | None, what: str) -> T:
-    """The kernel; a skip where no compiler exists, a failure where one does (a broken build must not
-    turn the kernel tests into skips while the engine quietly runs the fallback)."""
-    if kernel is not None:
-        return kernel
-    if not kernels.native_kernels_enabled():
-        pytest.skip(f"{kernels.SWITCH}=0: {what}")
-    if kernels.compiler_available():
-        pytest.fail(f"a C++ compiler is here but the kernel did not build ({what}); see the logged error")
-    pytest.skip(f"no C++ toolchain: {what}")
-
-
-@contextmanager
-def native_kernels_off(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Within: CBSERVE_NATIVE_KERNELS=0, and no kernel built before is remembered (nor after)."""
-    monkeypatch.setenv(kernels.SWITCH, "0")
-    caches = [f for f in vars(kernels).values() if hasattr(f, "cache_clear")]
-    for kernel in caches:
-        kernel.cache_clear()
-    try:
-        yield
-    finally:
-        for kernel in caches:
-            kernel.cache_clear()
 
 
 @pytest.fixture
 def kernels_off(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     with native_kernels_off(monkeypatch):
         yield
-
-
-def gather_sdpa(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slots: torch.Tensor,
-    lengths: torch.Tensor,
-    scale: float,
-    softcap: float,
-) -> torch.Tensor:
-    """The fallback's math written out plainly (gathered copy, explicit softcap and mask)."""
-    b, kv, _, d = q.shape
-    length = slots.shape[1]
-    k = k_cache[slots.reshape(-1)].view(b, length, kv, d).transpose(1, 2)
-    v = v_cache[slots.reshape(-1)].view(b, length, kv, d).transpose(1, 2)
-    keep = torch.arange(length)[None, :] < lengths[:, None]
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
-    return torch.matmul(torch.softmax(scores, -1), v)
 
 
 @pytest.mark.parametrize("softcap", [0.0, 20.0])
@@ -94,16 +45,11 @@ def gather_sdpa(
 )
 def test_native_decode_matches_reference(kv: int, group: int, d: int, b: int, softcap: float) -> None:
     kernel = built(kernels.paged_decode_kernel(), "the engine runs the fallback path (tested below)")
-    gen = torch.Generator().manual_seed(0)
-    length, num_slots = 45, 400
-    k_cache = torch.randn(num_slots, kv, d, generator=gen)
-    v_cache = torch.randn(num_slots, kv, d, generator=gen)
-    slots = torch.randint(0, num_slots, (b, length), generator=gen)
-    lengths = torch.randint(1, length + 1, (b,), generator=gen)
+    length = 45
     # The packed batch: the requests' rows among others (left alone), tokens wider than their heads.
-    width = kv * group * d
-    packed = torch.randn(b + 3, width + 8, generator=gen)[:, :width].view(b + 3, kv * group, d)
-    rows = torch.randperm(b + 3, generator=gen)[:b]
+    k_cache, v_cache, packed, rows, slots, lengths = decode_batch(
+        kv, group, d, b, length, num_slots=400, seed=0
+    )
     out = torch.full(packed.shape, 7.0)
     kernel(packed, out, rows, k_cache, v_cache, slots, lengths, d**-0.5, softcap)
     others = torch.ones(b + 3, dtype=torch.bool).index_fill_(0, rows, False)
@@ -120,56 +66,6 @@ def test_native_decode_matches_reference(kv: int, group: int, d: int, b: int, so
             attn_mask=torch.arange(length)[None, None, None, :] < lengths[:, None, None, None],
         )
         torch.testing.assert_close(got, sdpa, rtol=1e-5, atol=1e-5)
-
-
-def causal_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scale: float,
-    softcap: float,
-    window: int,
-) -> torch.Tensor:
-    """One request's chunk, plainly: `q [n, H, D]` are the last n of the `k`/`v [L, kv, D]` positions."""
-    n, heads, _ = q.shape
-    length, group = k.shape[0], heads // k.shape[1]
-    k, v = k.repeat_interleave(group, 1).transpose(0, 1), v.repeat_interleave(group, 1).transpose(0, 1)
-    scores = torch.matmul(q.transpose(0, 1), k.transpose(-1, -2)) * scale
-    if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
-    query_pos = torch.arange(length - n, length)[:, None]
-    key_pos = torch.arange(length)[None, :]
-    seen = key_pos <= query_pos
-    if window:
-        seen &= key_pos > query_pos - window
-    scores = scores.masked_fill(~seen, float("-inf"))
-    return torch.matmul(torch.softmax(scores, -1), v).transpose(0, 1)
-
-
-def prefill_batch(
-    kv: int, group: int, d: int, window: int, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
-    """A prefill batch over pools of `dtype`: (k_cache, v_cache, the kernel's arguments after out:
-    q, first_rows, num_queries, slots, lengths). Chunks cross the 16-token query blocks, after earlier
-    context or not, and one is a lone token; rows 0-1 are someone else's (a kernel leaves them alone)."""
-    gen = torch.Generator().manual_seed(d + window)
-    heads, num_slots = kv * group, 600
-    k_cache = torch.randn(num_slots, kv, d, generator=gen).to(dtype)
-    v_cache = torch.randn(num_slots, kv, d, generator=gen).to(dtype)
-    chunks = [(37, 0), (16, 20), (1, 9), (17, 64), (5, 0)]
-    first_rows, lengths, slot_rows, row = [], [], [], 2
-    for n, context in chunks:
-        keys = context + n if not window else min(context + n, n + window - 1)
-        first_rows.append(row)
-        lengths.append(keys)
-        slot_rows.append(torch.randperm(num_slots, generator=gen)[:keys])
-        row += n
-    width = max(lengths)
-    slots = torch.stack([F.pad(s, (0, width - len(s)), value=0) for s in slot_rows])
-    qkv = torch.randn(row, heads * d + 40, generator=gen)
-    q = qkv[:, : heads * d].view(row, heads, d)  # strided rows, as in the fused forward
-    num_queries = torch.tensor([n for n, _ in chunks])
-    return k_cache, v_cache, [q, torch.tensor(first_rows), num_queries, slots, torch.tensor(lengths)]
 
 
 @pytest.mark.parametrize(("softcap", "window"), [(0.0, 0), (20.0, 0), (0.0, 13)])
@@ -338,18 +234,13 @@ def test_fused_rotary_matches_transformers(cache_dtype: torch.dtype) -> None:
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     ops = _fused_ops()
-    gen = torch.Generator().manual_seed(4)
     t, heads, kv_heads, d = 11, 9, 3, 64
-    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=gen)
-    table = torch.randn(50, d // 2, generator=gen)
-    cos, sin = torch.cat([table.cos()] * 2, -1), torch.cat([table.sin()] * 2, -1)
-    positions = torch.randint(0, 50, (t,), generator=gen)
+    qkv, cos, sin, positions, slots = rotary_batch(t, heads, kv_heads, d, seed=4)
     q = qkv[:, : heads * d].view(t, heads, d).transpose(0, 1)
     k = qkv[:, heads * d : (heads + kv_heads) * d].view(t, kv_heads, d).transpose(0, 1)
     want_q, want_k = apply_rotary_pos_emb(q, k, cos[positions], sin[positions], unsqueeze_dim=0)
     v_before = qkv[:, (heads + kv_heads) * d :].clone()
     k_cache, v_cache = (torch.zeros(40, kv_heads, d, dtype=cache_dtype) for _ in range(2))
-    slots = torch.randperm(40, generator=gen)[:t]
     ops.rotary_store_kv_(qkv, heads, kv_heads, d, cos, sin, positions, k_cache, v_cache, slots)
     torch.testing.assert_close(q, want_q, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(k, want_k, rtol=1e-5, atol=1e-5)

@@ -8,11 +8,9 @@ the original, and `format_bound` carries that through the scores, the softmax an
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -21,17 +19,20 @@ from services.common.kv_int8 import SCALE_BYTES, dequantize, quantize
 from services.worker import kernels
 from services.worker.attention import AttentionBatch, attend_paged
 from services.worker.engine import Engine
-from tests.test_attention import built, causal_reference, gather_sdpa, native_kernels_off, prefill_batch
-from tests.test_attention_bf16_kv import DECODE_SHAPES, attention_module, expected_path, rerun_on_lower_path
-from tests.test_engine_parity import CONFIGS, make_prompts
+from tests.attention_cases import (
+    DECODE_SHAPES,
+    causal_reference,
+    decode_batch,
+    expected_path,
+    gather_sdpa,
+    prefill_batch,
+    rerun_on_lower_path,
+    rotary_batch,
+)
+from tests.kernel_modules import attention_module, fused_ops_module, native_kernels_off
+from tests.parity import CONFIGS, make_prompts
 
 FP32_TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
-
-
-@functools.cache
-def fused_ops() -> Any:
-    """The fused ops module alone (its writer), built for the path this run is held to, if any."""
-    return built(kernels._build("fused_ops"), "fused ops")
 
 
 def scales(rows: torch.Tensor) -> torch.Tensor:
@@ -62,16 +63,12 @@ def test_module_names_its_vector_path() -> None:
 def test_int8_decode_matches_float32_on_the_dequantized_pool(
     kv: int, group: int, d: int, b: int, length: int, softcap: float
 ) -> None:
-    gen = torch.Generator().manual_seed(d + length)
     num_slots = 2 * length + 300
-    k_orig, v_orig = (torch.randn(num_slots, kv, d, generator=gen) for _ in range(2))
+    k_orig, v_orig, packed, rows, slots, lengths = decode_batch(
+        kv, group, d, b, length, num_slots=num_slots, seed=d + length
+    )
     k_cache, v_cache = quantize(k_orig), quantize(v_orig)
     assert k_cache.shape == (num_slots, kv, d + SCALE_BYTES) and k_cache.dtype == torch.int8
-    slots = torch.randint(0, num_slots, (b, length), generator=gen)
-    lengths = torch.randint(1, length + 1, (b,), generator=gen)
-    width = kv * group * d
-    packed = torch.randn(b + 3, width + 8, generator=gen)[:, :width].view(b + 3, kv * group, d)
-    rows = torch.randperm(b + 3, generator=gen)[:b]
     out = torch.full(packed.shape, 7.0)
     attention_module().paged_decode(packed, out, rows, k_cache, v_cache, slots, lengths, d**-0.5, softcap)
     others = torch.ones(b + 3, dtype=torch.bool).index_fill_(0, rows, False)
@@ -143,7 +140,9 @@ def native_store(rows: torch.Tensor) -> torch.Tensor:
     k_cache, v_cache = (torch.zeros(t + 2, kv_heads, d + SCALE_BYTES, dtype=torch.int8) for _ in range(2))
     slots = torch.arange(t) + 2
     positions = torch.zeros(t, dtype=torch.long)
-    fused_ops().rotary_store_kv_(qkv, kv_heads, kv_heads, d, cos, sin, positions, k_cache, v_cache, slots)
+    fused_ops_module().rotary_store_kv_(
+        qkv, kv_heads, kv_heads, d, cos, sin, positions, k_cache, v_cache, slots
+    )
     assert torch.equal(k_cache, v_cache) and not k_cache[:2].any()
     return k_cache[slots]
 
@@ -151,15 +150,11 @@ def native_store(rows: torch.Tensor) -> torch.Tensor:
 def test_native_and_torch_writers_store_the_same_bytes() -> None:
     """rotary_store_kv_ (the fused forward's writer), torch's `quantize` and attend_paged's write (the
     generic path's): the same rotated rows give the same bytes."""
-    gen = torch.Generator().manual_seed(8)
     t, heads, kv_heads, d = 23, 9, 3, 64
-    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=gen) * 3
-    table = torch.randn(50, d // 2, generator=gen)
-    cos, sin = torch.cat([table.cos()] * 2, -1), torch.cat([table.sin()] * 2, -1)
-    positions = torch.randint(0, 50, (t,), generator=gen)
+    qkv, cos, sin, positions, slots = rotary_batch(t, heads, kv_heads, d, seed=8)
+    qkv = qkv * 3
     k_cache, v_cache = (torch.zeros(40, kv_heads, d + SCALE_BYTES, dtype=torch.int8) for _ in range(2))
-    slots = torch.randperm(40, generator=gen)[:t]
-    fused_ops().rotary_store_kv_(qkv, heads, kv_heads, d, cos, sin, positions, k_cache, v_cache, slots)
+    fused_ops_module().rotary_store_kv_(qkv, heads, kv_heads, d, cos, sin, positions, k_cache, v_cache, slots)
     k = qkv[:, heads * d : (heads + kv_heads) * d].view(t, kv_heads, d)  # rotated in place
     v = qkv[:, (heads + kv_heads) * d :].view(t, kv_heads, d)
     assert torch.equal(k_cache[slots], quantize(k)) and torch.equal(v_cache[slots], quantize(v))

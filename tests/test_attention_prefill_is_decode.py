@@ -14,8 +14,8 @@ import torch
 
 from services.common.kv_int8 import quantize
 from services.common.precision import cpu_flags
-from tests.test_attention import prefill_batch
-from tests.test_attention_bf16_kv import attention_module, rerun_on_lower_path, run_on_path
+from tests.attention_cases import prefill_batch, rerun_on_lower_path, run_on_path
+from tests.kernel_modules import attention_module
 
 POOL_TYPES = ("float32", "bfloat16", "int8")
 

@@ -12,7 +12,7 @@ import torch
 from services.bench.roofline import decode_point
 from services.worker.engine import Engine
 from services.worker.kernels import memory_probe
-from tests.test_engine_parity import assert_no_leak
+from tests.parity import assert_no_leak
 
 
 def test_read_probe_reads_every_word() -> None:

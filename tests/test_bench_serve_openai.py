@@ -562,7 +562,7 @@ def test_a_comparison_needs_two_servers_of_one_model(
 @pytest.fixture(scope="module")
 def routed(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, int]]:
     """`cbserve up --http-port` on the tiny Llama over SmolLM2's tokenizer: (the stack, smg's port)."""
-    from tests.test_router import routed_stack
+    from tests.smg_router import routed_stack
 
     model = tiny_text_model_dir("llama", tmp_path_factory.mktemp("text_model"), smollm2_dir)
     with routed_stack(model, tmp_path_factory.mktemp("routed")) as started:

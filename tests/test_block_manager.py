@@ -48,6 +48,7 @@ from services.common.cachemgr_messages import (
     StoredBlock,
 )
 from services.common.kv_geometry import RESERVED_CHUNKS, KVGeometry
+from tests.block_manager_state import state_of
 
 P = 4  # page_size of every geometry below
 
@@ -118,27 +119,6 @@ class Driver:
         assert grant.version == PROTOCOL_VERSION
         self.bm.check()
         return grant
-
-
-def state_of(bm: BlockManager) -> tuple[object, ...]:
-    """Everything a step may change, as plain values: equal before and after a refused plan."""
-    pool, swap = bm.pool, bm.swap
-    return (
-        {
-            rid: (r.state, r.num_computed, r.in_flight, list(r.token_ids), list(r.block_hashes))
-            for rid, r in bm.requests.items()
-        },
-        [{rid: list(t) for rid, t in a.tables.items()} for a in bm.allocators],
-        (
-            list(pool.untouched),
-            list(pool.free),
-            list(pool.evictable.items()),
-            list(pool.refcount),
-            dict(pool.hash_of),
-        ),
-        (list(swap.free), list(swap.draining), {rid: [list(t) for t in ts] for rid, ts in swap.held.items()}),
-        dict(vars(bm.stats)),
-    )
 
 
 def granted(grant: StepGrant) -> dict[str, tuple[int, int]]:

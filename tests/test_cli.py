@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from services.cli import build_parser, main
+from services.cli import build_parser
 from services.common import ready_file
 from services.common.gateway_messages import Load, WorkerFacts
 from services.gateway.api import pb
@@ -25,18 +25,8 @@ from services.gateway.client_command import generate_request
 from services.gateway.inputs import InvalidRequest, Limits, prepare
 from services.gateway.metrics import GatewayMetrics
 from services.supervisor import Child, Supervisor, cbserve_argv, die_with_parent, free_port, unavailable_port
+from tests.cli_contract import run_main
 from tests.stack import REPO
-
-
-def run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    """`cbserve argv` in process: (exit status, stdout, stderr)."""
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
-
 
 # ----------------------------------------------------------------------------------------- help
 

@@ -11,6 +11,13 @@
 - .dockerignore is evaluated with Docker's own matching rules.
 - The wheel the image installs is built from what the Dockerfile copies and checked for the package
   data the image needs (the native kernels' sources).
+
+Compose's variable interpolation and override merge (what `docker compose config` prints) and Docker's
+.dockerignore matching are written out below rather than run: where this suite runs there is no
+Docker Compose (the docker CLI, where `which docker` finds one, lacks the compose plugin: `docker
+compose` is an unknown command) and no Docker engine to build with. Each is held to its documented
+rules by a test of its own (test_interpolation_follows_compose_rules,
+test_dockerignore_matcher_follows_docker_rules).
 """
 
 from __future__ import annotations

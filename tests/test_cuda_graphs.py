@@ -17,19 +17,21 @@ from typing import Any
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import AutoModelForCausalLM
 
 from services.common.config import CBConfig
 from services.common.kv_geometry import PADDING_SLOT
 from services.worker import cuda_graphs
-from services.worker.batch import PADDING_WASTE, BatchItem
+from services.worker.batch import BatchItem
 from services.worker.buckets import Shape
 from services.worker.cuda_graphs import CudaGraphs, Step, eager_capture
 from services.worker.engine import Engine
+from tests.cuda_forward import cuda_like
 from tests.cuda_marks import CUDA_MARKS, cuda_only
-from tests.test_engine_parity import (
+from tests.parity import (
     NEW_TOKENS,
+    SWAP_BLOCKS,
     assert_no_leak,
+    generate_reference,
     make_prompts,
     reference,
     reference_attn,
@@ -41,11 +43,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "chunked": {"num_blocks": 256, "max_batch_tokens": 16, "long_prefill_token_threshold": 7},
     "swap": {"page_size": 8, "cpu_offload_space": 0.01, "kv_padding_interval_size": 16},
 }
-
-# Pools (in chunks of 8 tokens) that hold the longest request (40 shared + 60 + 20 tokens) but not
-# three at once: the swap config offloads and restores. Not Mistral's: its sliding layers recycle
-# their pages, so that no running request ever blocks and none is offloaded.
-SWAP_BLOCKS = {"llama": 20, "qwen3": 20, "gemma2": 40}
 
 # What a CUDA graph cannot hold: a value read on the host (a sync, and frozen into the graph) or an
 # output whose size depends on values.
@@ -81,36 +78,11 @@ def guarded_capture(step: Step) -> Step:
     return step
 
 
-def cuda_like(engine: Engine) -> Engine:
-    """The forward a CUDA device runs: transformers' modules and gather + SDPA attention."""
-    runner = engine.runner
-    runner.fused = None
-    runner.builder.decode_kernel = runner.builder.prefill_kernel = None
-    runner.builder.padding_waste = PADDING_WASTE["cuda"]
-    return engine
-
-
 def engine_for(model_dir: Path, family: str, config_name: str, device: str, **overrides: Any) -> Engine:
     cb = CONFIGS[config_name] | overrides
     if config_name == "swap":
         cb.setdefault("num_blocks", SWAP_BLOCKS[family])
     return Engine.from_pretrained(model_dir, device=device, **cb)
-
-
-def generate_reference(
-    model_dir: Path, prompts: list[list[int]], new_tokens: int, device: str, attn: str = "sdpa"
-) -> list[list[int]]:
-    """transformers' greedy `generate` (fp32, EOS ignored) on `device`, one prompt at a time."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn)
-    model = model.to(device).eval()
-    model.generation_config.eos_token_id = None
-    outs = []
-    for prompt in prompts:
-        out = model.generate(
-            torch.tensor([prompt], device=device), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0
-        )
-        outs.append(out[0, len(prompt) :].tolist())
-    return outs
 
 
 @pytest.fixture(scope="module")

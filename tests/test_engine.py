@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 import torch
 from msgspec.structs import replace
-from transformers import AutoModelForCausalLM
 
 from services.common.sampling_params import SamplingParams
 from services.worker.batch import BatchItem
@@ -23,7 +22,7 @@ from services.worker.engine import Engine
 from services.worker.request import FinishReason, Request, RequestStatus
 from services.worker.scheduler import StepBatch
 from tests.openai_penalties import openai_greedy
-from tests.test_engine_parity import assert_no_leak, make_prompts, reference
+from tests.parity import assert_no_leak, make_prompts, reference, reference_prompt_logprobs
 from tests.tiny_models import tiny_looping_model_dir
 
 
@@ -67,14 +66,6 @@ def test_logprobs_match_the_model(engine: Engine) -> None:
         assert lp is not None
         assert lp.token_logprob == pytest.approx(expected[i, req.output_ids[i]].item(), abs=1e-4)
         assert [t for t, _ in lp.top] == expected[i].topk(4).indices.tolist()
-
-
-def reference_prompt_logprobs(model_dir: Path, prompt: list[int]) -> torch.Tensor:
-    """log_softmax of transformers' fp32 logits over the prompt: row i scores prompt token i + 1."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with torch.inference_mode():
-        logits = model(torch.tensor([prompt])).logits[0, :-1]
-    return torch.log_softmax(logits.float(), dim=-1)
 
 
 def assert_prompt_logprobs(req: Request, model_dir: Path) -> None:

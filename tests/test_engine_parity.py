@@ -9,35 +9,27 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from functools import cache
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.common.cachemgr_messages import StepGrant, StepPlan
 from services.worker.engine import Engine
+from tests.parity import (
+    CONFIGS,
+    NEW_TOKENS,
+    SMOL_CONFIGS,
+    assert_no_leak,
+    chat_prompts,
+    make_prompts,
+    reference,
+    reference_attn,
+)
 from tests.tiny_models import FAMILIES
-
-NEW_TOKENS = 20
 
 # Cache sizes (in chunks) small enough that the six test prompts cannot all be resident at once, so
 # offloading must happen; each still fits one request. Hybrids need more chunks per page.
 TIGHT_BLOCKS = {"llama": 16, "qwen2": 16, "qwen3": 16, "mistral": 10, "gemma2": 36, "gemma3": 44}
-
-CONFIGS: dict[str, dict[str, Any]] = {
-    "roomy": {"num_blocks": 256},
-    # Several prompts in flight at once, each capped at 7 tokens a step: ragged chunks of every size.
-    "chunked": {"num_blocks": 256, "max_batch_tokens": 16, "long_prefill_token_threshold": 7},
-    "prefill_first": {"num_blocks": 256, "max_batch_tokens": 24, "scheduler_type": "prefill_first"},
-    # KV lengths padded to 16, not 8: with 8 Mistral's sliding layers never pad (its window, 24, is a
-    # multiple of 8 and is what a long context reads).
-    "padded": {"num_blocks": 256, "q_padding_interval_size": 16, "kv_padding_interval_size": 16},
-    "swap": {"page_size": 8, "cpu_offload_space": 0.01},
-    "soft_reset": {"page_size": 8, "max_batch_tokens": 32},
-}
 
 
 # What the batches of a configuration must show (BatchBuilder's counts): outputs that match prove
@@ -57,37 +49,6 @@ def assert_shaped(engine: Engine, config_name: str) -> None:
         assert not any(counts.values()), counts
     for name in SHAPED.get(config_name, ()):
         assert counts[name] > 0, (config_name, counts)
-
-
-def reference_attn(family: str) -> str:
-    # transformers has no SDPA path for Gemma2 (logit soft-capping): its reference is eager.
-    return "eager" if family == "gemma2" else "sdpa"
-
-
-def make_prompts(seed: int, count: int = 6, prefix: list[int] | None = None) -> list[list[int]]:
-    rng = random.Random(seed)
-    head = prefix or []
-    return [head + [rng.randint(3, 255) for _ in range(rng.randint(5, 60))] for _ in range(count)]
-
-
-@cache
-def _reference(
-    model_dir: Path, attn: str, prompts: tuple[tuple[int, ...], ...], eos: bool
-) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn)
-    model.eval()
-    if not eos:
-        model.generation_config.eos_token_id = None
-    outs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-        outs.append(out[0, len(prompt) :].tolist())
-    return outs
-
-
-def reference(model_dir: Path, attn: str, prompts: list[list[int]], eos: bool = False) -> list[list[int]]:
-    return _reference(model_dir, attn, tuple(map(tuple, prompts)), eos)
 
 
 # Async batching off and on: outputs must not tell them apart.
@@ -110,14 +71,6 @@ def count_overlapped(engine: Engine) -> list[bool]:
 
 def assert_overlapped(flags: list[bool], async_batching: bool) -> None:
     assert any(flags) == async_batching, flags
-
-
-def assert_no_leak(engine: Engine) -> None:
-    stats = engine.stats()
-    assert stats["used_blocks"] == 0, stats
-    assert stats["free_blocks"] + stats["evictable_blocks"] == stats["total_blocks"], stats
-    assert stats["swap_slots_used"] == 0, stats
-    engine.cache.block_manager.check()
 
 
 @ASYNC
@@ -192,41 +145,6 @@ def test_eos_stops_like_generate(async_batching: bool, tiny_models: Callable[[st
 
 
 # --------------------------------------------------------------------------------- embedded SmolLM2
-
-CHATS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three prime numbers.",
-    "How do plants make food?",
-]
-SMOL_CONFIGS: dict[str, dict[str, Any]] = {
-    "roomy": {"num_blocks": 64, "page_size": 16},
-    "chunked": {"num_blocks": 64, "page_size": 16, "max_batch_tokens": 24},
-    "prefill_first_padded": {
-        "num_blocks": 64,
-        "page_size": 16,
-        "max_batch_tokens": 40,
-        "scheduler_type": "prefill_first",
-        "q_padding_interval_size": 32,
-        "kv_padding_interval_size": 16,
-    },
-    "swap": {"num_blocks": 10, "page_size": 16, "cpu_offload_space": 0.05, "safety_margin": 0.0},
-    "soft_reset": {"num_blocks": 10, "page_size": 16, "safety_margin": 0.0},
-}
-
-
-def chat_prompts(model_dir: Path) -> list[list[int]]:
-    """CHATS through the model's chat template, each after one shared system prompt."""
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts = []
-    for text in CHATS:
-        messages = [
-            {"role": "system", "content": "You are a concise assistant."},
-            {"role": "user", "content": text},
-        ]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        prompts.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids))
-    return prompts
 
 
 @pytest.fixture(scope="module")

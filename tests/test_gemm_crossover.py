@@ -14,7 +14,7 @@ import torch
 
 from services.worker import gemm_crossover, kernels
 from services.worker.gemm_crossover import NEVER, choose
-from tests.test_attention import built
+from tests.kernel_modules import built
 
 
 def test_torch_serves_from_the_crossover_that_costs_least_in_all() -> None:

@@ -55,8 +55,8 @@ from services.common.config import CBConfig
 from services.common.gateway_messages import GatewayMessage, NewRequest
 from services.common.sampling_params import SamplingParams
 from services.gateway.api import pb
+from tests.block_manager_state import state_of
 from tests.stack import REPO, Stack, collect_finals, dealer, greedy_request, keyed
-from tests.test_block_manager import state_of
 
 CALL_TIMEOUT_S = 30.0
 OK, INVALID, EXHAUSTED = (

@@ -27,7 +27,7 @@ from transformers import AutoTokenizer
 from services.bench.agreement import agreement, engine_top1, prose_conversations, reference_top1
 from services.common.model_source import load_model
 from services.worker.engine import Engine
-from tests.test_engine_parity import SMOL_CONFIGS, assert_no_leak, chat_prompts
+from tests.parity import SMOL_CONFIGS, assert_no_leak, chat_prompts
 
 NEW_TOKENS = 24
 
@@ -203,7 +203,7 @@ def test_int8_teacher_forced_top1_agreement_with_float32(
     quantization: str, smollm2_dir: Path, record_property: Any
 ) -> None:
     from services.worker import kernels
-    from tests.test_attention import built
+    from tests.kernel_modules import built
 
     built(kernels.packed_linear_ops(torch.int8), "int8 panel linears")
     prompts, expected = _prose(smollm2_dir)
@@ -223,11 +223,10 @@ def test_int8_quarters_the_layers_weight_bytes(smollm2_dir: Path) -> None:
     (1/4 + 2/G) of float32's where G divides K (SmolLM2's 576 and 1536), and they are the layers'
     only copy: what the start-up line states drops by the plain weights and their float32 panels."""
     from services.worker import kernels
-    from tests.test_attention import built
-    from tests.test_panel_linear_bf16 import module
+    from tests.kernel_modules import built, panel_linear_module
 
     built(kernels.packed_linear_ops(torch.int8), "int8 panel linears")
-    group = module().int8_group()
+    group = panel_linear_module().int8_group()
     with (
         Engine.from_pretrained(smollm2_dir, num_blocks=8) as fp32,
         Engine.from_pretrained(smollm2_dir, quantization="int8", num_blocks=8) as int8,
@@ -264,7 +263,7 @@ def test_an_int8_stack_streams_the_int8_engines_tokens(
     """`cbserve up --quantization int8`: the setting reaches the worker process (its start-up line says
     so, with the int8 products' path and the weight bytes) and its tokens are the in-process engine's."""
     from services.worker import kernels
-    from tests.test_attention import built
+    from tests.kernel_modules import built
 
     built(kernels.packed_linear_ops(torch.int8), "int8 panel linears")
     prompts = smol_chat_prompts[:2]

@@ -31,8 +31,8 @@ from transformers import AutoTokenizer
 from services.router import gateway_url, smg_command
 from services.supervisor import die_with_parent, free_port, stop_process
 from tests.conftest import TINY_STACK_SETTINGS
+from tests.smg_router import client, wait_router
 from tests.stack import Stack
-from tests.test_router import client, wait_router
 from tests.tiny_models import tiny_text_model_dir
 
 # An odd number of groups: round robin over two replicas then sends each group's requests to both

@@ -9,14 +9,11 @@ the same text and the same token counts.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import signal
 import subprocess
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,57 +25,19 @@ from services.gateway.api import pb
 from services.gateway.text_generation import OPENAI_FINISH_REASONS
 from services.router import gateway_url, smg_command
 from services.supervisor import die_with_parent, free_port, stop_process
+from tests.cli_contract import run_main
 from tests.conftest import TINY_STACK_SETTINGS
 from tests.interop.node_runner import needs_node, node_openai_stream
-from tests.stack import Stack
-from tests.test_cli import run_main
-from tests.test_stack_requests import CHAT, chat_request
+from tests.smg_router import ROUTER_START_S, client, routed_stack, wait_router
+from tests.stack import CALL_TIMEOUT_S, CHAT, Stack, chat_request
 from tests.tiny_models import tiny_text_model_dir
 
-ROUTER_START_S = 60.0
-CALL_TIMEOUT_S = 60.0
 PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
 def text_model(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_text_model_dir("llama", tmp_path_factory.mktemp("text_model"), smollm2_dir)
-
-
-def router_status(http_port: int) -> dict[str, Any] | None:
-    """smg's /readiness answer once it is ready (some worker registered and healthy), else None."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/readiness", timeout=2) as reply:
-            return json.loads(reply.read())
-    except OSError:  # refused, or 503 while no worker is ready
-        return None
-
-
-def wait_router(http_port: int, healthy: int = 1, timeout_s: float = ROUTER_START_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while (status := router_status(http_port)) is None or status.get("healthy_workers") != healthy:
-        assert time.monotonic() < deadline, f"smg on {http_port} not ready with {healthy} workers: {status}"
-        time.sleep(0.5)
-
-
-def client(http_port: int) -> openai.OpenAI:
-    # No retries of the client's own: what must recover is smg.
-    return openai.OpenAI(
-        base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0, timeout=CALL_TIMEOUT_S
-    )
-
-
-@contextlib.contextmanager
-def routed_stack(model: Path, log_dir: Path) -> Iterator[tuple[Stack, int]]:
-    """`cbserve up --http-port` on `model`, smg ready: (the stack, smg's HTTP port)."""
-    http = free_port()
-    up_args = ["--http-port", str(http), "--router-metrics-port", str(free_port())]
-    stack = Stack(model, log_dir, up_args=up_args, **TINY_STACK_SETTINGS)
-    try:
-        wait_router(http)
-        yield stack, http
-    finally:
-        stack.stop()
 
 
 @pytest.fixture(scope="module")

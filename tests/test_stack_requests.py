@@ -15,9 +15,7 @@ import math
 import random
 import re
 import threading
-import time
 import urllib.request
-import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -33,53 +31,28 @@ from services.common.sampling_params import SamplingParams
 from services.gateway.api import pb
 from services.gateway.text_generation import LOGPROBS_PER_CHUNK
 from tests.openai_penalties import openai_greedy, penalized_request
-from tests.stack import Stack, greedy_request
-from tests.test_engine import reference_prompt_logprobs
+from tests.parity import reference_prompt_logprobs
+from tests.stack import (
+    CALL_TIMEOUT_S,
+    CHAT,
+    Stack,
+    assert_aborted_in_worker,
+    assert_serves_exactly,
+    cancel_after_chunks,
+    chat_request,
+    greedy_request,
+    tiny_prompt,
+    trace,
+)
 from tests.tiny_models import tiny_config
 
-CALL_TIMEOUT_S = 60.0
 SMOL_VOCAB_SIZE = 49152
-CHAT = [{"role": "user", "content": "Name three colours of the rainbow, one per line."}]
-
-
-def tiny_prompt(seed: int, length: int = 8) -> list[int]:
-    """A prompt of ids in [3, 256) (no BOS/EOS/PAD), distinct per seed (no accidental prefix hits)."""
-    rng = random.Random(seed)
-    return [rng.randrange(3, 256) for _ in range(length)]
-
-
-def chat_request(messages: list[dict[str, str]], max_tokens: int, **stopping: Any) -> Any:
-    request = greedy_request([], max_tokens, **stopping)
-    request.chat.messages.extend(pb.ChatMessage(**m) for m in messages)  # replaces the token_ids input
-    return request
 
 
 def status_of(stack: Stack, request: Any, timeout_s: float = 10.0) -> grpc.StatusCode:
     with pytest.raises(grpc.RpcError) as info:
         list(stack.stub.Generate(request, timeout=timeout_s))
     return info.value.code()
-
-
-def assert_serves_exactly(stack: Stack, prompt: list[int], max_tokens: int = 4) -> None:
-    ids, _, final, _ = stack.generate(greedy_request(prompt, max_tokens), timeout_s=CALL_TIMEOUT_S)
-    assert ids == stack.reference(prompt, max_tokens)
-    assert final.finish_reason == pb.FINISH_REASON_LENGTH
-    stack.assert_idle()
-
-
-def assert_aborted_in_worker(stack: Stack, trace_id: str, timeout_s: float = 5.0) -> None:
-    """The worker logged that the gateway aborted this request (it did not run to its end)."""
-    deadline = time.monotonic() + timeout_s
-    while not any(
-        e.get("event") == "request aborted by gateway" and e.get("request_id") == trace_id
-        for e in stack.log_events()
-    ):
-        assert time.monotonic() < deadline, f"the worker never aborted {trace_id}:\n{stack.log_tail()}"
-        time.sleep(0.05)
-
-
-def trace(name: str) -> str:
-    return f"{name}-{uuid.uuid4().hex[:8]}"
 
 
 @pytest.fixture(scope="module")
@@ -271,16 +244,6 @@ def test_tokenize_refuses_text_without_tokenizer(tiny_stack: Stack) -> None:
 def long_request(stack: Stack, seed: int) -> Any:
     prompt = tiny_prompt(seed)
     return greedy_request(prompt, stack.info.max_model_len - len(prompt))
-
-
-def cancel_after_chunks(call: Any, chunks: int = 3) -> None:
-    """Read `chunks` chunks of a streaming call (either API's), cancel it, and see it end CANCELLED."""
-    for _ in range(chunks):
-        assert next(call).HasField("chunk")
-    call.cancel()
-    with pytest.raises(grpc.RpcError) as info:
-        next(call)
-    assert info.value.code() == grpc.StatusCode.CANCELLED
 
 
 @pytest.mark.parametrize("stack_name", ["tiny_stack", "async_stack"])

@@ -27,12 +27,13 @@ from services.gateway.api import pb
 from services.gateway.vllm_engine import SERVICE_NAME, block_hash_id
 from services.gateway.vllm_requests import to_cbserve
 from tests.openai_penalties import penalized_request
-from tests.stack import Stack, greedy_request
-from tests.test_stack_requests import (
+from tests.stack import (
     CALL_TIMEOUT_S,
+    Stack,
     assert_aborted_in_worker,
     assert_serves_exactly,
     cancel_after_chunks,
+    greedy_request,
     tiny_prompt,
     trace,
 )
