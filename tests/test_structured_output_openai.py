@@ -114,3 +114,40 @@ def test_a_bad_schema_is_a_400_quoting_the_compiler(routed: tuple[Stack, int]) -
         ask(routed, False, response_format=bad)
     assert "json_schema" in str(info.value), info.value
     stack.assert_idle()
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "tool_choice",
+    ["required", {"type": "function", "function": {"name": "get_weather"}}],
+    ids=["required", "named"],
+)
+def test_forced_tool_call_arguments_validate(routed: tuple[Stack, int], tool_choice: Any) -> None:
+    stack, http_port = routed
+    reply = client(http_port).chat.completions.create(
+        model=stack.info.model_id,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[WEATHER],
+        tool_choice=tool_choice,
+        max_tokens=200,
+        temperature=0.0,
+    )
+    calls = reply.choices[0].message.tool_calls
+    assert calls, reply
+    for call in calls:
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    stack.assert_idle()
