@@ -45,6 +45,27 @@ CONSTRAINTS = {
     "regex": Constraint("regex", r"(yes|no|maybe), [0-9]{1,3}!"),
     "choice": Constraint.choice(["red", "green", "blue jeans"]),
     "ebnf": Constraint("ebnf", 'root ::= "(" item ("," item)* ")"\nitem ::= [a-z]+ | [0-9]+'),
+    # xgrammar's structural-tag format (what smg sends for tool calls): free text, then a tagged call.
+    "structural_tag": Constraint(
+        "structural_tag",
+        json.dumps(
+            {
+                "type": "structural_tag",
+                "format": {
+                    "type": "sequence",
+                    "elements": [
+                        {"type": "const_string", "value": "Call: "},
+                        {
+                            "type": "tag",
+                            "begin": "<tool_call>",
+                            "content": {"type": "json_schema", "json_schema": SCHEMA},
+                            "end": "</tool_call>",
+                        },
+                    ],
+                },
+            }
+        ),
+    ),
 }
 
 PROMPTS = [
@@ -95,6 +116,8 @@ def compile_reference(
         return compiler.compile_json_schema('{"type": "object"}')
     if constraint.kind == "regex":
         return compiler.compile_regex(constraint.text)
+    if constraint.kind == "structural_tag":
+        return compiler.compile_structural_tag(constraint.text)
     if constraint.kind == "choice":  # written out here, not taken from the module under test
         choices = json.loads(constraint.text)
         return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in choices))
@@ -209,8 +232,9 @@ def test_max_tokens_first_gives_length(engines: dict[bool, Engine], model_dir: P
         (Constraint("json_schema", "{not json"), "sampling.json_schema does not compile: "),
         (Constraint("regex", "[a-"), "sampling.regex does not compile: "),
         (Constraint("ebnf", "root ::= undefined_rule"), "sampling.ebnf does not compile: "),
+        (Constraint("structural_tag", '{"bad": 1}'), "sampling.structural_tag does not compile: "),
     ],
-    ids=["schema_type", "schema_syntax", "regex", "ebnf"],
+    ids=["schema_type", "schema_syntax", "regex", "ebnf", "structural_tag"],
 )
 def test_bad_constraint_fails_alone(
     engines: dict[bool, Engine], model_dir: Path, constraint: Constraint, quoted: str
