@@ -314,3 +314,30 @@ def test_sampler_applies_the_bitmask_before_everything() -> None:
         assert tokens[1] == max(allowed[1], key=lambda t: float(logits[1, t]))
         assert tokens[2] == 5
         assert tokens[3] == int(logits[3].argmax())
+
+
+@ASYNC
+def test_chunked_prefill_with_constraints_matches_generate(tiny_text: Path, async_batching: bool) -> None:
+    """Prompts chunked across steps, several constrained requests and a free one batched together."""
+    prompts = prompt_ids(tiny_text)
+    with Engine.from_pretrained(
+        tiny_text,
+        num_blocks=256,
+        max_batch_tokens=16,
+        long_prefill_token_threshold=7,
+        use_async_batching=async_batching,
+    ) as engine:
+        reqs = {
+            kind: [
+                engine.add_request(p, SamplingParams(max_new_tokens=NEW_TOKENS, constraint=CONSTRAINTS[kind]))
+                for p in prompts
+            ]
+            for kind in ("json_schema", "regex", "choice")
+        }
+        free = engine.add_request(prompts[0], SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+        engine.run_until_done()
+        assert engine.runner.builder.prompt_chunks > 0
+        for kind, rs in reqs.items():
+            assert [r.output_ids for r in rs] == reference(tiny_text, kind), kind
+        assert len(free.output_ids) == NEW_TOKENS
+        assert_no_leak(engine)
