@@ -89,10 +89,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.grammar_compile_timeout_s = grammar_compile_timeout_s
         self._grammars: GrammarCompiler | None = None  # made at the first constrained request
-        # Constrained requests whose grammar is compiling, by id, and those whose compile failed (or
-        # that were aborted meanwhile), to be returned by the next step.
+        # Constrained requests whose grammar is compiling, by id: not in the scheduler yet.
         self._compiling: dict[str, tuple[Request, PendingGrammar]] = {}
-        self._grammar_news: list[Request] = []
         self.device = model.device
         # Resolved here, where the device is known: every reader below sees True or False.
         async_batching = config.async_batching_enabled(self.device.type)
@@ -209,8 +207,8 @@ class Engine:
 
     def _admit_compiled(self) -> list[Request]:
         """Constrained requests whose grammar is ready enter the scheduler; those whose grammar will
-        not come finish with its error. Returns those finished (and those aborted while compiling)."""
-        news, self._grammar_news = self._grammar_news, []
+        not come finish with its error. Returns those finished."""
+        news: list[Request] = []
         if not self._compiling:
             return news
         if not (self.scheduler.has_work or self.pipeline.in_flight):
@@ -249,7 +247,6 @@ class Engine:
             or self.scheduler.has_releases
             or bool(self.pipeline.in_flight)
             or bool(self._compiling)
-            or bool(self._grammar_news)
         )
 
     @property
