@@ -79,6 +79,7 @@ SERVICE_SETTINGS = (
     "threads",
     "cachemgr_timeout",
     "gateway_timeout",
+    "grammar_compile_timeout_s",
     "max_queue_size",
     "drain_grace",
     "default_max_tokens",

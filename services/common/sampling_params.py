@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import ClassVar
@@ -9,6 +10,58 @@ from typing import ClassVar
 import msgspec
 
 MAX_TOKENS = 2**31 - 1  # bounds every token count that crosses a process boundary
+
+
+class Constraint(msgspec.Struct, frozen=True):
+    """Structured output: what every generated token must keep satisfiable (the worker compiles it
+    with a grammar engine, services/worker/grammar.py).
+
+    `kind` is one of `KINDS`; `text` is the schema, regex or grammar, "" for json_object, and for
+    choice the JSON array of the strings (one text per kind keeps the compile cache keyed by
+    (kind, text))."""
+
+    kind: str
+    text: str = ""
+
+    KINDS: ClassVar[tuple[str, ...]] = (
+        "json_schema",
+        "json_object",
+        "regex",
+        "ebnf",
+        "choice",
+        "structural_tag",
+    )
+    MAX_CHARS: ClassVar[int] = 1 << 18  # a constraint's text; compiling is CPU time the caller spends
+
+    @classmethod
+    def choice(cls, choices: list[str] | tuple[str, ...]) -> Constraint:
+        return cls("choice", json.dumps(list(choices)))
+
+    def validate(self, name: str) -> None:
+        """Raise ValueError naming the field (`name`, the constraint as the caller knows it) and value.
+        Whether the text compiles is the worker's to say."""
+        if self.kind not in self.KINDS:
+            raise ValueError(f"{name}: unknown constraint kind {self.kind!r}; one of {list(self.KINDS)}")
+        if len(self.text) > self.MAX_CHARS:
+            raise ValueError(
+                f"{name}.{self.kind} holds {len(self.text)} characters; at most {self.MAX_CHARS}"
+            )
+        if self.kind == "json_object":
+            if self.text:
+                raise ValueError(f"{name}.json_object takes no text, got {self.text[:80]!r}")
+            return
+        if not self.text:
+            raise ValueError(f"{name}.{self.kind} must not be empty")
+        if self.kind == "choice":
+            try:
+                choices = json.loads(self.text)
+            except ValueError as exc:
+                raise ValueError(f"{name}.choice must be a JSON array of strings: {exc}") from None
+            if not isinstance(choices, list) or not choices:
+                raise ValueError(f"{name}.choice must hold at least one string, got {self.text[:80]!r}")
+            bad = [c for c in choices if not isinstance(c, str) or not c]
+            if bad:
+                raise ValueError(f"{name}.choice strings must be non-empty, got {bad[:4]!r}")
 
 
 # A msgspec struct that leaves its defaults off the wire: a request that sets only a few fields (most
@@ -27,7 +80,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     frequency_penalty * count_t`; 0 switches each off. `logit_bias` holds (token id, bias) pairs,
     each bias added to that token's logit every step; ids are distinct. `generated_in_prompt` says
     that the prompt's last n ids are output the request had generated before it was re-submitted
-    (a worker lost it): the penalties count them as generated.
+    (a worker lost it): the penalties count them as generated, and a constraint has matched them.
+    `constraint`: structured output (see `Constraint`); None: free text.
     """
 
     temperature: float = 0.0
@@ -46,6 +100,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     generated_in_prompt: int = 0
+    constraint: Constraint | None = None
 
     MAX_LOGPROBS: ClassVar[int] = 20
     MAX_PENALTY: ClassVar[float] = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
@@ -101,6 +156,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
             if not -self.MAX_PENALTY <= value <= self.MAX_PENALTY:
                 raise ValueError(f"{n(name)} must be in [-2, 2], got {value!r}")
         self._validate_logit_bias(vocab_size, n("logit_bias"))
+        if self.constraint is not None:
+            self.constraint.validate(n("constraint"))
         if not 0 <= self.generated_in_prompt <= MAX_TOKENS:
             raise ValueError(
                 f"{n('generated_in_prompt')} must be in [0, {MAX_TOKENS}], got {self.generated_in_prompt!r}"

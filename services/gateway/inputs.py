@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common.gateway_messages import WorkerFacts
-from services.common.sampling_params import SamplingParams
+from services.common.sampling_params import Constraint, SamplingParams
 
 CHAT_ROLES = frozenset({"system", "user", "assistant"})
 
@@ -126,12 +126,25 @@ API_NAMES = {
     "presence_penalty": "sampling.presence_penalty",
     "frequency_penalty": "sampling.frequency_penalty",
     "logit_bias": "sampling.logit_bias",
+    "constraint": "sampling",  # its kinds are fields of SamplingParams' `constraint` oneof
     "max_new_tokens": "stopping.max_tokens",
     "min_new_tokens": "stopping.min_tokens",
     "stop_token_ids": "stopping.stop_token_ids",
     "logprobs": "output.logprobs",
     "prompt_logprobs": "output.prompt_logprobs",
 }
+
+
+def constraint_of(sampling: Any) -> Constraint | None:
+    """The `constraint` oneof of a cbserve.v1 SamplingParams, as the worker takes it."""
+    kind = sampling.WhichOneof("constraint")
+    if kind is None or (kind == "json_object" and not sampling.json_object):
+        return None
+    if kind == "json_object":
+        return Constraint("json_object")
+    if kind == "choice":
+        return Constraint.choice(list(sampling.choice.choices))
+    return Constraint(kind, getattr(sampling, kind))
 
 
 def prepare(request: Any, tokenizer: Any, facts: WorkerFacts, limits: Limits) -> Prepared:
@@ -183,6 +196,7 @@ def prepare(request: Any, tokenizer: Any, facts: WorkerFacts, limits: Limits) ->
             presence_penalty=s.presence_penalty if s.HasField("presence_penalty") else 0.0,
             frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else 0.0,
             logit_bias=tuple(s.logit_bias.items()),
+            constraint=constraint_of(s),
             max_new_tokens=max_tokens,
             min_new_tokens=stop.min_tokens if stop.HasField("min_tokens") else 0,
             ignore_eos=stop.ignore_eos,

@@ -18,9 +18,12 @@ Fields and their nearest behaviour:
   must be known here.
 - `frequency_penalty`, `presence_penalty` and `logit_bias` are cbserve's own (zero penalties are
   unset, as in vLLM); their ranges and the vocabulary are checked there.
-- Not in cbserve, refused when set: `n` > 1, `truncate_prompt_tokens`, structured-output
-  constraints, multimodal inputs, KV transfer (disaggregated prefill), a `data_parallel_rank` other
-  than 0 (a cbserve stack is one rank).
+- The `constraint` oneof (structured outputs: what smg sends for `response_format`, its `regex` and
+  `ebnf` extensions and forced tool calls) is cbserve's own `constraint`, `grammar` under the name
+  `ebnf`. cbserve's grammar runs from the first generated token, which is what
+  `grammar_from_first_token` asks for, so that flag changes nothing here.
+- Not in cbserve, refused when set: `n` > 1, `truncate_prompt_tokens`, multimodal inputs, KV
+  transfer (disaggregated prefill), a `data_parallel_rank` other than 0 (a cbserve stack is one rank).
 """
 
 from __future__ import annotations
@@ -40,7 +43,21 @@ _CBSERVE_FIELD = re.compile(r"\b(?:sampling|stopping|output)\.(?=\w)")
 
 def vllm_field_names(details: str) -> str:
     """A cbserve refusal as a VllmEngine caller reads it: fields under their VllmEngine names."""
-    return _CBSERVE_FIELD.sub("sampling_params.", details)
+    return _CBSERVE_FIELD.sub("sampling_params.", details).replace(
+        "sampling_params.ebnf", "sampling_params.grammar"
+    )
+
+
+def _constraint(s: Any, sampling: Any) -> None:
+    """smg's `constraint` oneof onto cbserve's (the same kinds; `grammar` is cbserve's `ebnf`)."""
+    kind = s.WhichOneof("constraint")
+    if kind == "choice":
+        sampling.choice.choices.extend(s.choice.choices)
+        sampling.choice.SetInParent()  # an empty list is still this constraint (refused there)
+    elif kind == "json_object":
+        sampling.json_object = s.json_object
+    elif kind is not None:
+        setattr(sampling, "ebnf" if kind == "grammar" else kind, getattr(s, kind))
 
 
 def _int32_ids(name: str, ids: Any) -> list[int]:
@@ -63,9 +80,6 @@ def _refuse_unsupported(request: Any) -> None:
     for name, value in unsupported.items():
         if value:
             raise InvalidRequest(f"{name} is not supported by cbserve, got {value!r}")
-    constraint = s.WhichOneof("constraint")
-    if constraint is not None:
-        raise InvalidRequest(f"sampling_params.{constraint}: structured outputs are not supported by cbserve")
     for name in ("mm_inputs", "media_refs", "kv_transfer_params", "kv_transfer_params_json"):
         if request.HasField(name):
             raise InvalidRequest(f"{name} is not supported by cbserve (text-only, no disaggregated prefill)")
@@ -110,6 +124,7 @@ def to_cbserve(request: Any) -> Any:
     sampling.logit_bias.update(s.logit_bias)
     if s.HasField("seed"):
         sampling.seed = s.seed
+    _constraint(s, sampling)
     if s.HasField("max_tokens"):
         stopping.max_tokens = s.max_tokens
     if s.min_tokens:

@@ -39,6 +39,14 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         default=15.0,
         help="seconds of gateway silence before its requests are aborted",
     )
+    add_env_argument(
+        parser,
+        "--grammar-compile-timeout-s",
+        type=bounded(float, 0, strict=True),
+        default=10.0,
+        help="seconds a constraint (structured output) may take to compile before its request fails "
+        "with INVALID_ARGUMENT",
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
         threads=args.threads,
         cachemgr_timeout_s=args.cachemgr_timeout,
         gateway_timeout_s=args.gateway_timeout,
+        grammar_compile_timeout_s=args.grammar_compile_timeout_s,
         ready_path=Path(args.ready_file) if args.ready_file else None,
     )
 

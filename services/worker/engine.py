@@ -11,6 +11,7 @@ the steps, with or without async batching.
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import os
 import time
@@ -32,6 +33,13 @@ from services.common.model_source import load_model
 from services.common.precision import kv_cache_dtype
 from services.common.sampling_params import SamplingParams
 from services.worker.cache_client import CacheClient
+from services.worker.grammar import (
+    DEFAULT_COMPILE_TIMEOUT_S,
+    GrammarCompiler,
+    GrammarError,
+    GrammarState,
+    PendingGrammar,
+)
 from services.worker.model_runner import ModelRunner
 from services.worker.request import FinishReason, Request
 from services.worker.sampler import Sampler
@@ -39,6 +47,9 @@ from services.worker.scheduler import Scheduler
 from services.worker.step_pipeline import StepPhases, StepPipeline
 
 log = structlog.get_logger(__name__)
+
+# While only grammars compile, a step waits this long for one (not a spin, and not a stall either).
+GRAMMAR_POLL_S = 0.005
 
 # A step that places nothing while requests wait can only repeat if nothing will ever free memory;
 # the BlockManager rejects requests that cannot fit at all, so this many idle steps means a bug.
@@ -59,6 +70,10 @@ class Engine:
 
     `cache` is the cachemgr's surface: a `KVCache` owned here (in-process, the default) or a
     `RemoteCache` speaking to the cachemgr process. The engine closes only a cache it created.
+
+    A constrained request (structured output) needs the `tokenizer`; it waits out of the scheduler,
+    holding no block, until its grammar has compiled (`grammar_compile_timeout_s` at most), and fails
+    with an error naming the constraint if it does not compile.
     """
 
     def __init__(
@@ -67,9 +82,15 @@ class Engine:
         config: CBConfig,
         tokenizer: Any = None,
         cache: CacheClient | None = None,
+        *,
+        grammar_compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
+        self.grammar_compile_timeout_s = grammar_compile_timeout_s
+        self._grammars: GrammarCompiler | None = None  # made at the first constrained request
+        # Constrained requests whose grammar is compiling, by id: not in the scheduler yet.
+        self._compiling: dict[str, tuple[Request, PendingGrammar]] = {}
         self.device = model.device
         # Resolved here, where the device is known: every reader below sees True or False.
         async_batching = config.async_batching_enabled(self.device.type)
@@ -111,10 +132,13 @@ class Engine:
         *,
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
+        grammar_compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
         **cb: Any,
     ) -> Engine:
         loaded, tokenizer = load_model(model, dtype=dtype, device=device)
-        return cls(loaded, CBConfig.from_kwargs(**cb), tokenizer)
+        return cls(
+            loaded, CBConfig.from_kwargs(**cb), tokenizer, grammar_compile_timeout_s=grammar_compile_timeout_s
+        )
 
     # ------------------------------------------------------------------------------------- requests
 
@@ -157,15 +181,73 @@ class Engine:
         )
         if params.seed is not None:
             req.generator = Sampler.make_generator(params.seed, self.device)
+        if params.constraint is not None:
+            if rid in self._compiling or rid in self.scheduler.requests:
+                raise ValueError(f"duplicate request_id {rid!r}")
+            if self.tokenizer is None:
+                raise ValueError(
+                    f"sampling.{params.constraint.kind}: a constraint (structured output) needs a tokenizer "
+                    "and this model has none"
+                )
+            self._compiling[rid] = (req, self.grammars().submit(params.constraint))
+            return req
         self.scheduler.add(req)
         return req
 
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler, made on first use (its tokenizer info takes a while to build)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(
+                self.tokenizer,
+                self.vocab_size,
+                eos_ids_of(self.model),
+                timeout_s=self.grammar_compile_timeout_s,
+            )
+        return self._grammars
+
+    def _admit_compiled(self) -> list[Request]:
+        """Constrained requests whose grammar is ready enter the scheduler; those whose grammar will
+        not come finish with its error. Returns those finished."""
+        news: list[Request] = []
+        if not self._compiling:
+            return news
+        if not (self.scheduler.has_work or self.pipeline.in_flight):
+            # Nothing else to step: wait a little for a compile rather than spin.
+            futures = [pending.future for _, pending in self._compiling.values()]
+            concurrent.futures.wait(futures, GRAMMAR_POLL_S, concurrent.futures.FIRST_COMPLETED)
+        now = time.monotonic()
+        for rid, (req, pending) in list(self._compiling.items()):
+            try:
+                compiled = pending.result(now)
+                if compiled is None:
+                    continue
+                generated = req.prompt_ids[len(req.prompt_ids) - req.params.generated_in_prompt :]
+                req.grammar = GrammarState(compiled, self.vocab_size, generated)
+            except GrammarError as exc:
+                del self._compiling[rid]
+                Scheduler._finish(req, FinishReason.ERROR)
+                req.error = str(exc)
+                news.append(req)
+                continue
+            del self._compiling[rid]
+            self.scheduler.add(req)
+        return news
+
     def abort(self, request_id: str) -> Request | None:
+        compiling = self._compiling.pop(request_id, None)
+        if compiling is not None:
+            Scheduler._finish(compiling[0], FinishReason.ABORTED)
+            return compiling[0]
         return self.scheduler.abort(request_id)
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or self.scheduler.has_releases or bool(self.pipeline.in_flight)
+        return (
+            self.scheduler.has_work
+            or self.scheduler.has_releases
+            or bool(self.pipeline.in_flight)
+            or bool(self._compiling)
+        )
 
     @property
     def only_pending(self) -> bool:
@@ -208,7 +290,14 @@ class Engine:
     def step(self, on_committed: Callable[[], None] | None = None) -> list[Request]:
         """One continuous-batching step. Returns requests that got a token or finished this step;
         with async batching, in the step before (see `StepPipeline.step`, and `on_committed` there)."""
-        return self.pipeline.step(on_committed)
+        news = self._admit_compiled()
+        if not (self.scheduler.has_work or self.scheduler.has_releases or self.pipeline.in_flight):
+            self.pipeline.last_step_size = 0
+            self.pipeline.last_step_times = StepPhases()
+            if on_committed is not None:
+                on_committed()
+            return news
+        return news + self.pipeline.step(on_committed)
 
     def finish_running(self, keep: int = 0) -> list[Request]:
         """Wait for the steps still computing until `keep` are left; see `StepPipeline.finish_running`."""
@@ -277,8 +366,10 @@ class Engine:
         return self.cache.stats() | self.scheduler.counts()
 
     def close(self) -> None:
-        for rid in list(self.scheduler.requests):
+        for rid in [*self._compiling, *self.scheduler.requests]:
             self.abort(rid)
+        if self._grammars is not None:
+            self._grammars.close()
         try:
             self.finish_running()  # its forward writes the pool: done before the pool goes
             self._flush_releases()

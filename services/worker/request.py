@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import torch
 
 from services.common.sampling_params import SamplingParams
 from services.worker.sampler import TokenLogprobs
+
+if TYPE_CHECKING:
+    from services.worker.grammar import GrammarState
 
 
 class RequestStatus(Enum):
@@ -62,6 +66,9 @@ class Request:
     # With presence/frequency penalties: its generated tokens' counts on the device, which the
     # sampler advances (`SamplingRow.output_counts`); made at its first sampling step.
     output_counts: torch.Tensor | None = None
+    # With a constraint: its grammar's matcher, made once the grammar has compiled (the request
+    # enters the scheduler then); the host advances it as each step's tokens are taken.
+    grammar: GrammarState | None = None
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     # With `params.prompt_logprobs`: entry i is prompt token i + 1's (the first token has none),
     # from the logits at position i. Filled as prompt chunks compute; complete at the first sample.

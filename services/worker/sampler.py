@@ -5,11 +5,12 @@ engine owns per request and passes in every step: a seeded request's `torch.Gene
 penalized request's counts of its generated tokens, which `sample` advances like the generator.
 
 Processing order is vLLM's, whose filters each match HF transformers' `generate`, so that a request
-behaves the same here as under either: suppression and logit bias, then the repetition penalty, then
-the frequency and presence penalties, then temperature, top-k, top-p, min-p (HF warper semantics,
-`min_tokens_to_keep=1`), then the draw. Logprobs are taken from the raw logits, before any of that
-(vLLM's default), so they describe the model, not the sampler settings; `token_logprobs` computes
-them, for sampled rows here and for prompt rows in the engine.
+behaves the same here as under either: a constrained row's grammar mask first (structured output:
+the tokens its grammar does not admit go to -inf, where vLLM applies it), then suppression and logit
+bias, then the repetition penalty, then the frequency and presence penalties, then temperature, top-k,
+top-p, min-p (HF warper semantics, `min_tokens_to_keep=1`), then the draw. Logprobs are taken from
+the raw logits, before any of that (vLLM's default), so they describe the model, not the sampler
+settings; `token_logprobs` computes them, for sampled rows here and for prompt rows in the engine.
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ class SamplingRow:
     forbidden this step (EOS/stop ids before `min_new_tokens`); the caller must leave at least one
     token allowed.
 
+    `token_bitmask` is set for constrained requests (structured output): an int32 `[ceil(V / 32)]`
+    tensor whose bit t (bit t % 32 of word t // 32) allows token t; the others are masked to -inf
+    before anything else applies, so every filter and the draw see only the tokens the grammar admits.
+    The caller leaves at least one token allowed.
+
     `output_counts` is set for requests with presence or frequency penalties (`params.penalizes_output`):
     how often each token id occurs among the tokens generated so far, a `[V]` tensor on the logits'
     device that the engine creates once with `Sampler.make_output_counts` and keeps for the request's
@@ -53,6 +59,7 @@ class SamplingRow:
     token_ids: Sequence[int]
     suppress_ids: Sequence[int] = ()
     output_counts: torch.Tensor | None = None
+    token_bitmask: torch.Tensor | None = None
 
 
 @dataclass
@@ -113,6 +120,8 @@ class _Plan:
     counts: list[torch.Tensor] = field(default_factory=list)
     logprob_rows: list[int] = field(default_factory=list)
     logprob_n: list[int] = field(default_factory=list)
+    masked_rows: list[int] = field(default_factory=list)
+    bitmasks: list[torch.Tensor] = field(default_factory=list)
 
     @classmethod
     def build(cls, rows: Sequence[SamplingRow], vocab_size: int) -> _Plan:
@@ -136,6 +145,9 @@ class _Plan:
                 plan.presence.append(p.presence_penalty)
                 plan.frequency.append(p.frequency_penalty)
                 plan.counts.append(row.output_counts)
+            if row.token_bitmask is not None:
+                plan.masked_rows.append(i)
+                plan.bitmasks.append(row.token_bitmask)
             if p.logprobs is not None:
                 plan.logprob_rows.append(i)
                 plan.logprob_n.append(min(p.logprobs, vocab_size))
@@ -165,7 +177,12 @@ class _Plan:
     def all_plain_greedy(self) -> bool:
         """True when every row's token is simply argmax of its raw logits."""
         return not (
-            self.random_rows or self.penalty_rows or self.suppress_rows or self.bias_rows or self.counted_rows
+            self.random_rows
+            or self.penalty_rows
+            or self.suppress_rows
+            or self.bias_rows
+            or self.counted_rows
+            or self.masked_rows
         )
 
 
@@ -244,13 +261,29 @@ def _flat_ids(
     return flat_rows, flat_ids, flat_pos
 
 
+_BIT = torch.arange(32, dtype=torch.int32)
+
+
+def _apply_token_bitmask_(x: torch.Tensor, plan: _Plan) -> None:
+    """Mask to -inf every token that a constrained row's bitmask does not allow."""
+    device, vocab = x.device, x.shape[1]
+    words = torch.stack(plan.bitmasks).to(device, non_blocking=True)  # [M, ceil(V / 32)] int32
+    allowed = ((words.unsqueeze(-1) >> _BIT.to(device)) & 1).bool().flatten(1)[:, :vocab]
+    rows = _index(plan.masked_rows, device)
+    x[rows] = x[rows].masked_fill(~allowed, _NEG_INF)
+
+
 def _process_logits(logits: torch.Tensor, plan: _Plan) -> torch.Tensor:
     """Return logits with suppression, logit bias and the penalties applied, in vLLM's order (a copy
     if anything applies). The bias comes before the repetition penalty, which scales it with the logit."""
-    if not (plan.penalty_rows or plan.suppress_rows or plan.bias_rows or plan.counted_rows):
+    if not (
+        plan.penalty_rows or plan.suppress_rows or plan.bias_rows or plan.counted_rows or plan.masked_rows
+    ):
         return logits
     x = logits.clone()
     device, vocab = x.device, x.shape[1]
+    if plan.masked_rows:
+        _apply_token_bitmask_(x, plan)
     if plan.suppress_rows:
         rows, ids, _ = _flat_ids(plan.suppress_rows, plan.suppress_ids, vocab, device)
         x[rows, ids] = _NEG_INF

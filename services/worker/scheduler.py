@@ -243,7 +243,8 @@ class Scheduler:
 
     def postprocess(self, batch: StepBatch, sampled: list[int]) -> list[Request]:
         """Put sampled tokens (one per sampling row, in batch order) in place of their placeholders and
-        finish requests that hit a stop. Returns the requests that received a token."""
+        finish requests that hit a stop; a constrained request's grammar takes its token, and ends it
+        when complete, or with an error when it cannot go on. Returns the requests that received a token."""
         updated = []
         for s, token in zip(batch.sampling, sampled, strict=True):
             req = s.request
@@ -252,6 +253,12 @@ class Scheduler:
             req.num_placeholders -= 1
             req.output_ids.append(token)
             reason = self._stop_reason(req, token)
+            if reason is None and req.grammar is not None:
+                error = req.grammar.advance(token)
+                if error:
+                    reason, req.error = FinishReason.ERROR, error
+                elif req.grammar.terminated:  # its stop token, taken past ignore_eos
+                    reason = FinishReason.EOS
             if reason is not None:
                 del self.requests[req.request_id]
                 self._frees.append(req.request_id)

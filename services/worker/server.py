@@ -20,7 +20,7 @@ import time
 import uuid
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import structlog
@@ -47,6 +47,7 @@ from services.common.wire import decode_or_drop, internal_key, key_matches
 from services.worker.cache_client import CacheUnavailable, RemoteCache
 from services.worker.engine import Engine
 from services.worker.gateway_sessions import Gateway, GatewaySessions, request_key
+from services.worker.grammar import DEFAULT_COMPILE_TIMEOUT_S
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -69,8 +70,12 @@ class WorkerServer:
         gateway_timeout_s: float = 15.0,
         key: str = "",
         ready_path: Path | None = None,
+        tokenizer: Any = None,
+        grammar_compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
     ) -> None:
         self.model = model
+        self.tokenizer = tokenizer  # for constraints (structured output) only: requests come as ids
+        self.grammar_compile_timeout_s = grammar_compile_timeout_s
         self.ready_path = ready_path  # exists while attached and warm (common/ready_file.py)
         self.key = key
         self.config = config
@@ -141,7 +146,13 @@ class WorkerServer:
             log.debug("cachemgr not reachable", error=str(exc))
             return
         try:
-            self.engine = Engine(self.model, self.config, cache=cache)
+            self.engine = Engine(
+                self.model,
+                self.config,
+                self.tokenizer,
+                cache=cache,
+                grammar_compile_timeout_s=self.grammar_compile_timeout_s,
+            )
             self._warm_up(self.engine)
             self.engine.on_kv_events = self.sessions.queue_kv_events
             self._send_kv_snapshot(list(self.sessions))  # a cache they did not know
@@ -475,6 +486,7 @@ def run_worker(
     cachemgr_timeout_s: float = 10.0,
     gateway_timeout_s: float = 15.0,
     ready_path: Path | None = None,
+    grammar_compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
 ) -> int:
     import os
 
@@ -484,7 +496,7 @@ def run_worker(
     keep_freed_memory()
     ask_huge_pages()
     torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
-    loaded, _ = load_model(model, dtype=dtype, device=device)
+    loaded, tokenizer = load_model(model, dtype=dtype, device=device)
     WorkerServer(
         loaded,
         config,
@@ -494,5 +506,7 @@ def run_worker(
         gateway_timeout_s=gateway_timeout_s,
         key=internal_key(),
         ready_path=ready_path,
+        tokenizer=tokenizer,
+        grammar_compile_timeout_s=grammar_compile_timeout_s,
     ).run()
     return 0

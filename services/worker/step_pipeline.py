@@ -29,7 +29,8 @@ Invariants:
   the host's copy of the tokens, the logprobs and the finish checks wait one step, the cachemgr's
   commit of a step's KV one plan more (`StepPlan.overlapped`). N+1's placeholders are filled on the
   device from N's sampled tokens. A step whose sampling reads the tokens before it on the host (a
-  repetition penalty) finishes N first.
+  repetition penalty, a grammar's mask, which its matcher fills from the token before) finishes N
+  first.
 - A failed forward fails every step launched behind it (they take their tokens from it); the first
   error is raised, and nothing is left in flight.
 """
@@ -242,8 +243,10 @@ class StepPipeline:
     @staticmethod
     def _starts_before_tokens(batch: StepBatch) -> bool:
         """Whether the step may start before the host has the tokens of the step before: a repetition
-        penalty reads them on the host."""
-        return all(s.request.params.repetition_penalty == 1.0 for s in batch.sampling)
+        penalty reads them on the host, and a grammar's mask is made there from the token before."""
+        return all(
+            s.request.params.repetition_penalty == 1.0 and s.request.grammar is None for s in batch.sampling
+        )
 
     def _output_counts(self, req: Request) -> torch.Tensor | None:
         """A request's generated-token counts for presence/frequency penalties (None without them).
@@ -279,6 +282,9 @@ class StepPipeline:
                 else (),
                 suppress_ids=self.scheduler.suppressed_ids(s.request),
                 output_counts=self._output_counts(s.request),
+                token_bitmask=s.request.grammar.mask
+                if s.request.grammar is not None and not s.request.finished
+                else None,
             )
             for s in sampling
         ]
