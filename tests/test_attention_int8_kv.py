@@ -1,9 +1,12 @@
 """int8 KV pages (common/kv_int8.py): the writers and the attention kernels that read them in place.
 
-The kernels compute in float32 on the widened int8 values and apply each row's scale once, so on every
-vector path they give the float32 result on the dequantized pool within float32 rounding. Against
-the unquantized K/V the error is the format's: each stored value is within half its row's scale of
-the original, and `format_bound` carries that through the scores, the softmax and the sum of values.
+A stored row is the original rotated block by block by the normalized Hadamard matrix H_B, then
+quantized per row. The kernels rotate the queries instead of the keys and the outputs back, compute
+in float32 on the widened int8 values and apply each row's scale once, so on every vector path they
+give the float32 result on the dequantized pool within float32 rounding. Against the unquantized K/V
+the error is the format's: each stored value is within half its row's scale of the rotated original,
+and `format_bound` carries that through the rotation back, the scores, the softmax and the sum of
+values.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.common.kv_int8 import SCALE_BYTES, dequantize, quantize
+from services.common.kv_int8 import SCALE_BYTES, block_size, dequantize, hadamard, quantize
 from services.worker import kernels
 from services.worker.attention import AttentionBatch, attend_paged
 from services.worker.engine import Engine
@@ -44,14 +47,27 @@ def format_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     """The most attention of queries `q [R, D]` over keys `k`, `v [L, D]` (one kv head, original float32)
     can move when K and V are stored as int8 rows, per query row `[R, 1]`, plus float32 rounding.
 
-    A stored value is within s/2 of the original (s: its row's scale). A score then moves by at most
-    delta = scale * |q|_1 * max s_k / 2 (soft-capping only shrinks that), each softmax weight by a
-    factor within exp(+-2 delta), so the weights by at most exp(2 delta) - 1 in L1; the output moves by
-    the values' error (at most max s_v / 2, under weights summing to 1) plus that shift times max |v|.
+    A stored value is within s/2 of the rotated original H x (s: its row's scale, H = H_B block by
+    block), so the row read back is x + H e with |e|_inf <= s/2. A score moves by q.(H e) = (H q).e, at
+    most delta = scale * |H q|_1 * max s_k / 2 (soft-capping only shrinks that), each softmax weight by
+    a factor within exp(+-2 delta), so the weights by at most exp(2 delta) - 1 in L1. An element of
+    H e is a sum of B terms of e times +-1/sqrt(B), at most sqrt(B) s/2: the output moves by at most
+    sqrt(B) max s_v / 2 (under weights summing to 1) plus the weights' shift times max |v|.
     """
     k8, v8 = quantize(k), quantize(v)
-    delta = scale * q.abs().sum(-1, keepdim=True) * scales(k8).max() / 2
-    return scales(v8).max() / 2 + torch.expm1(2 * delta) * v.abs().max() + 1e-5
+    delta = scale * hadamard(q).abs().sum(-1, keepdim=True) * scales(k8).max() / 2
+    root_b = block_size(q.shape[-1]) ** 0.5
+    return root_b * scales(v8).max() / 2 + torch.expm1(2 * delta) * v.abs().max() + 1e-5
+
+
+def hadamard_matrix(d: int) -> torch.Tensor:
+    """The format's rotation of rows of `d` as a float64 matrix `[d, d]` built from its definition:
+    block diagonal, each block of B = block_size(d) the Sylvester Hadamard matrix over sqrt(B)."""
+    b = block_size(d)
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < b:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return torch.block_diag(*[h / b**0.5] * (d // b))
 
 
 def test_module_names_its_vector_path() -> None:
@@ -176,26 +192,64 @@ def test_a_zero_row_has_scale_zero_and_values_zero() -> None:
     assert (scales(stored[0]) > 0).all()
 
 
-def test_a_row_with_large_outliers_keeps_them_and_rounds_the_rest_within_half_a_step() -> None:
-    gen = torch.Generator().manual_seed(2)
-    rows = torch.randn(4, 2, 64, generator=gen)
-    rows[0, 0, 5], rows[1, 1, 63], rows[2, 0, 0] = 1e4, -3e3, 1e-30  # 1e-30: a tiny one, not an outlier
+@pytest.mark.parametrize(("d", "b"), [(64, 64), (128, 64), (80, 16), (96, 16), (48, 16), (24, 4), (6, 1)])
+def test_block_size_is_the_largest_power_of_four_up_to_64_that_divides_head_dim(d: int, b: int) -> None:
+    assert block_size(d) == b
+
+
+@pytest.mark.parametrize("d", [64, 128, 80, 96, 24, 7])
+def test_the_rotation_is_the_block_hadamard_matrix_and_its_own_inverse(d: int) -> None:
+    x = torch.randn(5, 3, d, generator=torch.Generator().manual_seed(d))
+    rotated = hadamard(x)
+    reference = x.double() @ hadamard_matrix(d).T
+    # Each output is a sum of B float32 terms of magnitude at most max|x| / sqrt(B), log2(B) roundings.
+    torch.testing.assert_close(rotated.double(), reference, rtol=0, atol=1e-6 * float(x.abs().max()))
+    torch.testing.assert_close(hadamard(rotated), x, rtol=0, atol=1e-6 * float(x.abs().max()))
+
+
+@pytest.mark.parametrize("d", [64, 128, 80, 96, 24, 6])
+def test_stored_values_are_the_rotated_row_within_half_a_step(d: int) -> None:
+    """Both writers' bytes are the definition: y = H x, scale = max|y| / 127, values y / scale rounded;
+    read back, a row is within sqrt(B) half-steps of the original in each element."""
+    gen = torch.Generator().manual_seed(2 + d)
+    rows = torch.randn(4, 2, d, generator=gen)
+    rows[0, 0, 5], rows[1, 1, d - 1], rows[2, 0, 0] = 1e4, -3e3, 1e-30  # 1e-30: a tiny one, not an outlier
     stored = native_store(rows)
     assert torch.equal(stored, quantize(rows))
-    assert stored[0, 0, 5] == 127 and stored[1, 1, 63] == -127
-    step = scales(stored)
-    assert torch.equal(step, rows.abs().amax(-1) * torch.tensor(1 / 127, dtype=torch.float32))
-    # Half a step, and the float32 rounding of values up to 127 steps.
-    error = (dequantize(stored) - rows).abs()
-    assert (error <= step[..., None] * (0.5 + 127 * 2**-22)).all()
-    torch.testing.assert_close(dequantize(stored)[0, 0, 5], torch.tensor(1e4))
+    y = rows.double() @ hadamard_matrix(d).T
+    step = scales(stored).double()
+    torch.testing.assert_close(step, y.abs().amax(-1) / 127, rtol=1e-6, atol=0)
+    # Half a step, and the float32 rounding of the rotation (up to 127 steps' worth) and of the product.
+    values = stored[..., :d].double()
+    assert ((values * step[..., None] - y).abs() <= step[..., None] * (0.5 + 1e-5)).all()
+    root_b = block_size(d) ** 0.5
+    error = (dequantize(stored).double() - rows.double()).abs()
+    assert (error <= step[..., None] * (root_b * 0.5 + 1e-4)).all()
+    assert dequantize(stored)[0, 0].abs().argmax() == 5 and dequantize(stored)[1, 1].abs().argmax() == d - 1
+
+
+def test_the_rotation_spreads_an_outlier_over_its_block() -> None:
+    """The reason for the rotation: one outlier no longer sets the scale that every other channel of
+    the row is rounded to. With B = 64, |H x|_inf <= |x|_1 of the block / 8."""
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randn(8, 1, 64, generator=gen)
+    rows[:, 0, 17] = 200.0  # a key's outlier channel
+    stored = native_store(rows)
+    per_row_scale = rows.abs().amax(-1) / 127  # what one scale per unrotated row would be
+    assert (scales(stored) <= rows.abs().sum(-1) / 8 / 127 * (1 + 1e-6)).all()
+    error = (dequantize(stored) - rows).square().sum(-1).sqrt()
+    # Half a step of the unrotated format, in every element but the outlier, would be that much.
+    assert (error < per_row_scale / 2 * 63**0.5 / 2).all()
 
 
 def test_ties_round_to_even() -> None:
-    """A scale of exactly 1 (a row whose largest value is 127): x.5 values sit on a tie."""
-    row = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.0])
-    stored = native_store(row.view(1, 1, 8))
-    assert torch.equal(stored, quantize(row.view(1, 1, 8)))
+    """A scale of exactly 1 (a row whose largest rotated value is 127): x.5 values sit on a tie. The row
+    stored is H of the wanted rotated values (H is its own inverse; exact on these dyadic values)."""
+    wanted = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.0])  # blocks of B = 4
+    row = hadamard(wanted.view(1, 1, 8))
+    assert torch.equal(hadamard(row).view(8), wanted)
+    stored = native_store(row)
+    assert torch.equal(stored, quantize(row))
     assert stored[0, 0, :8].tolist() == [127, 0, 2, 2, 0, -2, -2, 3]
 
 

@@ -66,10 +66,19 @@ def _native_bf16(engine: Engine) -> None:
     assert engine.runner.activation_dtype == torch.float32
 
 
+# int8 KV (common/kv_int8.py): with each row rotated by H_64 before its per-row scale, float32 weights
+# reached 3115/3147 = 0.9898 and bfloat16 weights 3098/3147 = 0.9844 (one scale per unrotated row:
+# 3078/3147 = 0.9781 for both). The floors sit just below, so that a change that loses the rotation's
+# gain fails here.
 @pytest.mark.parametrize(
     ("weights", "kv", "floor"),
-    [(torch.bfloat16, "auto", 0.99), (torch.float32, "bfloat16", 0.99), (torch.float32, "int8", 0.98)],
-    ids=["bf16-weights-and-kv", "bf16-kv", "int8-kv"],
+    [
+        (torch.bfloat16, "auto", 0.99),
+        (torch.float32, "bfloat16", 0.99),
+        (torch.float32, "int8", 0.989),
+        (torch.bfloat16, "int8", 0.984),
+    ],
+    ids=["bf16-weights-and-kv", "bf16-kv", "int8-kv", "bf16-weights-int8-kv"],
 )
 def test_teacher_forced_top1_agreement_with_float32(
     weights: torch.dtype, kv: str, floor: float, smollm2_dir: Path, record_property: Any

@@ -21,6 +21,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kv_hadamard.h"
+
 namespace {
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dtype() == at::kFloat && t.dim() == 2 && t.stride(1) == 1, name,
@@ -122,21 +124,25 @@ inline void store_kv(const float* src, int64_t heads, int64_t d, c10::BFloat16* 
 }
 
 // The int8 format of common/kv_int8.py, in the float32 operations of its `quantize` in the same
-// order, so that both writers store the same bytes: per row, scale = max|x| * (1 / 127), values
-// round-half-even(x * (1 / scale)) clamped to [-127, 127] (0 for a zero row), then the scale.
+// order, so that both writers store the same bytes: per row, y = the row rotated block by block by
+// H_B (kv_hadamard.h), scale = max|y| * (1 / 127), values round-half-even(y * (1 / scale)) clamped to
+// [-127, 127] (0 for a zero row), then the scale. `d` is at most kMaxInt8HeadDim (checked by the caller).
+constexpr int64_t kMaxInt8HeadDim = 1024;
 inline void store_kv(const float* src, int64_t heads, int64_t d, int8_t* dst) {
+  alignas(64) float y[kMaxInt8HeadDim];
   for (int64_t h = 0; h < heads; ++h) {
-    const float* x = src + h * d;
+    std::copy(src + h * d, src + (h + 1) * d, y);
+    kv_hadamard::rotate(y, d);
     int8_t* row = dst + h * (d + kScaleBytes);
     float m = 0.f;
-    for (int64_t i = 0; i < d; ++i) m = std::max(m, std::abs(x[i]));
+    for (int64_t i = 0; i < d; ++i) m = std::max(m, std::abs(y[i]));
     float scale = m * (1.0f / 127.0f);
     // Fast-math may fold 1 / (m * c) into another expression with another rounding: the scale is
     // pinned here as it is stored.
     asm volatile("" : "+m"(scale));
     const float inv = scale > 0.f ? 1.f / scale : 0.f;
     for (int64_t i = 0; i < d; ++i)
-      row[i] = static_cast<int8_t>(std::clamp(std::nearbyint(x[i] * inv), -127.f, 127.f));
+      row[i] = static_cast<int8_t>(std::clamp(std::nearbyint(y[i] * inv), -127.f, 127.f));
     std::memcpy(row + d, &scale, sizeof scale);
   }
 }
@@ -180,6 +186,8 @@ void rotary_store_kv_(at::Tensor qkv, int64_t q_heads, int64_t kv_heads, int64_t
   const int64_t* pp = checked_positions(positions, qkv, cos, sin, q_heads + kv_heads, head_dim);
   const bool int8_kv = k_cache.dtype() == at::kChar;
   const int64_t row = head_dim + (int8_kv ? kScaleBytes : 0);
+  TORCH_CHECK(!int8_kv || head_dim <= kMaxInt8HeadDim, "int8 pools take head sizes up to ", kMaxInt8HeadDim,
+              ", got ", head_dim);
   TORCH_CHECK((k_cache.dtype() == at::kFloat || k_cache.dtype() == at::kBFloat16 || int8_kv) &&
                   v_cache.dtype() == k_cache.dtype() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && k_cache.dim() == 3 && k_cache.size(1) == kv_heads &&

@@ -9,7 +9,10 @@
 // D + 4 elements apart from the next (`hd`). The values are widened to float32 as they are loaded, as
 // a bfloat16's are, and the scale enters once per row: q.(s k) = s (q.k) multiplies each key's
 // scores, and w (s v) = (w s) v each key's softmax weights, so every loop that reads values runs
-// unchanged on the widened integers.
+// unchanged on the widened integers. The values are those of the row rotated by a block Hadamard
+// matrix H (kv_hadamard.h), which is orthonormal and its own inverse: the kernels rotate each query
+// head by H before the dots, (H q).(H k) = q.k, and each output head back by H at the end,
+// sum p (H v) = H sum p v, both through the same two helpers (rotated_queries, rotate_out_rows).
 //
 // Decode rows (paged_decode): one query token per request. The context is read once per layer, from
 // memory (a step's contexts of 30 layers are far larger than the caches), which is what bounds decode
@@ -88,6 +91,7 @@
 #include <utility>
 #include <vector>
 
+#include "kv_hadamard.h"
 #include "vec_exp.h"
 
 namespace {
@@ -914,6 +918,38 @@ template <class T>
 const T* pool_data(const at::Tensor& cache) {
   return static_cast<const T*>(cache.const_data_ptr());
 }
+
+// An int8 pool holds each K and V row rotated by H_B block by block (common/kv_int8.py,
+// kv_hadamard.h). The kernels read those rows as stored and rotate the queries instead, once before
+// the dots, (H q).(H k) = q.k, and each output head back once at the end, sum p (H v) = H sum p v:
+// D log B additions a head, where rotating the keys back would cost that for every key read. Both
+// kernels go through these two helpers, so a row still gets the same bits from either.
+
+// q [T, H, D] (any token stride) as a new contiguous tensor with every head rotated.
+at::Tensor rotated_queries(const at::Tensor& q) {
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  at::Tensor r = at::empty({T, H, D}, q.options());
+  const float* src = q.data_ptr<float>();
+  float* dst = r.data_ptr<float>();
+  const int64_t sq = q.stride(0);
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      std::copy(src + t * sq, src + t * sq + H * D, dst + t * H * D);
+      for (int64_t h = 0; h < H; ++h) kv_hadamard::rotate(dst + (t * H + h) * D, D);
+    }
+  });
+  return r;
+}
+
+// Rows `rows[0 .. n)` of out [T, H, D] rotated back, head by head, in place.
+void rotate_out_rows(at::Tensor& out, const std::vector<int64_t>& rows) {
+  const int64_t H = out.size(1), D = out.size(2), so = out.stride(0);
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, static_cast<int64_t>(rows.size()), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      for (int64_t h = 0; h < H; ++h) kv_hadamard::rotate(op + rows[i] * so + h * D, D);
+  });
+}
 }  // namespace
 
 void paged_decode(
@@ -943,6 +979,8 @@ void paged_decode(
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(lp[b] >= 1 && lp[b] <= L && rp[b] >= 0 && rp[b] < T, "request ", b, " in row ", rp[b], " of ", T,
                 " reads ", lp[b], " keys of ", L);
+  const bool rotated = kv_type == at::kChar;
+  const at::Tensor qk = rotated ? rotated_queries(q) : q;  // the queries the dots read
   const int threads = at::get_num_threads();
   const int64_t hs = B >= 2 * threads ? H : 1;  // heads per task
   const int64_t parts = H / hs, tasks = B * parts;
@@ -955,7 +993,7 @@ void paged_decode(
       for (int64_t task = next++; task < tasks; task = next++) {
         const int64_t b = task / parts, h0 = (task % parts) * hs;
         const Task<T> t{
-            q.data_ptr<float>() + rp[b] * q.stride(0) + h0 * G * D,
+            qk.data_ptr<float>() + rp[b] * qk.stride(0) + h0 * G * D,
             out.data_ptr<float>() + rp[b] * out.stride(0) + h0 * G * D,
             pool_data<T>(k_cache) + h0 * hd,
             pool_data<T>(v_cache) + h0 * hd,
@@ -967,6 +1005,7 @@ void paged_decode(
     });
   };
   for_pool_type(kv_type, run);
+  if (rotated) rotate_out_rows(out, std::vector<int64_t>(rp, rp + B));
 }
 
 // ------------------------------------------------------------------------------------------ prefill
@@ -1427,6 +1466,15 @@ void paged_prefill(
     for (int64_t q0 = (nq[b] - 1) / kQueryBlock * kQueryBlock; q0 >= 0; q0 -= kQueryBlock)
       for (int64_t h = 0; h < KV; ++h) blocks.push_back({b, h, q0});
   }
+  const bool rotated = kv_type == at::kChar;
+  const at::Tensor qk = rotated ? rotated_queries(q) : q;  // the queries the dots read
+  const auto rotate_back = [&] {
+    if (!rotated) return;
+    std::vector<int64_t> written;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t x = 0; x < nq[b]; ++x) written.push_back(fr[b] + x);
+    rotate_out_rows(out, written);
+  };
   if constexpr (kPrefillByRows) {
     TORCH_CHECK(H <= kMaxRows, "at most ", kMaxRows, " query heads, got ", H);
     int64_t tokens = 0;
@@ -1446,7 +1494,7 @@ void paged_prefill(
           const int64_t jhi = lp[b] - nq[b] + x;
           const int64_t jlo = window > 0 ? std::max<int64_t>(0, jhi - window + 1) : 0;
           const int64_t row = fr[b] + x;
-          const Task<T> t{q.data_ptr<float>() + row * q.stride(0), out.data_ptr<float>() + row * out.stride(0),
+          const Task<T> t{qk.data_ptr<float>() + row * qk.stride(0), out.data_ptr<float>() + row * out.stride(0),
                           pool_data<T>(k_cache), pool_data<T>(v_cache), slots.data_ptr<int64_t>() + b * L + jlo,
                           jhi - jlo + 1, KV, G, D, hd, KV * hd,
                           static_cast<float>(scale), static_cast<float>(softcap)};
@@ -1455,6 +1503,7 @@ void paged_prefill(
       });
     };
     for_pool_type(kv_type, run);
+    rotate_back();
     return;
   }
   std::stable_sort(blocks.begin(), blocks.end(), [&](const Block& x, const Block& y) {
@@ -1477,7 +1526,7 @@ void paged_prefill(
         }
         const int64_t row = fr[blk.b] + blk.q0;
         const PrefillTask<T> t{
-            q.data_ptr<float>() + row * q.stride(0) + blk.h * G * D, q.stride(0),
+            qk.data_ptr<float>() + row * qk.stride(0) + blk.h * G * D, qk.stride(0),
             out.data_ptr<float>() + row * out.stride(0) + blk.h * G * D, out.stride(0),
             pool_data<T>(k_cache) + blk.h * hd, pool_data<T>(v_cache) + blk.h * hd,
             slots.data_ptr<int64_t>() + blk.b * L, n, G, D, KV * hd,
@@ -1488,6 +1537,7 @@ void paged_prefill(
     });
   };
   for_pool_type(kv_type, run);
+  rotate_back();
 }
 
 // The vector path this module was compiled for (the worker logs it; CBSERVE_CPU_ISA holds a build to
