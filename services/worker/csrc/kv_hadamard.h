@@ -6,6 +6,9 @@
 // to the order torch computes them in.
 #pragma once
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 #include <cstdint>
 
 namespace kv_hadamard {
@@ -22,9 +25,64 @@ inline int64_t block_size(int64_t d) {
 // after each stage make the compiler store the stage and read it back, so fast-math can neither
 // reassociate sums across stages nor fold the final product into them: every value gets
 // kv_int8.hadamard's float32 operations in its order.
+#ifdef __AVX512F__
+// Registers the compiler must hold as they are between two stages (no instruction emitted): fast-math
+// may not fold one stage's adds into the next's.
+#define KV_HADAMARD_PIN(...) asm("" : "+v"(__VA_ARGS__))
+
+// One stage on a vector: a lane with bit h of its index clear adds its partner (index ^ h), one with
+// it set subtracts itself from its partner: (a, b) -> (a + b, a - b), as the scalar loop.
+inline __m512 stage(__m512 v, __m512 partner, __mmask16 upper) {
+  __m512 out = _mm512_mask_sub_ps(_mm512_add_ps(v, partner), upper, partner, v);
+  KV_HADAMARD_PIN(out);
+  return out;
+}
+
+// Stages h = 1, 2, 4, 8 of 16 values in one vector.
+inline __m512 rotate16(__m512 v) {
+  v = stage(v, _mm512_permute_ps(v, 0xB1), 0xAAAA);
+  v = stage(v, _mm512_permute_ps(v, 0x4E), 0xCCCC);
+  v = stage(v, _mm512_shuffle_f32x4(v, v, 0xB1), 0xF0F0);
+  return stage(v, _mm512_shuffle_f32x4(v, v, 0x4E), 0xFF00);
+}
+
+// Stage h across two vectors of a block: (a, b) -> (a + b, a - b), lane by lane.
+inline void pair(__m512& a, __m512& b) {
+  const __m512 sum = _mm512_add_ps(a, b), difference = _mm512_sub_ps(a, b);
+  a = sum;
+  b = difference;
+  KV_HADAMARD_PIN(a);
+  KV_HADAMARD_PIN(b);
+}
+#endif
+
 inline void rotate(float* x, int64_t d) {
   const int64_t B = block_size(d);
   if (B == 1) return;
+#ifdef __AVX512F__
+  // The same operations on vectors, stage after stage (what the scalar loops below do one value at a time).
+  if (B == 64) {
+    const __m512 norm = _mm512_set1_ps(0.125f);
+    for (int64_t i = 0; i < d; i += 64) {
+      __m512 v0 = rotate16(_mm512_loadu_ps(x + i)), v1 = rotate16(_mm512_loadu_ps(x + i + 16));
+      __m512 v2 = rotate16(_mm512_loadu_ps(x + i + 32)), v3 = rotate16(_mm512_loadu_ps(x + i + 48));
+      pair(v0, v1);  // h = 16
+      pair(v2, v3);
+      pair(v0, v2);  // h = 32
+      pair(v1, v3);
+      _mm512_storeu_ps(x + i, _mm512_mul_ps(v0, norm));
+      _mm512_storeu_ps(x + i + 16, _mm512_mul_ps(v1, norm));
+      _mm512_storeu_ps(x + i + 32, _mm512_mul_ps(v2, norm));
+      _mm512_storeu_ps(x + i + 48, _mm512_mul_ps(v3, norm));
+    }
+    return;
+  }
+  if (B == 16) {
+    for (int64_t i = 0; i < d; i += 16)
+      _mm512_storeu_ps(x + i, _mm512_mul_ps(rotate16(_mm512_loadu_ps(x + i)), _mm512_set1_ps(0.25f)));
+    return;
+  }
+#endif
   for (int64_t h = 1; h < B; h *= 2) {
     for (int64_t i = 0; i < d; i += 2 * h)
       for (int64_t j = i; j < i + h; ++j) {
