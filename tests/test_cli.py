@@ -148,6 +148,14 @@ def test_generate_flags_reach_the_request() -> None:
 # -------------------------------------------------------------------------------------- Ctrl-C
 
 
+def as_a_terminals_command() -> None:
+    """`preexec_fn` of a command as a shell starts it in the foreground: SIGINT at its default action.
+    A test run started in the background (`make test &`) ignores SIGINT, and a child inherits an
+    ignored signal: Python then installs no KeyboardInterrupt handler, and Ctrl-C would be lost."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    die_with_parent()
+
+
 def test_ctrl_c_in_generate_exits_quietly_with_130() -> None:
     """The gateway here is a socket that accepts and never answers: the call waits, as a long
     stream does, when the user presses Ctrl-C."""
@@ -161,13 +169,12 @@ def test_ctrl_c_in_generate_exits_quietly_with_130() -> None:
             cwd=REPO,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            preexec_fn=die_with_parent,
+            preexec_fn=as_a_terminals_command,
         )
         connection, _ = silent.accept()
         with connection:
-            # Half a second was once not enough in a full run on 2 loaded cores: the interrupt was
-            # lost and the call ran to gRPC's connect timeout (why is not known). gRPC connects from
-            # a thread of its own, so the accept says nothing of where the client's main thread is.
+            # gRPC connects from a thread of its own, so the accept says nothing of where the client's
+            # main thread is: it is given time to reach the call.
             time.sleep(1.5)
             proc.send_signal(signal.SIGINT)
             _, err = proc.communicate(timeout=30)
