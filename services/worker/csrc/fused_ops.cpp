@@ -21,7 +21,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "kv_hadamard.h"
+#include "hadamard.h"
 
 namespace {
 void check_rows(const at::Tensor& t, const char* name) {
@@ -125,14 +125,14 @@ inline void store_kv(const float* src, int64_t heads, int64_t d, c10::BFloat16* 
 
 // The int8 format of common/kv_int8.py, in the float32 operations of its `quantize` in the same
 // order, so that both writers store the same bytes: per row, y = the row rotated block by block by
-// H_B (kv_hadamard.h), scale = max|y| * (1 / 127), values round-half-even(y * (1 / scale)) clamped to
+// H_B (hadamard.h), scale = max|y| * (1 / 127), values round-half-even(y * (1 / scale)) clamped to
 // [-127, 127] (0 for a zero row), then the scale. `d` is at most kMaxInt8HeadDim (checked by the caller).
 constexpr int64_t kMaxInt8HeadDim = 1024;
 inline void store_kv(const float* src, int64_t heads, int64_t d, int8_t* dst) {
   alignas(64) float y[kMaxInt8HeadDim];
   for (int64_t h = 0; h < heads; ++h) {
     std::copy(src + h * d, src + (h + 1) * d, y);
-    kv_hadamard::rotate(y, d);
+    hadamard::rotate(y, d);
     int8_t* row = dst + h * (d + kScaleBytes);
     float m = 0.f;
     for (int64_t i = 0; i < d; ++i) m = std::max(m, std::abs(y[i]));

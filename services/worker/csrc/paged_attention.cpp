@@ -10,7 +10,7 @@
 // a bfloat16's are, and the scale enters once per row: q.(s k) = s (q.k) multiplies each key's
 // scores, and w (s v) = (w s) v each key's softmax weights, so every loop that reads values runs
 // unchanged on the widened integers. The values are those of the row rotated by a block Hadamard
-// matrix H (kv_hadamard.h), which is orthonormal and its own inverse: the kernels rotate each query
+// matrix H (hadamard.h), which is orthonormal and its own inverse: the kernels rotate each query
 // head by H before the dots, (H q).(H k) = q.k, and each output head back by H at the end,
 // sum p (H v) = H sum p v, both through the same two helpers (rotated_queries, rotate_out_rows).
 //
@@ -91,7 +91,7 @@
 #include <utility>
 #include <vector>
 
-#include "kv_hadamard.h"
+#include "hadamard.h"
 #include "vec_exp.h"
 
 namespace {
@@ -920,7 +920,7 @@ const T* pool_data(const at::Tensor& cache) {
 }
 
 // An int8 pool holds each K and V row rotated by H_B block by block (common/kv_int8.py,
-// kv_hadamard.h). The kernels read those rows as stored and rotate the queries instead, once before
+// hadamard.h). The kernels read those rows as stored and rotate the queries instead, once before
 // the dots, (H q).(H k) = q.k, and each output head back once at the end, sum p (H v) = H sum p v:
 // D log B additions a head, where rotating the keys back would cost that for every key read. Both
 // kernels go through these two helpers, so a row still gets the same bits from either.
@@ -935,7 +935,7 @@ at::Tensor rotated_queries(const at::Tensor& q) {
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       std::copy(src + t * sq, src + t * sq + H * D, dst + t * H * D);
-      for (int64_t h = 0; h < H; ++h) kv_hadamard::rotate(dst + (t * H + h) * D, D);
+      for (int64_t h = 0; h < H; ++h) hadamard::rotate(dst + (t * H + h) * D, D);
     }
   });
   return r;
@@ -947,7 +947,7 @@ void rotate_out_rows(at::Tensor& out, const std::vector<int64_t>& rows) {
   float* op = out.data_ptr<float>();
   at::parallel_for(0, static_cast<int64_t>(rows.size()), 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
-      for (int64_t h = 0; h < H; ++h) kv_hadamard::rotate(op + rows[i] * so + h * D, D);
+      for (int64_t h = 0; h < H; ++h) hadamard::rotate(op + rows[i] * so + h * D, D);
   });
 }
 }  // namespace

@@ -100,6 +100,7 @@
 #include <utility>
 #include <vector>
 
+#include "hadamard.h"
 #include "vec_exp.h"
 
 namespace {
@@ -294,36 +295,20 @@ inline float quantize_row(const float* x, int64_t K, int8_t* q) {
 // into (a + b, a - b); then one multiply by fp32(1 / sqrt(kGroup)). No step can be reordered or
 // contracted, so torch's same operations give the same floats (what the tests compare against).
 inline void rotate_group(float* v) {
-  for (int64_t h = 1; h < kGroup; h *= 2)
-    for (int64_t i = 0; i < kGroup; i += 2 * h)
-      for (int64_t j = i; j < i + h; ++j) {
-        const float a = v[j], b = v[j + h];
-        v[j] = a + b;
-        v[j + h] = a - b;
-      }
+  hadamard::butterflies(v, kGroup, kGroup);
   const float norm = static_cast<float>(1.0 / std::sqrt(static_cast<double>(kGroup)));
   for (int64_t j = 0; j < kGroup; ++j) v[j] *= norm;
 }
 
 #ifdef __AVX512F__
-// rotate_group on a group of 32 held in two vectors, lane for lane the same operations: at stage h a
-// lane whose index has bit h clear adds its partner (index ^ h), one with it set subtracts itself from
-// its partner; stage 16 pairs the two vectors.
+// rotate_group on a group of 32 held in two vectors, lane for lane the same operations (hadamard.h).
 inline void rotate_pair(__m512& lo, __m512& hi) {
-  auto stage = [](__m512 v, __m512 partner, __mmask16 upper) {
-    return _mm512_mask_sub_ps(_mm512_add_ps(v, partner), upper, partner, v);
-  };
-  lo = stage(lo, _mm512_permute_ps(lo, 0xB1), 0xAAAA);
-  hi = stage(hi, _mm512_permute_ps(hi, 0xB1), 0xAAAA);
-  lo = stage(lo, _mm512_permute_ps(lo, 0x4E), 0xCCCC);
-  hi = stage(hi, _mm512_permute_ps(hi, 0x4E), 0xCCCC);
-  lo = stage(lo, _mm512_shuffle_f32x4(lo, lo, 0xB1), 0xF0F0);
-  hi = stage(hi, _mm512_shuffle_f32x4(hi, hi, 0xB1), 0xF0F0);
-  lo = stage(lo, _mm512_shuffle_f32x4(lo, lo, 0x4E), 0xFF00);
-  hi = stage(hi, _mm512_shuffle_f32x4(hi, hi, 0x4E), 0xFF00);
-  const __m512 a = lo, norm = _mm512_set1_ps(static_cast<float>(1.0 / std::sqrt(32.0)));
-  lo = _mm512_mul_ps(_mm512_add_ps(a, hi), norm);
-  hi = _mm512_mul_ps(_mm512_sub_ps(a, hi), norm);
+  lo = hadamard::rotate16(lo);
+  hi = hadamard::rotate16(hi);
+  hadamard::pair(lo, hi);  // stage 16
+  const __m512 norm = _mm512_set1_ps(static_cast<float>(1.0 / std::sqrt(32.0)));
+  lo = _mm512_mul_ps(lo, norm);
+  hi = _mm512_mul_ps(hi, norm);
 }
 
 // quantize_row on a group of 32 held in two vectors: the same scale and roundings.

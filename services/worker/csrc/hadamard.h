@@ -1,9 +1,9 @@
-// The rotation of the int8 KV format (common/kv_int8.py): each block of B dims of a row times the
-// normalized Sylvester Hadamard matrix H_B, B the largest of 64, 16, 4, 1 that divides the row's
-// size. H_B is its own inverse, so the same function rotates and rotates back. Shared by the writer
-// (fused_ops.cpp, built with fast-math) and the attention kernels (paged_attention.cpp, built
-// without): the writer must store the bytes kv_int8.quantize stores, so the butterflies are pinned
-// to the order torch computes them in.
+// Walsh-Hadamard rotations, shared by the int8 formats: the int8 KV rows (common/kv_int8.py: each block
+// of B dims of a row times the normalized Sylvester Hadamard matrix H_B, B the largest of 64, 16, 4, 1
+// that divides the row's size) and the int8 panels' groups of 32 k (panel_linear.cpp). H_B is its own
+// inverse, so the same function rotates and rotates back. The KV writer (fused_ops.cpp, built with
+// fast-math) and the attention kernels (paged_attention.cpp, built without) must store and read the
+// bytes kv_int8.quantize stores, so the butterflies are pinned to the order torch computes them in.
 #pragma once
 
 #ifdef __AVX512F__
@@ -11,7 +11,22 @@
 #endif
 #include <cstdint>
 
-namespace kv_hadamard {
+namespace hadamard {
+
+// The butterfly stages of H_B on each block of B of x[0 .. d), unnormalized: stages h = 1, 2, .., B / 2,
+// pairs (j, j + h) to (a + b, a - b); the empty asm statement after each stage keeps fast-math from
+// reassociating sums across stages.
+inline void butterflies(float* x, int64_t d, int64_t B) {
+  for (int64_t h = 1; h < B; h *= 2) {
+    for (int64_t i = 0; i < d; i += 2 * h)
+      for (int64_t j = i; j < i + h; ++j) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+    asm volatile("" : : "r"(x) : "memory");
+  }
+}
 
 // B for rows of d values.
 inline int64_t block_size(int64_t d) {
@@ -28,13 +43,13 @@ inline int64_t block_size(int64_t d) {
 #ifdef __AVX512F__
 // Registers the compiler must hold as they are between two stages (no instruction emitted): fast-math
 // may not fold one stage's adds into the next's.
-#define KV_HADAMARD_PIN(...) asm("" : "+v"(__VA_ARGS__))
+#define HADAMARD_PIN(...) asm("" : "+v"(__VA_ARGS__))
 
 // One stage on a vector: a lane with bit h of its index clear adds its partner (index ^ h), one with
 // it set subtracts itself from its partner: (a, b) -> (a + b, a - b), as the scalar loop.
 inline __m512 stage(__m512 v, __m512 partner, __mmask16 upper) {
   __m512 out = _mm512_mask_sub_ps(_mm512_add_ps(v, partner), upper, partner, v);
-  KV_HADAMARD_PIN(out);
+  HADAMARD_PIN(out);
   return out;
 }
 
@@ -51,8 +66,8 @@ inline void pair(__m512& a, __m512& b) {
   const __m512 sum = _mm512_add_ps(a, b), difference = _mm512_sub_ps(a, b);
   a = sum;
   b = difference;
-  KV_HADAMARD_PIN(a);
-  KV_HADAMARD_PIN(b);
+  HADAMARD_PIN(a);
+  HADAMARD_PIN(b);
 }
 #endif
 
@@ -83,18 +98,10 @@ inline void rotate(float* x, int64_t d) {
     return;
   }
 #endif
-  for (int64_t h = 1; h < B; h *= 2) {
-    for (int64_t i = 0; i < d; i += 2 * h)
-      for (int64_t j = i; j < i + h; ++j) {
-        const float a = x[j], b = x[j + h];
-        x[j] = a + b;
-        x[j + h] = a - b;
-      }
-    asm volatile("" : : "r"(x) : "memory");
-  }
+  butterflies(x, d, B);
   const float norm = B == 64 ? 0.125f : B == 16 ? 0.25f : 0.5f;
   for (int64_t i = 0; i < d; ++i) x[i] *= norm;
   asm volatile("" : : "r"(x) : "memory");
 }
 
-}  // namespace kv_hadamard
+}  // namespace hadamard
