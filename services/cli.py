@@ -84,6 +84,7 @@ SERVICE_SETTINGS = (
     "drain_grace",
     "default_max_tokens",
     "max_stop_strings",
+    "max_n",
     "max_message_bytes",
     "max_concurrent_streams",
     "keepalive_time",

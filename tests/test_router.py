@@ -108,6 +108,42 @@ def test_greedy_answer_equals_the_cbserve_api(routed: tuple[Stack, int], kind: s
     stack.assert_idle()
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_n_choices_repeat_with_a_seed_and_equal_the_cbserve_api(
+    routed: tuple[Stack, int], stream: bool
+) -> None:
+    stack, http = routed
+    sampling: dict[str, Any] = {"max_tokens": 8, "temperature": 1.0, "seed": 11, "n": 4}
+
+    def ask() -> dict[int, str]:
+        reply = client(http).chat.completions.create(
+            model=stack.info.model_id,
+            messages=CHAT,  # type: ignore[arg-type]
+            stream=stream,
+            **sampling,
+        )
+        if not stream:
+            return {c.index: c.message.content or "" for c in reply.choices}
+        texts: dict[int, str] = {}
+        for event in reply:
+            for c in event.choices:
+                texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+        return texts
+
+    first = ask()
+    assert sorted(first) == [0, 1, 2, 3]
+    assert ask() == first
+    request = chat_request(CHAT, sampling["max_tokens"], ignore_eos=False)
+    request.sampling.temperature, request.sampling.seed, request.sampling.n = 1.0, 11, 4
+    texts: dict[int, str] = {}
+    for response in stack.stub.Generate(request, timeout=CALL_TIMEOUT_S):
+        if response.HasField("chunk"):
+            texts[response.chunk.index] = texts.get(response.chunk.index, "") + response.chunk.text
+    assert texts == first
+    assert len(set(first.values())) > 1
+    stack.assert_idle()
+
+
 @needs_node
 @pytest.mark.parametrize("kind", ["chat", "completion"])
 def test_a_node_fetch_client_streams_the_cbserve_answer(routed: tuple[Stack, int], kind: str) -> None:

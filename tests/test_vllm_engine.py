@@ -103,6 +103,36 @@ def test_greedy_tokens_and_usage_equal_the_cbserve_api(tiny_stack: Stack, stream
     tiny_stack.assert_idle()
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
+def test_n_choices_are_indexed_and_each_seeded_like_a_call_of_its_own(
+    tiny_stack: Stack, stream: bool
+) -> None:
+    prompt = tiny_prompt(61, 20)
+    sampling = {"temperature": 1.0, "seed": 40}
+    chunks, completes = run_choices(tiny_stack, vllm_request(prompt, 6, stream=stream, n=3, **sampling))
+    assert sorted(completes) == [0, 1, 2]
+    for i, complete in completes.items():
+        ids = streamed_ids([c for c in chunks if c.index == i]) if stream else list(complete.output_ids)
+        assert (complete.prompt_tokens, complete.completion_tokens) == (len(prompt), 6)
+        _, alone = run(tiny_stack, vllm_request(prompt, 6, stream=False, temperature=1.0, seed=40 + i))
+        assert ids == list(alone.output_ids), i
+    tiny_stack.assert_idle()
+
+
+def run_choices(stack: Stack, request: Any) -> tuple[list[Any], dict[int, Any]]:
+    """(the stream's chunks, each choice's complete message by index); nothing follows the last."""
+    chunks, completes = [], {}
+    for response in engine(stack).Generate(request, timeout=CALL_TIMEOUT_S):
+        assert len(completes) < request.sampling_params.n, "a message after the last complete one"
+        if response.HasField("chunk"):
+            assert response.chunk.index not in completes
+            chunks.append(response.chunk)
+        else:
+            assert response.complete.index not in completes
+            completes[response.complete.index] = response.complete
+    return chunks, completes
+
+
 def test_stop_token_id_is_the_matched_stop(tiny_stack: Stack) -> None:
     prompt = tiny_prompt(61)
     reference = tiny_stack.reference(prompt, 16)
@@ -309,7 +339,7 @@ BAD_REQUESTS: dict[str, tuple[Callable[[Any], None], str]] = {
     "prompt_logprobs_all": (_set(prompt_logprobs=-1), "sampling_params.prompt_logprobs"),
     "prompt_logprobs_of_text": (_prompt_logprobs_of_text, "sampling_params.prompt_logprobs"),
     "truncate_prompt_tokens": (_set(truncate_prompt_tokens=4), "sampling_params.truncate_prompt_tokens"),
-    "n_2": (_set(n=2), "sampling_params.n"),
+    "n_17": (_set(n=17), "sampling_params.n must be in [1, 16] (the server's --max-n), got 17"),
     "logit_bias_out_of_vocab": (
         _logit_bias(256, 1.0),
         "sampling_params.logit_bias token ids out of vocabulary (size 256): [256]",

@@ -60,6 +60,7 @@ class CacheStats:
     soft_resets: int = 0
     rejected: int = 0
     prefix_waits: int = 0  # admissions put off a step because another request computed their next page
+    forks: int = 0  # requests started on a sibling's prompt pages (n > 1), computing none of them
     steps: int = 0
 
 
@@ -123,6 +124,10 @@ class BlockManager:
         blocked: list[PlanEntry] = []
         admission_budget = self._admission_budget(plan)
         for entry in plan.entries:
+            if entry.fork_of:
+                if self._fork(entry, out):
+                    placed.add(entry.request_id)
+                continue
             req = self._ingest(entry, out)
             if req is None:
                 continue
@@ -326,6 +331,49 @@ class BlockManager:
         out.grant(req, start, end - start, [a.tables[req.request_id] for a in self.allocators], replace=True)
         self.prefix.note_computing(req)
         return end - start
+
+    def _fork(self, entry: PlanEntry, out: GrantBuilder) -> bool:
+        """Start `entry`'s request on its parent's prompt, granted in this very step up to its end:
+        it shares the parent's full pages (a reference each) and gets its own chunks for the partly
+        filled last page, which the worker copies once this step's forward has written it. False,
+        changing nothing, when the parent is not there yet (or no longer), the prompts differ, or no
+        chunk is free: the worker then runs the request on its own."""
+        parent = self.requests.get(entry.fork_of)
+        if (
+            not self.sharing
+            or entry.request_id in self.requests
+            or parent is None
+            or parent.state is not CacheState.ACTIVE
+            or parent.num_placeholders
+            or parent.num_granted != parent.num_tokens
+            or not any(granted is parent for granted, _ in out.in_flight)
+            or entry.new_token_ids != parent.token_ids
+            or entry.cache_salt.encode() != parent.salt
+        ):
+            return False
+        end = parent.num_tokens
+        partial = end % self.page_size != 0
+        if partial and self.pool.num_free < sum(a.k for a in self.allocators):
+            return False
+        child = CacheRequest(
+            entry.request_id,
+            entry.arrival,
+            parent.salt,
+            list(parent.token_ids),
+            state=CacheState.ACTIVE,
+            num_computed=parent.num_computed,
+            block_hashes=list(parent.block_hashes),
+        )
+        copies: list[tuple[int, int]] = []
+        for alloc in self.allocators:
+            table = alloc.tables[parent.request_id]
+            alloc.attach(child.request_id, table[: len(table) - alloc.k] if partial else table)
+            if partial:
+                copies += zip(table[-alloc.k :], alloc.grow(child.request_id, end), strict=True)
+        self.requests[child.request_id] = child
+        self.stats.forks += 1
+        out.fork(child, [a.tables[child.request_id] for a in self.allocators], copies)
+        return True
 
     def _restore(self, req: CacheRequest, num_tokens: int, out: GrantBuilder) -> bool:
         start = req.num_granted

@@ -22,6 +22,7 @@ class GrantBuilder:
         self.rejected: list[Rejected] = []
         self.swap_out: list[tuple[int, int]] = []
         self.swap_in: list[tuple[int, int]] = []
+        self.page_copies: list[tuple[int, int]] = []
         self.kv_events: KvEvents | None = None
         self.in_flight: list[tuple[CacheRequest, int]] = []
 
@@ -29,6 +30,15 @@ class GrantBuilder:
         req.in_flight += n
         self.in_flight.append((req, n))
         self.granted.append(Granted(req.request_id, start, n, [list(t) for t in tables], replace))
+
+    def fork(self, child: CacheRequest, tables: list[list[int]], copies: list[tuple[int, int]]) -> None:
+        """A fork starts at its prompt's end with nothing to compute; the KV its parent computes this
+        step is in flight for it too, and settles with the step."""
+        end = len(child.token_ids)
+        child.in_flight = end - child.num_computed
+        self.in_flight.append((child, child.in_flight))
+        self.granted.append(Granted(child.request_id, end, 0, [list(t) for t in tables], True))
+        self.page_copies += copies
 
     def build(self) -> StepGrant:
         return StepGrant(
@@ -40,5 +50,6 @@ class GrantBuilder:
             rejected=self.rejected,
             swap_out=self.swap_out,
             swap_in=self.swap_in,
+            page_copies=self.page_copies,
             kv_events=self.kv_events,
         )

@@ -14,7 +14,8 @@ import msgspec
 
 from services.common.tensor_handles import TensorHandle
 
-PROTOCOL_VERSION = 3  # 2: placeholders and overlapped steps (async batching); 3: admission budget
+# 2: placeholders and overlapped steps (async batching); 3: admission budget; 4: forks (n > 1)
+PROTOCOL_VERSION = 4
 # Token ids out of this range fail to decode, so they never reach the hashing code.
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 
@@ -33,6 +34,12 @@ class PlanEntry(msgspec.Struct, array_like=True, frozen=True):
     `num_placeholders` more after `new_token_ids`, ids unknown. They count toward `num_tokens` (a
     decode computes one), and their ids lead the request's next `new_token_ids`; a page holding one
     enters the prefix cache only once its id is known.
+
+    `fork_of` names a request whose prompt this one shares (a sibling of the same n > 1 call): the
+    entry follows its parent's in the plan, plans no token, and asks to start where the parent's
+    prompt ends, sampling from the parent's logits row. It is granted only in the step whose grant
+    takes the parent to its prompt's end; otherwise it is passed over, and the worker plans it as a
+    request of its own from then on.
     """
 
     request_id: str
@@ -43,6 +50,7 @@ class PlanEntry(msgspec.Struct, array_like=True, frozen=True):
     max_total_tokens: int = 0  # prompt + max new tokens, for the fits-at-all check on first sight
     num_placeholders: Annotated[int, msgspec.Meta(ge=0, lt=2**31)] = 0
     may_sample: bool = True
+    fork_of: str = ""
 
 
 class StepPlan(msgspec.Struct, frozen=True, tag="plan"):
@@ -64,7 +72,8 @@ class StepPlan(msgspec.Struct, frozen=True, tag="plan"):
 class Granted(msgspec.Struct, array_like=True, frozen=True):
     """A placed request. It computes tokens `[start, start + num_tokens)` this step.
 
-    `start` differs from the worker's count only on admission with a prefix hit. `tables` holds, per
+    `start` differs from the worker's count only on admission with a prefix hit, and for a fork, which
+    starts at its parent's prompt end and computes nothing (`num_tokens == 0`). `tables` holds, per
     allocator group, chunk ids to append to the worker's mirror of the block table, or the whole table
     when `replace` (admission from scratch, restore from swap). Recycled sliding pages show as -1.
     """
@@ -111,6 +120,9 @@ class StepGrant(msgspec.Struct, frozen=True, tag="grant"):
     rejected: list[Rejected]  # can never fit (bad request): fail it
     swap_out: list[tuple[int, int]]  # (chunk, swap slot): copy before this step's forward
     swap_in: list[tuple[int, int]]  # (swap slot, chunk): copy after swap_out, before the forward
+    # (chunk, chunk): a fork's own copy of its parent's partly filled last page, copied after this
+    # step's forward (which writes the parent's last tokens into it) and before the next one.
+    page_copies: list[tuple[int, int]] = []
     kv_events: KvEvents | None = None  # None: the prefix cache did not change
     version: int = PROTOCOL_VERSION
 

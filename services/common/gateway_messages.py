@@ -24,6 +24,9 @@ class NewRequest(msgspec.Struct, frozen=True):
     priority: int = 0
     cache_salt: str = ""
     trace_id: str = ""  # the client's x-request-id, bound in the worker's log lines
+    # A request of the same gateway, sent before with the same prompt (a sibling of one n > 1 call),
+    # whose prompt KV this one shares where it can (see worker/request.py, `Request.fork_of`).
+    fork_of: str = ""
 
 
 class GatewayMessage(msgspec.Struct, frozen=True):
@@ -78,6 +81,8 @@ class Load(msgspec.Struct, frozen=True):
     kv_pool_committed_bytes: int = 0
     host_available_bytes: int = 0
     steps: int = 0
+    computed_tokens: int = 0
+    forks: int = 0
     # Bookkeeping that must drain to zero when idle (checked by the soak test, exported as metrics).
     worker_streams: int = 0  # requests the worker tracks on behalf of gateways
     cache_requests: int = 0  # requests the cachemgr holds state for

@@ -102,6 +102,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     generated_in_prompt: int = 0
     constraint: Constraint | None = None
 
+    SEED_LIMIT: ClassVar[int] = 2**63  # seeds lie in [0, 2**63)
     MAX_LOGPROBS: ClassVar[int] = 20
     MAX_PENALTY: ClassVar[float] = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
     MAX_BIAS: ClassVar[float] = 100.0  # a logit bias lies in [-100, 100] (OpenAI's range)
@@ -149,7 +150,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= self.MAX_LOGPROBS:
                 raise ValueError(f"{n(name)} must be in [0, {self.MAX_LOGPROBS}], got {value!r}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
+        if self.seed is not None and not 0 <= self.seed < self.SEED_LIMIT:
             raise ValueError(f"{n('seed')} must be in [0, 2**63), got {self.seed!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)

@@ -53,6 +53,13 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         parser, "--max-stop-strings", type=bounded(int, 0), default=16, help="stop strings per request"
     )
     add_env_argument(
+        parser,
+        "--max-n",
+        type=bounded(int, 1),
+        default=16,
+        help="choices one request may ask for (sampling n); more is INVALID_ARGUMENT",
+    )
+    add_env_argument(
         parser, "--max-message-bytes", type=bounded(int, 1), default=16 << 20, help="gRPC message limit"
     )
     add_env_argument(
@@ -193,7 +200,11 @@ def gateway_settings(args: argparse.Namespace) -> GatewaySettings:
         keepalive_time_s=args.keepalive_time,
         worker_timeout_s=args.worker_timeout,
         resubmit_timeout_s=args.resubmit_timeout,
-        limits=Limits(default_max_tokens=args.default_max_tokens, max_stop_strings=args.max_stop_strings),
+        limits=Limits(
+            default_max_tokens=args.default_max_tokens,
+            max_stop_strings=args.max_stop_strings,
+            max_n=args.max_n,
+        ),
         tls=tls,
         access=access,
         health_port=args.health_port or None,

@@ -10,6 +10,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from services.common.gateway_messages import WorkerFacts
 from services.common.sampling_params import Constraint, SamplingParams
 
@@ -31,6 +33,7 @@ class Limits:
     default_max_tokens: int = 256
     max_id_chars: int = 128  # request_id / x-request-id: printable ASCII (it goes back as metadata)
     max_salt_chars: int = 256  # cache_salt travels with the request in every step plan
+    max_n: int = 16  # choices per request (sampling.n)
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,16 @@ class Prepared:
     want_text: bool
     want_token_ids: bool
     stream: bool = True  # False: the output is held until the end (OutputOptions.stream)
+    n: int = 1  # choices
+
+    def choice_params(self, index: int) -> SamplingParams:
+        """Choice `index`'s parameters: its own seed (seed + index), so that a seeded call gives the
+        same choices again; the prompt's logprobs go with choice 0 alone."""
+        p = self.params
+        if index == 0:
+            return p
+        seed = None if p.seed is None else (p.seed + index) % SamplingParams.SEED_LIMIT
+        return msgspec.structs.replace(p, seed=seed, prompt_logprobs=None)
 
 
 def _chat_dicts(chat: Any, limits: Limits) -> list[dict[str, str]]:
@@ -180,6 +193,9 @@ def prepare(request: Any, tokenizer: Any, facts: WorkerFacts, limits: Limits) ->
         raise InvalidRequest(
             f"{len(stop.stop_token_ids)} stop token ids; the limit is {limits.max_stop_token_ids}"
         )
+    n = s.n if s.HasField("n") else 1
+    if not 1 <= n <= limits.max_n:
+        raise InvalidRequest(f"sampling.n must be in [1, {limits.max_n}] (the server's --max-n), got {n}")
     want_text = out.text if out.HasField("text") else tokenizer is not None
     if want_text and tokenizer is None:
         raise InvalidRequest("output.text needs a tokenizer and this model has none")
@@ -214,4 +230,5 @@ def prepare(request: Any, tokenizer: Any, facts: WorkerFacts, limits: Limits) ->
         want_text=want_text,
         want_token_ids=out.token_ids if out.HasField("token_ids") else True,
         stream=out.stream if out.HasField("stream") else True,
+        n=n,
     )

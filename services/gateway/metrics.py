@@ -147,6 +147,8 @@ class _LoadCollector(Collector):
             "cbserve:offloads": ("Requests offloaded to the swap pool.", load.offloads),
             "cbserve:soft_resets": ("Requests soft-reset (recomputed later).", load.soft_resets),
             "cbserve:engine_steps": ("Engine steps run.", load.steps),
+            "cbserve:computed_tokens": ("Tokens the model computed.", load.computed_tokens),
+            "cbserve:forks": ("Choices of n > 1 requests started on their first's prompt KV.", load.forks),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)

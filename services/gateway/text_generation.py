@@ -1,10 +1,11 @@
 """`cbserve.v1.TextGeneration`: Generate, GetModelInfo, GetLoad, Tokenize, Detokenize.
 
 The gateway owns everything textual (tokenization, chat templates, incremental detokenization, stop
-strings) so that the worker sees only token ids. Each Generate call becomes one worker request; the
-call's end, however it ends (final message, client cancel, deadline, stop string, error), releases
-it, and any end but the worker's own finish also aborts it in the worker, which frees its blocks
-within a step. Errors are status codes only.
+strings) so that the worker sees only token ids. Each Generate call becomes one worker request per
+choice (`sampling.n`; the choices after the first fork from it, sharing its prompt's KV); a choice's
+end (its final message, a stop string) releases it, and so does the call's end, however it ends
+(every final message sent, client cancel, deadline, error); any end but the worker's own finish also
+aborts it in the worker, which frees its blocks within a step. Errors are status codes only.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import functools
 import itertools
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NoReturn, Protocol
 
 import grpc
@@ -64,14 +65,28 @@ class _Stream:
 
     arrival: float
     prompt_tokens: int
-    completion_tokens: int = 0
+    completion_tokens: int = 0  # every choice's
     cached_tokens: int = 0
     queue_seconds: float = 0.0
     first_token_at: float | None = None
-    last_token_at: float | None = None
-    last_token: int | None = None
-    end: str = ""  # how the call ended: a finish reason, cancelled, deadline or error
+    end: str = ""  # how the call ended: its last choice's finish reason, cancelled, deadline or error
     code: str = ""  # the status code of an error end
+
+
+@dataclass
+class _Choice:
+    """One choice of a Generate call (one worker request): its text and how it ended."""
+
+    index: int
+    internal: str  # the worker request's id
+    detokenizer: IncrementalDetokenizer | None
+    matcher: StopStringMatcher
+    held: Any  # not streamed: the output so far (a GenerateChunk), sent just before its final message
+    held_text: list[str] = field(default_factory=list)
+    completion_tokens: int = 0
+    last_token: int | None = None
+    last_token_at: float | None = None
+    end: str = ""  # a finish reason or stop_sequence, once ended
 
 
 class CallContext(Protocol):
@@ -137,16 +152,23 @@ class TextGenerationService(_TextGenerationServicer):
         # HTTP 200 stream that carries the error as an event).
         await context.send_initial_metadata((("x-request-id", trace_id),))
         internal = f"r{next(self._ids)}"
-        queue = self.client.submit(
-            NewRequest(
-                internal, prepared.prompt_ids, prepared.params, request.priority, request.cache_salt, trace_id
+        ids = [internal] if prepared.n == 1 else [f"{internal}.{i}" for i in range(prepared.n)]
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        for i, rid in enumerate(ids):
+            params = prepared.choice_params(i)
+            fork_of = ids[0] if i else ""
+            self.client.submit(
+                NewRequest(
+                    rid, prepared.prompt_ids, params, request.priority, request.cache_salt, trace_id, fork_of
+                ),
+                queue,
             )
-        )
         self.active += 1
         self.waiting += 1
         stream = _Stream(arrival, len(prepared.prompt_ids))
+        choices = {rid: self._choice(i, rid, prepared) for i, rid in enumerate(ids)}
         try:
-            async for response in self._stream(queue, prepared, stream, context, internal, trace_id):
+            async for response in self._stream(queue, prepared, stream, choices, context, trace_id):
                 yield response
         except (asyncio.CancelledError, GeneratorExit):
             # A client's cancel and a deadline alike: grpc cancels the call's task, or closes this
@@ -160,7 +182,8 @@ class TextGenerationService(_TextGenerationServicer):
             self.active -= 1
             if stream.first_token_at is None:
                 self.waiting -= 1
-            self.client.release(internal, abort=stream.end not in WORKER_ENDS)
+            for choice in choices.values():
+                self.client.release(choice.internal, abort=choice.end not in WORKER_ENDS)
             error = {"code": stream.code} if stream.code else {}
             log.info(
                 "request finished",
@@ -171,6 +194,16 @@ class TextGenerationService(_TextGenerationServicer):
                 seconds=round(time.monotonic() - arrival, 3),
             )
             structlog.contextvars.unbind_contextvars("request_id")
+
+    def _choice(self, index: int, internal: str, prepared: Prepared) -> _Choice:
+        needs_text = prepared.want_text or bool(prepared.stops)
+        return _Choice(
+            index,
+            internal,
+            IncrementalDetokenizer(self.tokenizer, prepared.prompt_ids) if needs_text else None,
+            StopStringMatcher(prepared.stops),
+            None if prepared.stream else pb.GenerateChunk(index=index),
+        )
 
     async def worker_facts(self, context: CallContext, *, ready: bool = False) -> Any:
         """The worker's facts; the call ends UNAVAILABLE (a counted refusal) while there are none
@@ -206,56 +239,71 @@ class TextGenerationService(_TextGenerationServicer):
         queue: asyncio.Queue[RequestOutput],
         prepared: Prepared,
         stream: _Stream,
+        choices: dict[str, _Choice],
         context: CallContext,
-        internal: str,
         trace_id: str,
     ) -> AsyncIterator[Any]:
-        needs_text = prepared.want_text or bool(prepared.stops)
-        detok = IncrementalDetokenizer(self.tokenizer, prepared.prompt_ids) if needs_text else None
-        matcher = StopStringMatcher(prepared.stops)
-        # Not streamed: the output is held here and sent just before the final message.
-        held: Any = None if prepared.stream else pb.GenerateChunk()
-        held_text: list[str] = []
-        while True:
+        """The call's messages from its choices' outputs, as they come, until every choice has ended."""
+        running = len(choices)
+        while running:
             out = await queue.get()
+            choice = choices[out.request_id]
             if out.code:
                 stream.code = out.code
                 await self.refuse(context, grpc.StatusCode[out.code], out.error)
-            self._observe(stream, out)
+            self._observe(stream, choice, out)
             text, matched = "", None
-            if detok is not None:
-                delta = detok.push(out.token_ids) + (detok.flush() if out.finish else "")
-                text, matched = matcher.push(delta)
+            if choice.detokenizer is not None:
+                delta = choice.detokenizer.push(out.token_ids)
+                delta += choice.detokenizer.flush() if out.finish else ""
+                text, matched = choice.matcher.push(delta)
                 if out.finish and matched is None:
-                    text += matcher.flush()
+                    text += choice.matcher.flush()
             *leading, prompt_logprobs = self._prompt_logprob_parts(out)
             for part in leading:
-                yield pb.GenerateResponse(chunk=pb.GenerateChunk(prompt_logprobs=part))
+                yield pb.GenerateResponse(chunk=pb.GenerateChunk(prompt_logprobs=part, index=choice.index))
             chunk = pb.GenerateChunk(
                 token_ids=out.token_ids if prepared.want_token_ids else (),
                 text=text if prepared.want_text else "",
                 logprobs=[self._logprobs(lp) for lp in out.logprobs or ()],
                 prompt_logprobs=prompt_logprobs,
+                index=choice.index,
             )
+            held = choice.held
             if held is not None:
                 held.MergeFrom(chunk)  # appends its repeated fields; its text is joined at the send
-                held_text.append(chunk.text)
+                choice.held_text.append(chunk.text)
                 if matched is None and not out.finish and len(held.logprobs) < LOGPROBS_PER_CHUNK:
                     continue
-                held.text = "".join(held_text)
-                chunk, held, held_text = held, pb.GenerateChunk(), []
+                held.text = "".join(choice.held_text)
+                chunk, choice.held, choice.held_text = held, pb.GenerateChunk(index=choice.index), []
             if chunk.token_ids or chunk.text or chunk.logprobs or chunk.prompt_logprobs:
                 yield pb.GenerateResponse(chunk=chunk)
             if matched is not None:
-                self.client.release(internal, abort=True)  # the worker stops computing it now
-                stream.end = "stop_sequence"
-                yield self._final(stream, trace_id, pb.FINISH_REASON_STOP_SEQUENCE, stop_sequence=matched)
-                return
-            if out.finish:
-                stop_token = stream.last_token if out.finish == "stop_token" else None
-                stream.end = out.finish
-                yield self._final(stream, trace_id, FINISH_REASONS[out.finish][0], stop_token_id=stop_token)
-                return
+                self.client.release(choice.internal, abort=True)  # the worker stops computing it now
+                choice.end = "stop_sequence"
+                running -= 1
+                yield self._final(
+                    stream,
+                    choice,
+                    trace_id,
+                    pb.FINISH_REASON_STOP_SEQUENCE,
+                    last=not running,
+                    stop_sequence=matched,
+                )
+            elif out.finish:
+                stop_token = choice.last_token if out.finish == "stop_token" else None
+                choice.end = out.finish
+                running -= 1
+                yield self._final(
+                    stream,
+                    choice,
+                    trace_id,
+                    FINISH_REASONS[out.finish][0],
+                    last=not running,
+                    stop_token_id=stop_token,
+                )
+        stream.end = choice.end
 
     def _prompt_logprob_parts(self, out: RequestOutput) -> list[list[Any]]:
         """The output's prompt logprobs in parts of at most `LOGPROBS_PER_CHUNK` (one empty
@@ -269,11 +317,11 @@ class TextGenerationService(_TextGenerationServicer):
         top = [pb.TopLogprob(token_id=t, logprob=v, token=text(t)) for t, v in lp.top]
         return pb.TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob, top=top, token=text(lp.token_id))
 
-    def _observe(self, stream: _Stream, out: RequestOutput) -> None:
+    def _observe(self, stream: _Stream, choice: _Choice, out: RequestOutput) -> None:
         now = time.monotonic()
-        if out.cached_tokens >= 0:
+        if out.cached_tokens >= 0 and choice.index == 0:
             stream.cached_tokens = out.cached_tokens
-        if out.queue_seconds >= 0:
+        if out.queue_seconds >= 0 and choice.index == 0:
             stream.queue_seconds = out.queue_seconds
             self.metrics.queue.observe(out.queue_seconds)
         if not out.token_ids:
@@ -282,25 +330,30 @@ class TextGenerationService(_TextGenerationServicer):
             stream.first_token_at = now
             self.waiting -= 1
             self.metrics.ttft.observe(now - stream.arrival)
-        elif stream.last_token_at is not None:
-            self.metrics.itl.observe((now - stream.last_token_at) / len(out.token_ids))
-        stream.last_token_at = now
+        if choice.last_token_at is not None:
+            self.metrics.itl.observe((now - choice.last_token_at) / len(out.token_ids))
+        choice.last_token_at = now
+        choice.completion_tokens += len(out.token_ids)
         stream.completion_tokens += len(out.token_ids)
-        stream.last_token = out.token_ids[-1]
+        choice.last_token = out.token_ids[-1]
 
     def _final(
         self,
         stream: _Stream,
+        choice: _Choice,
         trace_id: str,
         reason: int,
         *,
+        last: bool,
         stop_sequence: str = "",
         stop_token_id: int | None = None,
     ) -> Any:
+        """Choice `choice`'s final message; the `last` one's also counts the call in the metrics."""
         now = time.monotonic()
-        self.metrics.e2e.observe(now - stream.arrival)
-        self.metrics.prompt_tokens.inc(stream.prompt_tokens)
-        self.metrics.generation_tokens.inc(stream.completion_tokens)
+        if last:
+            self.metrics.e2e.observe(now - stream.arrival)
+            self.metrics.prompt_tokens.inc(stream.prompt_tokens)
+        self.metrics.generation_tokens.inc(choice.completion_tokens)
         self.metrics.requests.labels(pb.FinishReason.Name(reason)).inc()
         final = pb.GenerateFinal(
             request_id=trace_id,
@@ -308,7 +361,7 @@ class TextGenerationService(_TextGenerationServicer):
             stop_sequence=stop_sequence,
             usage=pb.Usage(
                 prompt_tokens=stream.prompt_tokens,
-                completion_tokens=stream.completion_tokens,
+                completion_tokens=choice.completion_tokens,
                 cached_prompt_tokens=stream.cached_tokens,
             ),
             timings=pb.Timings(
@@ -316,6 +369,7 @@ class TextGenerationService(_TextGenerationServicer):
                 time_to_first_token_seconds=(stream.first_token_at or now) - stream.arrival,
                 total_seconds=now - stream.arrival,
             ),
+            index=choice.index,
         )
         if stop_token_id is not None:
             final.stop_token_id = stop_token_id

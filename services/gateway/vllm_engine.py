@@ -233,29 +233,36 @@ class VllmEngineService(vllm_grpc.VllmEngineServicer):
     async def _translate(
         self, request: Any, responses: asyncio.Queue[Any], call: _Call
     ) -> AsyncIterator[Any]:
-        """vLLM's messages from the cbserve stream's (`None` once it has ended)."""
+        """vLLM's messages from the cbserve stream's (`None` once it has ended); each names its choice
+        (`index`), and each choice ends with its own complete message."""
         s = request.sampling_params
         prompt_tokens = len(request.tokenized.input_ids)  # a text prompt's count comes with the complete
         with_logprobs = s.HasField("logprobs")
         with_top = with_logprobs and s.logprobs > 0
-        ids: list[int] = []  # kept for the complete message when not streaming
-        logprobs: list[Any] = []
+        choices = max(s.n, 1)
+        ids: list[list[int]] = [
+            [] for _ in range(choices)
+        ]  # kept for the complete messages when not streaming
+        logprobs: list[list[Any]] = [[] for _ in range(choices)]
+        generated = [0] * choices
+        ended: set[int] = set()
         prompt = _PromptLogprobs(request)
-        generated = 0
         while (response := await responses.get()) is not None:
             if response.HasField("final"):
-                output = logprobs if with_logprobs else None
-                yield self._complete(response.final, ids, output, with_top, prompt.take())
-                return
+                i = response.final.index
+                output = logprobs[i] if with_logprobs else None
+                ended.add(i)
+                yield self._complete(response.final, ids[i], output, with_top, prompt.take())
+                continue
             chunk = response.chunk
             prompt.add(chunk.prompt_logprobs)
             if not chunk.token_ids:
                 continue
-            n = len(chunk.token_ids)
-            generated += n
+            i, n = chunk.index, len(chunk.token_ids)
+            generated[i] += n
             if request.stream:
                 message = vllm.GenerateStreamChunk(
-                    token_ids=chunk.token_ids, prompt_tokens=prompt_tokens, completion_tokens=n
+                    token_ids=chunk.token_ids, prompt_tokens=prompt_tokens, completion_tokens=n, index=i
                 )
                 if with_logprobs:
                     message.output_logprobs.CopyFrom(_output_logprobs(chunk.logprobs, with_top))
@@ -263,12 +270,16 @@ class VllmEngineService(vllm_grpc.VllmEngineServicer):
                     message.input_logprobs.CopyFrom(input_logprobs)
                 yield vllm.GenerateResponse(chunk=message)
             else:
-                ids += chunk.token_ids
-                logprobs += chunk.logprobs
+                ids[i] += chunk.token_ids
+                logprobs[i] += chunk.logprobs
         if call.aborted:
-            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": generated}
-            complete = vllm.GenerateComplete(output_ids=ids, finish_reason="abort", **usage)
-            yield vllm.GenerateResponse(complete=complete)
+            for i in range(choices):
+                if i not in ended:
+                    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": generated[i]}
+                    complete = vllm.GenerateComplete(
+                        output_ids=ids[i], finish_reason="abort", index=i, **usage
+                    )
+                    yield vllm.GenerateResponse(complete=complete)
             return
         error = call.run.exception()
         if error is not None:
@@ -285,6 +296,7 @@ class VllmEngineService(vllm_grpc.VllmEngineServicer):
             prompt_tokens=usage.prompt_tokens,
             completion_tokens=usage.completion_tokens,
             cached_tokens=usage.cached_prompt_tokens,
+            index=final.index,
         )
         if final.stop_sequence:
             complete.matched_stop_str = final.stop_sequence

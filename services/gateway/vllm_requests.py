@@ -22,7 +22,8 @@ Fields and their nearest behaviour:
   `ebnf` extensions and forced tool calls) is cbserve's own `constraint`, `grammar` under the name
   `ebnf`. cbserve's grammar runs from the first generated token, which is what
   `grammar_from_first_token` asks for, so that flag changes nothing here.
-- Not in cbserve, refused when set: `n` > 1, `truncate_prompt_tokens`, multimodal inputs, KV
+- `n` is cbserve's `sampling.n` (0 is one choice, as in vLLM); each output names its choice (`index`).
+- Not in cbserve, refused when set: `truncate_prompt_tokens`, multimodal inputs, KV
   transfer (disaggregated prefill), a `data_parallel_rank` other than 0 (a cbserve stack is one rank).
 """
 
@@ -83,8 +84,6 @@ def _refuse_unsupported(request: Any) -> None:
     for name in ("mm_inputs", "media_refs", "kv_transfer_params", "kv_transfer_params_json"):
         if request.HasField(name):
             raise InvalidRequest(f"{name} is not supported by cbserve (text-only, no disaggregated prefill)")
-    if s.n > 1:
-        raise InvalidRequest(f"sampling_params.n must be 1 (one sequence per request), got {s.n}")
     for name in ("logprobs", "prompt_logprobs"):
         if s.HasField(name) and (value := getattr(s, name)) < 0:
             raise InvalidRequest(f"sampling_params.{name} must be in [0, 20] (no 'all'), got {value}")
@@ -124,6 +123,8 @@ def to_cbserve(request: Any) -> Any:
     sampling.logit_bias.update(s.logit_bias)
     if s.HasField("seed"):
         sampling.seed = s.seed
+    if s.n:
+        sampling.n = s.n
     _constraint(s, sampling)
     if s.HasField("max_tokens"):
         stopping.max_tokens = s.max_tokens

@@ -143,8 +143,12 @@ class WorkerClient:
     def in_flight(self) -> int:
         return len(self._streams)
 
-    def submit(self, request: NewRequest) -> asyncio.Queue[RequestOutput]:
-        stream = self._streams[request.request_id] = _Stream(request)
+    def submit(
+        self, request: NewRequest, queue: asyncio.Queue[RequestOutput] | None = None
+    ) -> asyncio.Queue[RequestOutput]:
+        """Send `request`; its outputs arrive on the returned queue, `queue` if given (the choices of
+        one call share theirs)."""
+        stream = self._streams[request.request_id] = _Stream(request, queue or asyncio.Queue())
         self._adds.append(request)
         self._schedule_flush()
         return stream.queue

@@ -150,7 +150,11 @@ class Engine:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str = "",
+        fork_of: str | None = None,
     ) -> Request:
+        """`fork_of`: a request added before, with the same prompt, whose prompt KV this one shares (a
+        sibling of an n > 1 call): computed once, its full pages held once (see `Request.fork_of`).
+        Where that cannot be (the other has sampled already, or is gone), this request runs alone."""
         params = params or SamplingParams()
         params.validate(self.vocab_size)
         prompt = [int(t) for t in prompt_ids]
@@ -181,6 +185,9 @@ class Engine:
         )
         if params.seed is not None:
             req.generator = Sampler.make_generator(params.seed, self.device)
+        if fork_of is not None:
+            compiling = self._compiling.get(fork_of)
+            req.fork_of = compiling[0] if compiling is not None else self.scheduler.requests.get(fork_of)
         if params.constraint is not None:
             if rid in self._compiling or rid in self.scheduler.requests:
                 raise ValueError(f"duplicate request_id {rid!r}")
@@ -363,7 +370,9 @@ class Engine:
     # ---------------------------------------------------------------------------------------- admin
 
     def stats(self) -> dict[str, Any]:
-        return self.cache.stats() | self.scheduler.counts()
+        return (
+            self.cache.stats() | self.scheduler.counts() | {"computed_tokens": self.phase_totals.num_tokens}
+        )
 
     def close(self) -> None:
         for rid in [*self._compiling, *self.scheduler.requests]:

@@ -166,6 +166,16 @@ class ModelRunner:
     def copy_swap(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]]) -> None:
         self.swap_copies.copy(swap_out, swap_in)
 
+    def copy_pages(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """(source chunk, destination chunk) pairs of the KV pool, every layer slot, K and V: a fork's
+        own copy of its parent's last page (the pool layout is
+        [layers_per_chunk, 2, chunks, page, kv_heads, row_elems], int8 rows carrying their scales)."""
+        if not pairs:
+            return
+        source = torch.tensor([a for a, _ in pairs], device=self.kv_pool.device)
+        destination = torch.tensor([b for _, b in pairs], device=self.kv_pool.device)
+        self.kv_pool.index_copy_(2, destination, self.kv_pool.index_select(2, source))
+
     def build(self, items: Sequence[BatchItem], fill: Sequence[tuple[int, int]] = ()) -> ForwardBatch:
         """`fill`: (input row, sampling row) pairs, the placeholders `forward` takes from the tokens
         the step before sampled (ForwardBatch.fill_rows)."""

@@ -69,6 +69,11 @@ class Request:
     # With a constraint: its grammar's matcher, made once the grammar has compiled (the request
     # enters the scheduler then); the host advances it as each step's tokens are taken.
     grammar: GrammarState | None = None
+    # A sibling of the same n > 1 call whose prompt KV it is to share: until that request's prompt
+    # is computed, this one waits without computing anything, then starts at its prompt's end from
+    # the same logits row (a *fork*). Cleared once forked, or when the fork is given up (it then
+    # runs on its own, its prompt's full pages hit in the prefix cache).
+    fork_of: Request | None = None
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     # With `params.prompt_logprobs`: entry i is prompt token i + 1's (the first token has none),
     # from the logits at position i. Filled as prompt chunks compute; complete at the first sample.

@@ -14,6 +14,11 @@ N samples for plans its next token as a placeholder, and one N completes (length
 again. A request N+1 computes but that N finished (a stop id) wastes that token; `postprocess` drops
 every token of a request finished (or aborted) meanwhile.
 
+A request may *fork* from a sibling (n > 1, `Request.fork_of`): it is planned right behind its
+parent in the step where the parent's prompt ends, asks for no token, and samples from the parent's
+logits row; the cachemgr gives it the parent's pages (`PlanEntry.fork_of`). Should that step pass it
+over, the fork is given up and it is planned as a request of its own.
+
 Policies (higher `priority` first within each class, ties by arrival):
 - `fifo`: running decodes, running prefills, offloaded (restores), then pending;
 - `prefill_first`: running prefills, running decodes, offloaded, then pending.
@@ -48,12 +53,14 @@ _CLASS_ORDER = {
 @dataclass(frozen=True)
 class Scheduled:
     """Request `request` computes tokens `[start, start + num_tokens)` this step; with `sample`, that
-    reaches its last token, whose logits sample the next one."""
+    reaches its last token, whose logits sample the next one. A fork computes nothing and samples
+    from the logits of `fork_of`, scheduled before it in the same step."""
 
     request: Request
     start: int
     num_tokens: int
     sample: bool
+    fork_of: Request | None = None
 
 
 @dataclass
@@ -62,11 +69,29 @@ class StepBatch:
     scheduled: list[Scheduled]
     swap_out: list[tuple[int, int]]
     swap_in: list[tuple[int, int]]
+    page_copies: list[tuple[int, int]] = field(default_factory=list)  # forks' last pages, after the forward
     failed: list[Request] = field(default_factory=list)  # rejected by the cache manager
 
     @property
     def sampling(self) -> list[Scheduled]:
+        """The rows that sample, forks included, in batch order: one token each."""
         return [s for s in self.scheduled if s.sample]
+
+    @property
+    def computed(self) -> list[Scheduled]:
+        """The rows the forward computes (every one but the forks)."""
+        return [s for s in self.scheduled if s.num_tokens]
+
+    def logits_rows(self) -> list[int]:
+        """For each sampling row, its row of the forward's logits (one per computed row that samples,
+        in order): a fork's is its parent's."""
+        row_of: dict[int, int] = {}
+        rows = []
+        for s in self.sampling:
+            if s.fork_of is None:
+                row_of[id(s.request)] = len(row_of)
+            rows.append(row_of[id(s.fork_of if s.fork_of is not None else s.request)])
+        return rows
 
 
 class Scheduler:
@@ -83,14 +108,32 @@ class Scheduler:
         self._steps = itertools.count()
         self._frees: list[str] = []
         self._aborts: list[str] = []
+        self._forks: dict[str, list[Request]] = {}  # by parent id: the requests waiting to fork from it
 
     # ------------------------------------------------------------------------------- request intake
 
     def add(self, request: Request) -> None:
+        """A request with `fork_of` forks only from a parent here that has not sampled yet, with the
+        same prompt and cache salt; otherwise it runs on its own."""
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request_id {request.request_id!r}")
         request.arrival = next(self._arrivals)
+        parent = request.fork_of
+        if parent is not None and not (
+            self.requests.get(parent.request_id) is parent
+            and parent.fork_of is None
+            and not self._has_sampled(parent)
+            and parent.prompt_ids == request.prompt_ids
+            and parent.cache_salt == request.cache_salt
+        ):
+            request.fork_of = None
         self.requests[request.request_id] = request
+        if request.fork_of is not None:
+            self._forks.setdefault(request.fork_of.request_id, []).append(request)
+
+    @staticmethod
+    def _has_sampled(req: Request) -> bool:
+        return bool(req.output_ids or req.num_placeholders or req.finished)
 
     def abort(self, request_id: str) -> Request | None:
         """Finish a request in any state; its blocks are released with the next plan."""
@@ -130,9 +173,12 @@ class Scheduler:
         pages_left = self.cache_budget_pages if self.cache_budget_pages is not None else float("inf")
         busy = {s.request.request_id for s in running.scheduled} if running is not None else set()
         entries = []
+        self._give_up_forks()
         for req in sorted(self.requests.values(), key=self._policy_key):
             if tokens_left == 0:
                 break
+            if req.fork_of is not None:
+                continue  # planned behind its parent
             if (
                 req.num_placeholders
                 and len(req.output_ids) + req.num_placeholders >= req.params.max_new_tokens
@@ -180,6 +226,8 @@ class Scheduler:
                 )
             )
             req.num_sent = req.num_known
+            if samples:
+                rows_left = self._plan_forks(req, entries, rows_left)
         plan = StepPlan(
             step=next(self._steps),
             entries=entries,
@@ -190,6 +238,39 @@ class Scheduler:
         )
         self._frees, self._aborts = [], []
         return plan
+
+    def _plan_forks(self, parent: Request, entries: list[PlanEntry], rows_left: int) -> int:
+        """Plan the forks of `parent`, whose entry was just planned to sample, behind it (a logits row
+        each); returns the rows left."""
+        for child in self._forks.get(parent.request_id, ()):
+            if rows_left == 0:
+                break
+            rows_left -= 1
+            entries.append(
+                PlanEntry(
+                    request_id=child.request_id,
+                    num_tokens=0,
+                    new_token_ids=child.prompt_ids,
+                    arrival=child.arrival,
+                    cache_salt=child.cache_salt,
+                    max_total_tokens=len(child.prompt_ids) + child.params.max_new_tokens,
+                    fork_of=parent.request_id,
+                )
+            )
+        return rows_left
+
+    def _give_up_forks(self) -> None:
+        """Forks whose parent is gone or has sampled run on their own from now on (the cachemgr knows
+        nothing of them: their fork entries were passed over)."""
+        for parent_id, children in list(self._forks.items()):
+            parent = self.requests.get(parent_id)
+            live = [c for c in children if not c.finished]
+            if parent is None or self._has_sampled(parent) or not live:
+                for child in live:
+                    child.fork_of = None
+                del self._forks[parent_id]
+            else:
+                self._forks[parent_id] = live
 
     def _least_admission(self, req: Request) -> int:
         """The fewest tokens an admission can compute: a prefix hit is whole pages and leaves at least
@@ -202,7 +283,13 @@ class Scheduler:
         return (self.order[req.status], -req.priority, req.arrival)
 
     def apply(self, grant: StepGrant) -> StepBatch:
-        batch = StepBatch(step=grant.step, scheduled=[], swap_out=grant.swap_out, swap_in=grant.swap_in)
+        batch = StepBatch(
+            step=grant.step,
+            scheduled=[],
+            swap_out=grant.swap_out,
+            swap_in=grant.swap_in,
+            page_copies=grant.page_copies,
+        )
         for rejected in grant.rejected:
             req = self.requests.pop(rejected.request_id, None)
             if req is not None:
@@ -236,7 +323,15 @@ class Scheduler:
             sample = req.num_computed == req.num_tokens
             req.num_placeholders += sample
             req.status = RequestStatus.DECODING if sample else RequestStatus.PREFILLING
-            batch.scheduled.append(Scheduled(req, g.start, g.num_tokens, sample))
+            fork_of = None
+            if g.num_tokens == 0:
+                fork_of = req.fork_of
+                if fork_of is None:
+                    raise RuntimeError(f"{g.request_id}: granted as a fork of nothing: {g}")
+                req.fork_of = None
+                req.num_sent = req.num_known
+                self._forks[fork_of.request_id].remove(req)
+            batch.scheduled.append(Scheduled(req, g.start, g.num_tokens, sample, fork_of))
         return batch
 
     # --------------------------------------------------------------------------------- postprocess

@@ -304,7 +304,12 @@ class WorkerServer:
                     f"{facts.max_request_tokens}"
                 )
             engine.add_request(
-                new.prompt_ids, new.params, request_id=key, priority=new.priority, cache_salt=new.cache_salt
+                new.prompt_ids,
+                new.params,
+                request_id=key,
+                priority=new.priority,
+                cache_salt=new.cache_salt,
+                fork_of=request_key(gateway, new.fork_of) if new.fork_of else None,
             )
         except (ValueError, TypeError) as exc:
             gateway.refuse(new.request_id, str(exc), "INVALID_ARGUMENT")
@@ -406,6 +411,8 @@ class WorkerServer:
             kv_pool_committed_bytes=stats["kv_pool_committed_bytes"],
             host_available_bytes=stats["host_available_bytes"],
             steps=stats["steps"],
+            computed_tokens=stats["computed_tokens"],
+            forks=stats["forks"],
             worker_streams=len(self.sessions.tracked),
             cache_requests=stats["requests_known"],
         )

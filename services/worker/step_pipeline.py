@@ -40,7 +40,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -220,14 +220,14 @@ class StepPipeline:
                 s.sample,
                 s.request.prompt_logprob_rows(s.start, s.start + s.num_tokens),
             )
-            for s in batch.scheduled
+            for s in batch.computed
         ]
         source = (
             {} if before is None else {id(s.request): i for i, s in enumerate(before.built.batch.sampling)}
         )
         fill = []
         row = 0
-        for s in batch.scheduled:
+        for s in batch.computed:
             req = s.request
             if s.start + s.num_tokens > req.num_known:
                 if s.start + s.num_tokens != req.num_known + 1 or id(req) not in source:
@@ -290,12 +290,12 @@ class StepPipeline:
         ]
         chosen: list[int] = []  # prompt logprobs: position i's logits score token i + 1
         top_n: list[int] = []
-        for s, item in zip(step.batch.scheduled, step.items, strict=True):
+        for s, item in zip(step.batch.computed, step.items, strict=True):
             chosen += s.request.prompt_ids[item.logit_rows.start + 1 : item.logit_rows.stop + 1]
             top_n += [min(s.request.params.prompt_logprobs or 0, self.vocab_size)] * len(item.logit_rows)
         batch = step.batch
         source = before.result if before is not None else None
-        args = (step.forward, batch.swap_out, batch.swap_in, source, rows, chosen, top_n)
+        args = (step.forward, batch, source, rows, batch.logits_rows(), chosen, top_n)
         if self._forward_thread is None:
             result: Future[_Computed] = Future()
             result.set_result(self._compute(*args))
@@ -306,30 +306,35 @@ class StepPipeline:
     def _compute(
         self,
         built: ForwardBatch,
-        swap_out: Sequence[tuple[int, int]],
-        swap_in: Sequence[tuple[int, int]],
+        batch: StepBatch,
         before: Future[_Computed] | None,
         rows: list[SamplingRow],
+        logits_rows: list[int],
         chosen: list[int],
         top_n: list[int],
     ) -> _Computed:
-        """The swap copies, the forward and the sampling of one step; touches no request (another
-        thread may be planning the next step). The swap copies wait for the step before: it may
-        still write the KV of the requests moved. `before`: that step, when this one's placeholders
-        take its tokens on the device; this thread computed it, so its result is there (or its
-        error, raised again)."""
+        """The swap copies, the forward, the forks' page copies and the sampling of one step; reads of
+        `batch` only its copies, and touches no request (another thread may be
+        planning the next step). The swap copies wait for the step before: it may still write the KV
+        of the requests moved. `before`: that step, when this one's placeholders take its tokens on
+        the device; this thread computed it, so its result is there (or its error, raised again)."""
         t0 = time.perf_counter()
-        self.runner.copy_swap(swap_out, swap_in)
+        self.runner.copy_swap(batch.swap_out, batch.swap_in)
         tokens = before.result().sampled.tokens if before is not None else None
         logits = self.runner.forward(built, tokens)
+        self.runner.copy_pages(batch.page_copies)
         t1 = time.perf_counter()
+        computed_rows = len(set(logits_rows))
         prompt_logprobs = []
         if chosen:
             prompt_logprobs = token_logprobs(
-                logits[len(rows) :], torch.tensor(chosen, device=logits.device), top_n
+                logits[computed_rows:], torch.tensor(chosen, device=logits.device), top_n
             )
         if rows:
-            sampled = self.sampler.sample(logits[: len(rows)], rows)
+            sample_logits = logits[:computed_rows]
+            if len(logits_rows) > computed_rows:  # forks: each samples its parent's row on its own
+                sample_logits = sample_logits[torch.tensor(logits_rows, device=logits.device)]
+            sampled = self.sampler.sample(sample_logits, rows)
         else:
             sampled = SampleOutput(torch.empty(0, dtype=torch.long, device=logits.device), [])
         host_tokens, copied = sampled.tokens, None
@@ -373,7 +378,7 @@ class StepPipeline:
         times.num_tokens = sum(s.num_tokens for s in batch.scheduled)
         times.num_requests = len(batch.scheduled)
         lps = iter(computed.prompt_logprobs)
-        for s, item in zip(batch.scheduled, running.built.items, strict=True):
+        for s, item in zip(batch.computed, running.built.items, strict=True):
             taken = list(itertools.islice(lps, len(item.logit_rows)))
             if not s.request.finished:
                 s.request.prompt_logprobs += taken
