@@ -422,6 +422,83 @@ def test_refcounts_of_shared_chunks() -> None:
     assert stats["used_blocks"] == 0 and stats["free_blocks"] + stats["evictable_blocks"] == 16
 
 
+def F(rid: str, parent: str, prompt: Sequence[int], arrival: int = 1, salt: str = "") -> PlanEntry:
+    """A fork entry: `rid` starts on `parent`'s prompt (n > 1)."""
+    return PlanEntry(rid, 0, list(prompt), arrival, salt, fork_of=parent)
+
+
+@pytest.mark.parametrize("length", [2 * P, 2 * P + 3], ids=["whole-pages", "partial-page"])
+def test_a_fork_shares_the_prompt_pages_and_copies_a_partial_last_one(length: int) -> None:
+    bm = make_bm(FULL, 16)
+    k = bm.allocators[0].k  # chunks per page: 1 wherever prefix caching is on (all-full layers)
+    d = Driver(bm)
+    prompt = toks(0, length)
+    grant = d.step(E("a", length, prompt), F("b", "a", prompt), F("c", "a", prompt, arrival=2))
+    assert granted(grant) == {"a": (0, length), "b": (length, 0), "c": (length, 0)}
+    parent = table(bm, "a")
+    full = length // P * k
+    for child in ("b", "c"):
+        assert table(bm, child)[:full] == parent[:full]
+    assert [bm.pool.refcount[c] for c in parent[:full]] == [3] * full
+    own = [table(bm, child)[full:] for child in ("b", "c")]
+    if length % P:
+        assert grant.page_copies == [(s, d) for o in own for s, d in zip(parent[full:], o, strict=True)]
+        assert len({*own[0], *own[1], *parent[full:]}) == 3 * k
+    else:
+        assert grant.page_copies == [] and own == [[], []]
+    assert bm.stats.forks == 2 and bm.stats.prefix_queries == length  # the forks looked nothing up
+    # The forks decode on their own pages; the parent's end frees none of theirs.
+    d.step(E("a", 1, [7]), E("b", 1, [8]), E("c", 1, [9]))
+    d.step(E("b", 1, [10]), E("c", 1, [11]), frees=["a"])
+    assert bm.requests["b"].num_computed == length + 1
+    d.step(frees=["b", "c"])
+    assert bm.stats_dict()["used_blocks"] == 0
+
+
+def test_a_fork_is_passed_over_unless_its_parent_reaches_its_prompts_end_in_this_step() -> None:
+    bm = make_bm(FULL, 16)
+    d = Driver(bm)
+    prompt = toks(0, 10)
+    grant = d.step(E("a", 4, prompt, may_sample=False), F("b", "a", prompt))  # a chunk short of the end
+    assert granted(grant) == {"a": (0, 4)}
+    assert "b" not in bm.requests and grant.page_copies == []
+    grant = d.step(E("a", 6), F("b", "a", toks(1, 10)))  # the prompts differ
+    assert granted(grant) == {"a": (4, 6)} and "b" not in bm.requests
+    grant = d.step(E("a", 1, [99]), F("b", "a", prompt))  # the parent sampled already
+    assert "b" not in granted(grant)
+    grant = d.step(F("b", "nobody", prompt))
+    assert granted(grant) == {} and bm.stats.forks == 0
+    d.step(frees=["a"])
+    assert bm.stats_dict()["used_blocks"] == 0
+
+
+def test_a_fork_without_a_free_chunk_for_its_last_page_is_passed_over() -> None:
+    bm = make_bm(FULL, 3)
+    d = Driver(bm)
+    prompt = toks(0, 2 * P + 1)  # three pages: the pool is full
+    grant = d.step(E("a", len(prompt), prompt), F("b", "a", prompt))
+    assert granted(grant) == {"a": (0, len(prompt))} and "b" not in bm.requests
+
+
+def test_forks_offload_and_restore_like_any_request() -> None:
+    bm = make_bm(FULL, 6, swap_slots=8)
+    d = Driver(bm)
+    prompt = toks(0, 10)  # three pages: two shared, the last copied
+    d.step(E("a", 10, prompt), F("b", "a", prompt, arrival=2))
+    d.step(E("a", 1, [50]), E("b", 1, [60]), E("x", 8, toks(100, 8), arrival=1))
+    d.step(E("a", 1, [51]), E("b", 1, [61]))
+    assert bm.pool.num_free == 0
+    # Both need a fourth page: the newest, the fork, is offloaded; a keeps the pages they shared.
+    grant = d.step(E("a", 1, [52]), E("b", 1, [62]))
+    assert grant.offloaded == ["b"] and granted(grant) == {"a": (12, 1)}
+    assert [bm.pool.refcount[c] for c in table(bm, "a")[:2]] == [1, 1]
+    grant = d.step(E("b", 1), frees=["x", "a"])
+    assert bm.requests["b"].state is CacheState.ACTIVE and len(grant.swap_in) == 3
+    assert granted(grant) == {"b": (12, 1)}
+    d.step(frees=["b"])
+    assert bm.stats_dict()["used_blocks"] == 0 and bm.stats_dict()["swap_slots_used"] == 0
+
+
 def test_evictable_blocks_are_reclaimed_lru_only_when_nothing_is_free() -> None:
     bm = make_bm(FULL, 6)
     d = Driver(bm)
