@@ -1,7 +1,7 @@
 """n > 1 through cbserve.v1 on the three-process stacks: each chunk and final message names its choice;
 greedy choices equal transformers; seeded choices repeat, each as a call of its own with seed + i; the
-prompt is computed once (GetLoad's counters); a cancelled call frees every choice; `n` above the
-server's --max-n is INVALID_ARGUMENT.
+prompt is computed once (GetLoad's counters); a cancelled or expired call frees every choice; a choice
+that fails ends the call with its error; `n` outside [1, --max-n] is INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
@@ -94,6 +94,29 @@ def test_cancelling_a_call_frees_every_choice(async_stack: Stack) -> None:
         assert time.monotonic() < deadline, async_stack.log_tail()
         time.sleep(0.05)
     assert_serves_exactly(async_stack, tiny_prompt(73))
+
+
+def test_a_deadline_ends_every_choice(tiny_stack: Stack) -> None:
+    prompt = tiny_prompt(76, 40)
+    request = greedy_request(prompt, tiny_stack.info.max_model_len - len(prompt))
+    request.sampling.n = 3
+    with pytest.raises(grpc.RpcError) as info:
+        list(tiny_stack.stub.Generate(request, timeout=1.0))
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    tiny_stack.assert_idle()
+
+
+def test_a_failing_choice_ends_the_call_with_its_error(tiny_stack: Stack) -> None:
+    """The tiny model has no tokenizer, so the worker refuses each choice's constraint: the first
+    refusal ends the call, and the other choices are aborted."""
+    request = greedy_request(tiny_prompt(77), 4)
+    request.sampling.n, request.sampling.regex = 3, "[ab]+"
+    with pytest.raises(grpc.RpcError) as info:
+        list(tiny_stack.stub.Generate(request, timeout=CALL_TIMEOUT_S))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "tokenizer" in str(info.value.details())
+    tiny_stack.assert_idle()
+    assert_serves_exactly(tiny_stack, tiny_prompt(78))
 
 
 @pytest.mark.parametrize("n", [0, 17])
