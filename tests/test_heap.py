@@ -44,7 +44,11 @@ def test_a_step_reuses_the_pages_the_step_before_freed() -> None:
     default = _faults_per_step("default")
     if default < pages_touched / 4:
         pytest.skip(f"this C library keeps freed memory by itself ({default} faults a step)")
-    assert _faults_per_step("kept") < pages_touched / 100, f"glibc's defaults: {default} faults a step"
+    # Kept, a step faults almost nothing in: bounded against the default's count, not by an absolute one,
+    # since the kernel's own work on a busy host (compaction, page-table scans) adds a few faults a step
+    # that are no allocation of ours (a full suite on two cores once saw 103 of 8,192 pages).
+    kept = _faults_per_step("kept")
+    assert kept < default / 20, f"kept: {kept} faults a step; glibc's defaults: {default}"
 
 
 def test_a_users_own_allocator_settings_are_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
