@@ -1,7 +1,11 @@
 """Structured output at its edges in the engine (issue 50), on a tiny model over SmolLM2's tokenizer:
 
 - a request whose grammar is still compiling counts as waiting (it sits outside the scheduler, and a
-  worker whose requests all compile must not look idle to whoever balances load on `waiting`).
+  worker whose requests all compile must not look idle to whoever balances load on `waiting`);
+- `min_new_tokens` past the grammar's end: the grammar's end wins (vLLM's choice), so the output stays
+  valid and finishes at its stop token, where forbidding EOS used to leave no token to sample and the
+  request ended in an error after a token the grammar rejects; `min_new_tokens` still holds where the
+  grammar allows going on.
 """
 
 from __future__ import annotations
@@ -84,3 +88,51 @@ def test_compiling_request_counts_as_waiting(tiny_text: Path, tokenizer: Any) ->
         assert constrained.finish_reason in (FinishReason.EOS, FinishReason.LENGTH), constrained.error
         assert re.fullmatch("[a-z]{1,8}", tokenizer.decode(constrained.output_ids, skip_special_tokens=True))
         assert_idle(engine)
+
+
+@ASYNC
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_past_the_grammars_end_stops_at_its_end(
+    engines: dict[bool, Engine], tokenizer: Any, async_batching: bool, temperature: float
+) -> None:
+    engine = engines[async_batching]
+    eos = engine.scheduler.eos_token_ids
+    params = SamplingParams(
+        max_new_tokens=16,
+        min_new_tokens=10,
+        temperature=temperature,
+        seed=3,
+        constraint=Constraint.choice(["yes", "no"]),
+    )
+    reqs = [engine.add_request(prompt_ids(tokenizer), params) for _ in range(2)]
+    engine.run_until_done()
+    for req in reqs:
+        assert req.finish_reason is FinishReason.EOS, (req.finish_reason, req.error, req.output_ids)
+        assert req.output_ids[-1] in eos and len(req.output_ids) < params.min_new_tokens, req.output_ids
+        assert tokenizer.decode(req.output_ids[:-1]) in ("yes", "no"), req.output_ids
+    assert_idle(engine)
+
+
+@ASYNC
+def test_min_tokens_holds_while_the_grammar_may_go_on(
+    engines: dict[bool, Engine], tokenizer: Any, async_batching: bool
+) -> None:
+    """The grammar may end after any letter and may go on without end: EOS stays forbidden for the
+    first `min_new_tokens` tokens. A +100 bias on EOS makes it the greedy pick as soon as it
+    is allowed, so the output is exactly `min_new_tokens` letters' tokens and EOS."""
+    engine = engines[async_batching]
+    eos = tokenizer.eos_token_id
+    assert eos in engine.scheduler.eos_token_ids
+    params = SamplingParams(
+        max_new_tokens=12,
+        min_new_tokens=5,
+        logit_bias=((eos, 100.0),),
+        constraint=Constraint("regex", "[a-z]+"),
+    )
+    req = engine.add_request(prompt_ids(tokenizer), params)
+    engine.run_until_done()
+    assert req.finish_reason is FinishReason.EOS, (req.finish_reason, req.error, req.output_ids)
+    assert len(req.output_ids) == params.min_new_tokens + 1 and req.output_ids[-1] == eos, req.output_ids
+    text = tokenizer.decode(req.output_ids[:-1])
+    assert re.fullmatch("[a-z]+", text), text
+    assert_idle(engine)
