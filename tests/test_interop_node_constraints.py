@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 from typing import Any
 
 import jsonschema
 import pytest
 
-from tests.interop.node_runner import needs_node, node_client
+from tests.interop.node_runner import CLIENT, needs_node, node_client
 from tests.stack import Stack
 
 pytestmark = needs_node
@@ -138,3 +139,28 @@ def test_bad_constraint_is_invalid_argument(
     if quoted.endswith(": "):  # the compiler's own words follow
         assert len(details) > len(quoted) + 5, details
     smol_stack.assert_idle()
+
+
+@pytest.mark.parametrize(
+    ("request_json", "constraint", "message"),
+    [
+        ('{"text": "Hi", "sampling": {"regex": "a", "ebnf": "b"}}', None, "sampling sets regex and ebnf"),
+        ('{"text": "Hi", "sampling": {"regex": "a"}}', "ebnf=b", "both set sampling.regex"),
+        ('{"text": "Hi"}', "yaml=a: b", 'kind "yaml" is not one of json_schema,json_object,'),
+        ('{"text": "Hi"}', "choice=[1", "choice takes its message as JSON"),
+    ],
+    ids=["two_in_request", "request_and_flag", "unknown_kind", "choice_not_json"],
+)
+def test_client_refuses_an_ambiguous_constraint(
+    node_client: Any, request_json: str, constraint: str | None, message: str
+) -> None:
+    """Refused before any call (exit 64, no server needed): protobufjs would send one of two oneof
+    members and drop the other without a word."""
+    args = ["--target", "127.0.0.1:1", "--request", request_json]
+    if constraint is not None:
+        args += ["--constraint", constraint]
+    proc = subprocess.run(
+        ["node", str(CLIENT), *args], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.returncode == 64, (proc.returncode, proc.stdout, proc.stderr)
+    assert message in proc.stderr, proc.stderr
