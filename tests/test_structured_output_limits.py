@@ -72,7 +72,7 @@ def test_compiling_request_counts_as_waiting(tiny_text: Path, tokenizer: Any) ->
                 SamplingParams(max_new_tokens=8, constraint=Constraint("regex", "[a-z]{1,8}")),
             )
             free = engine.add_request(
-                prompt_ids(tokenizer), SamplingParams(max_new_tokens=64, ignore_eos=True)
+                prompt_ids(tokenizer), SamplingParams(max_new_tokens=8, ignore_eos=True)
             )
             stats = engine.stats()
             assert (stats["running"], stats["waiting"]) == (0, 2), stats
