@@ -71,7 +71,7 @@ def constrained(node_client: Any, stack: Stack, request: str, constraint: str) -
     return out
 
 
-# Slow: about 60 tokens of JSON (SmolLM2 pretty-prints it), 33 s on two shared cores. In the default run
+# Slow: about 60 tokens of JSON (SmolLM2 pretty-prints it), 33-55 s on two shared cores. In the default run
 # the bad-schema cases below still show the Node client's json_schema reaching the worker's compiler,
 # and test_structured_output_stack.py validates SmolLM2's JSON through the Python client.
 @pytest.mark.slow
