@@ -370,9 +370,11 @@ class Engine:
     # ---------------------------------------------------------------------------------------- admin
 
     def stats(self) -> dict[str, Any]:
-        return (
-            self.cache.stats() | self.scheduler.counts() | {"computed_tokens": self.phase_totals.num_tokens}
-        )
+        counts = self.scheduler.counts()
+        # A request whose grammar compiles waits too, outside the scheduler (it holds no block yet):
+        # a load balancer reading `waiting` must see it, or a worker compiling looks idle.
+        counts["waiting"] += len(self._compiling)
+        return self.cache.stats() | counts | {"computed_tokens": self.phase_totals.num_tokens}
 
     def close(self) -> None:
         for rid in [*self._compiling, *self.scheduler.requests]:

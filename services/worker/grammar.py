@@ -169,6 +169,7 @@ class GrammarState:
         import xgrammar as xgr
 
         self.matcher = xgr.GrammarMatcher(compiled)
+        self.vocab_size = vocab_size
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
         self.mask: torch.Tensor = self._bitmask[0]
         for token in generated:
@@ -193,6 +194,17 @@ class GrammarState:
         if not self._fill():
             return f"the constraint admits no token after token {token}"
         return ""
+
+    def admits_only(self, ids: Sequence[int]) -> bool:
+        """Whether the next token's mask allows no token but some of `ids` (e.g. only the stop ids,
+        once the grammar is complete): forbidding those would leave the sample nothing to take."""
+        mask = self.mask.clone()
+        for token in ids:
+            if 0 <= token < self.vocab_size:
+                word, bit = divmod(token, 32)
+                value = int(mask[word]) & ~(1 << bit) & 0xFFFFFFFF  # as unsigned, so bit 31 clears too
+                mask[word] = value - (1 << 32) if value >= 1 << 31 else value  # back to int32
+        return not bool(mask.any())
 
     def _fill(self) -> bool:
         """Fill the mask; whether it allows any token."""

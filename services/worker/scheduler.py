@@ -379,7 +379,12 @@ class Scheduler:
         if len(req.output_ids) + max(req.num_placeholders - 1, 0) >= params.min_new_tokens:
             return ()
         eos = () if params.ignore_eos else tuple(self.eos_token_ids)
-        return eos + params.stop_token_ids
+        suppressed = eos + params.stop_token_ids
+        if req.grammar is not None and req.grammar.admits_only(suppressed):
+            # The grammar is complete and allows only its end: the end wins over min_new_tokens (as in
+            # vLLM), since structured output must stay valid and the sample needs a token to take.
+            return ()
+        return suppressed
 
     @staticmethod
     def _finish(req: Request, reason: FinishReason) -> None:

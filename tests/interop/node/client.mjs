@@ -3,10 +3,17 @@
 // ONE JSON line on stdout so a test in another language can assert on it.
 //
 //   node client.mjs --target HOST:PORT --request '<GenerateRequest, proto3 JSON>' \
-//        [--deadline-ms N] [--metadata k=v ...]
+//        [--constraint KIND[=TEXT]] [--deadline-ms N] [--metadata k=v ...]
 //   node client.mjs --target HOST:PORT --health       # grpc.health.v1.Health/Check
 //   node client.mjs --target HOST:PORT --model-info   # cbserve.v1.TextGeneration/GetModelInfo
 //   node client.mjs --target HOST:PORT --detokenize '<DetokenizeRequest, proto3 JSON>'
+//
+// --constraint sets one member of SamplingParams' `constraint` oneof (structured output), KIND named
+// as the .proto spells it (json_schema, json_object, regex, ebnf, choice, structural_tag): a string
+// member takes TEXT as it is (`regex=[0-9]+`), a bool member takes no TEXT (`json_object`), a message
+// member takes its proto3 JSON (`choice={"choices":["yes","no"]}`). The members are read from the
+// loaded .proto, so a kind added there works here unchanged. A request that sets two members of the
+// oneof (protobufjs would keep one and drop the other silently) is a usage error.
 //
 // Every call sends the --metadata pairs (e.g. `authorization=Bearer KEY`). --tls-ca PEM connects with
 // TLS, trusting that CA; --tls-cert PEM --tls-key PEM add a client certificate (mutual TLS).
@@ -45,6 +52,7 @@ function parseCli(argv) {
     options: {
       target: { type: 'string' },
       request: { type: 'string' },
+      constraint: { type: 'string' },
       'deadline-ms': { type: 'string' },
       metadata: { type: 'string', multiple: true, default: [] },
       health: { type: 'boolean', default: false },
@@ -66,6 +74,9 @@ function parseCli(argv) {
   if (modes.length !== 1) {
     throw new UsageError('give exactly one of --request, --health, --model-info, --detokenize');
   }
+  if (values.constraint !== undefined && values.request === undefined) {
+    throw new UsageError('--constraint goes with --request');
+  }
   if (values['deadline-ms'] !== undefined && !/^\d+$/.test(values['deadline-ms'])) {
     throw new UsageError('--deadline-ms takes a non-negative integer');
   }
@@ -86,6 +97,63 @@ function credentials(args) {
 
 function loadPackage(protoPath) {
   return grpc.loadPackageDefinition(protoLoader.loadSync(protoPath, LOADER_OPTIONS));
+}
+
+// The members of SamplingParams' `constraint` oneof, from the .proto's descriptor: snake_case name
+// (as the .proto spells it) -> { key (proto3 JSON's lowerCamelCase, as the loader names it), type }.
+function constraintMembers() {
+  const descriptor = protoLoader.loadSync(API_PROTO, LOADER_OPTIONS)['cbserve.v1.SamplingParams'].type;
+  const index = descriptor.oneofDecl.findIndex((o) => o.name === 'constraint');
+  if (index < 0) throw new Error('cbserve.v1.SamplingParams has no oneof `constraint`');
+  const snake = (camel) => camel.replace(/[A-Z]/g, (c) => `_${c.toLowerCase()}`);
+  return new Map(
+    descriptor.field
+      .filter((f) => f.oneofIndex === index)
+      .map((f) => [snake(f.name), { key: f.name, type: f.type }]),
+  );
+}
+
+// `spec` (KIND[=TEXT]) as the value of its oneof member; see the header.
+function constraintValue(spec, members) {
+  const eq = spec.indexOf('=');
+  const kind = eq < 0 ? spec : spec.slice(0, eq);
+  const text = eq < 0 ? null : spec.slice(eq + 1);
+  const member = members.get(kind);
+  if (member === undefined) {
+    throw new UsageError(`--constraint kind ${JSON.stringify(kind)} is not one of ${[...members.keys()]}`);
+  }
+  if (member.type === 'TYPE_BOOL') {
+    if (text !== null && text !== 'true') throw new UsageError(`--constraint ${kind} takes no text`);
+    return [member.key, true];
+  }
+  if (text === null) throw new UsageError(`--constraint ${kind} needs =TEXT`);
+  if (member.type !== 'TYPE_MESSAGE') return [member.key, text];
+  try {
+    return [member.key, JSON.parse(text)];
+  } catch (err) {
+    throw new UsageError(`--constraint ${kind} takes its message as JSON: ${err.message}`);
+  }
+}
+
+// The request with --constraint set, once: at most one member of the oneof, whoever set it.
+function withConstraint(request, spec) {
+  const given = request.sampling;
+  if (given !== undefined && (given === null || typeof given !== 'object' || Array.isArray(given))) {
+    throw new UsageError('sampling must be a JSON object');
+  }
+  const members = constraintMembers();
+  const keys = [...members.values()].map((m) => m.key);
+  const sampling = { ...(given ?? {}) };
+  const set = () => keys.filter((k) => k in sampling);
+  if (spec !== undefined) {
+    if (set().length > 0) throw new UsageError(`--constraint and --request both set sampling.${set()[0]}`);
+    const [key, value] = constraintValue(spec, members);
+    sampling[key] = value;
+  }
+  if (set().length > 1) {
+    throw new UsageError(`sampling sets ${set().join(' and ')}; the constraint oneof takes one`);
+  }
+  return given === undefined && spec === undefined ? request : { ...request, sampling };
 }
 
 function callOptions(args) {
@@ -137,8 +205,9 @@ function checkKnownFields(given, decoded, where, flag) {
   }
 }
 
-// `text`, the value of the command-line flag `flag`, as a request message of `method`.
-function parseRequest(text, method, flag) {
+// `text`, the value of the command-line flag `flag`, as a request message of `method`, passed through
+// `amend` (a function of the parsed object) before its fields are checked.
+function parseRequest(text, method, flag, amend = (request) => request) {
   let request;
   try {
     request = JSON.parse(text);
@@ -148,6 +217,7 @@ function parseRequest(text, method, flag) {
   if (request === null || typeof request !== 'object' || Array.isArray(request)) {
     throw new UsageError(`${flag} must be a JSON object`);
   }
+  request = amend(request);
   checkKnownFields(request, method.requestDeserialize(method.requestSerialize(request)), '', flag);
   return request;
 }
@@ -184,7 +254,9 @@ function checkShape(messages, completed) {
 
 async function generate(args) {
   const { TextGeneration } = loadPackage(API_PROTO).cbserve.v1;
-  const request = parseRequest(args.request, TextGeneration.service.Generate, '--request');
+  const request = parseRequest(args.request, TextGeneration.service.Generate, '--request', (r) =>
+    withConstraint(r, args.constraint),
+  );
   const client = new TextGeneration(args.target, credentials(args));
   const messages = [];
   let initialMetadata = null;
