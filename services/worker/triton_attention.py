@@ -337,6 +337,7 @@ def decode(
     keys_per_split: int = 256,
     max_splits: int = 32,
     block_keys: int = 32,
+    num_warps: int = 4,
 ) -> None:
     """Attention of each request's query token (packed row `rows[b]`) over its first `lengths[b]` keys,
     `slots[b, :lengths[b]]` (`slots [B, L]`, padded past `lengths[b]`), written into `out`'s rows `rows`;
@@ -345,7 +346,7 @@ def decode(
     The keys are cut into min(ceil(L / keys_per_split), max_splits) splits of a multiple of `block_keys`
     keys each (from L, the padded width, so that a captured graph's grid holds for any lengths); the
     splits' partials go to a float32 workspace allocated here (on the caching allocator, which a graph
-    capture serves from its pool)."""
+    capture serves from its pool). `num_warps` is per program of the split pass."""
     group = _check(q, out, k_cache, v_cache)
     batch, width = slots.shape[0], slots.shape[1]
     _check_index(slots, batch, rows=rows, lengths=lengths)
@@ -388,6 +389,7 @@ def decode(
         SOFTCAP=softcap > 0,
         DOT=dot,
         PRECISION=precision,
+        num_warps=num_warps,
     )
     _decode_reduce_kernel[(batch, heads)](
         out,
@@ -420,6 +422,7 @@ def prefill(
     max_queries: int | None = None,
     block_rows: int = 64,
     block_keys: int = 32,
+    num_warps: int = 8,
 ) -> None:
     """Causal attention of each request's chunk (packed rows `first_rows[b] .. + num_queries[b]`) over
     its first `lengths[b]` keys `slots[b]`, written into `out`'s rows of the chunks; other rows are left
@@ -429,7 +432,9 @@ def prefill(
     query block) blocks per request, and the blocks past a shorter chunk return at once. The caller
     knows it from its host-side schedule; left None it is T (q's packed tokens), which is always enough
     and wastes idle programs on batches of many short chunks. A query block is `block_rows` tile rows
-    (its query tokens times the kv head's query heads, the latter padded to a power of two)."""
+    (its query tokens times the kv head's query heads, the latter padded to a power of two). Eight
+    warps, not Triton's four: compiled for sm_90, a 64-row tile of 128-dim heads spilled registers at
+    four (to the stack: bf16 a little, fp32 over 1 KB a thread) and spills none at eight."""
     group = _check(q, out, k_cache, v_cache)
     batch = slots.shape[0]
     _check_index(slots, batch, first_rows=first_rows, num_queries=num_queries, lengths=lengths)
@@ -473,4 +478,5 @@ def prefill(
         SOFTCAP=softcap > 0,
         DOT=dot,
         PRECISION=precision,
+        num_warps=num_warps,
     )
