@@ -11,7 +11,14 @@ tests run the compiled kernels on it, and the graph-capture test runs too.
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,14 +30,23 @@ if not torch.cuda.is_available():
 
 from tests.attention_cases import causal_reference, decode_batch, gather_sdpa, prefill_batch
 from tests.cuda_marks import cuda_only
+from tests.stack import REPO
 
 pytest.importorskip("triton", reason="the Triton kernels need triton (xgrammar brings it on Linux x86-64)")
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
 from services.worker import triton_attention
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
-if not INTERPRETING and not torch.cuda.is_available():
-    pytest.skip("TRITON_INTERPRET=0 compiles the kernels, which needs a CUDA device", allow_module_level=True)
+# A mark, not a module-level skip: the sm_90 compile test's child process imports this module with the
+# interpreter off and no device.
+pytestmark = pytest.mark.skipif(
+    not INTERPRETING and not torch.cuda.is_available(),
+    reason="TRITON_INTERPRET=0 compiles the kernels, which needs a CUDA device",
+)
 DEVICE = torch.device("cpu" if INTERPRETING else "cuda")
 
 # Unit roundoff of each 16-bit format: round-to-nearest puts a value within u of itself, relatively.
@@ -186,7 +202,8 @@ def test_decode_request_without_keys_gets_zeros() -> None:
 
 @pytest.mark.parametrize(("kv", "group", "dim"), [(1, 8, 128), (2, 2, 96)])
 def test_decode_default_blocks_long_context(kv: int, group: int, dim: int) -> None:
-    """Llama-3-8B's group and head size, and a 96-dim head, at the default blocks over 600 keys (3 splits)."""
+    """Eight query heads a kv head (Llama-3-70B's) of 128 dims, and a 96-dim head, at the default blocks
+    over 600 keys (3 splits)."""
     k, v, q, rows, slots, lengths = on_device(*decode_batch(kv, group, dim, 2, 600, 2000, seed=16))
     got = run_decode(q, k, v, rows, slots, lengths, dim**-0.5, 0.0)
     assert_attention_close(got, *decode_reference(q, k, v, rows, slots, lengths, dim**-0.5, 0.0))
@@ -286,8 +303,8 @@ def test_prefill_results_follow_the_slots() -> None:
     assert (moved > 100 * FP32_TOLERANCE).all()
 
 
-def test_prefill_default_blocks_llama_group() -> None:
-    """Llama-3-8B's group and head size at the default tiles (8 tokens x 8 heads a block)."""
+def test_prefill_default_blocks_large_group() -> None:
+    """Eight query heads a kv head of 128 dims at the default tiles (8 tokens x 8 heads a block)."""
     k, v, args = prefill_batch(1, 8, 128, 0, torch.float32)
     check_prefill(*on_device(k, v), on_device(*args), 128**-0.5, 0.0, 0, max_queries=37)
 
@@ -325,6 +342,107 @@ def test_wrong_arguments_name_the_offending_value() -> None:
         triton_attention.prefill(
             wide, wide.clone(), wide, wide, index[:1], index[:1], slots[:1], index[:1], 1.0, 0.0, 0
         )
+
+
+# ---------------------------------------------------------------- compiled for an H100/H200, without one
+
+
+class Launches:
+    """Stands in for a kernel in a module's globals: records what the wrapper launches."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[tuple[object, ...], dict[str, object]]] = []
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
+        def launch(*args: object, **kwargs: object) -> None:
+            self.calls.append((args, kwargs))
+
+        return launch
+
+
+def arg_type(value: object) -> str:
+    """Triton's signature type of a launch argument (the tests' ints are all small)."""
+    if isinstance(value, torch.Tensor):
+        return (
+            "*"
+            + {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64"}[
+                value.dtype
+            ]
+        )
+    return "fp32" if isinstance(value, float) else "i32"
+
+
+def sm90_stack_bytes(
+    kernel: Any, name: str, args: tuple[object, ...], kwargs: dict[str, object], work: Path
+) -> int:
+    """Compiles one recorded launch for sm_90 (ptxas ships with triton) and returns the stack a thread
+    needs: 0 unless registers spilled."""
+    options = {"num_warps": kwargs.pop("num_warps", 4)}  # 4: what a launch without it gets
+    values = dict(zip(kernel.arg_names, args, strict=False)) | kwargs
+    constexprs = {p.name: values[p.name] for p in kernel.params if p.is_constexpr}
+    signature = {p.name: "constexpr" if p.is_constexpr else arg_type(values[p.name]) for p in kernel.params}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    cubin = work / f"{name}.cubin"
+    cubin.write_bytes(compiled.asm["cubin"])
+    usage = subprocess.run([CUOBJDUMP, "-res-usage", str(cubin)], capture_output=True, text=True, check=True)
+    found = re.search(r"REG:(\d+) STACK:(\d+)", usage.stdout)
+    assert found, usage.stdout
+    return int(found.group(2))
+
+
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+KERNELS = ("_decode_split_kernel", "_decode_reduce_kernel", "_prefill_kernel")
+# (pool and query dtype, query heads a kv head, head size, softcap, window): Llama-3-8B's group and head
+# in bfloat16; softcap, window and a masked 80-dim head in float16; the float32 parity path.
+SM90_CASES = [("bfloat16", 4, 128, 0.0, 0), ("float16", 2, 80, 30.0, 16), ("float32", 8, 128, 0.0, 0)]
+
+
+def compile_launches_for_sm90(work: str) -> None:
+    """The child process of the sm_90 compile test (TRITON_INTERPRET=0: the kernels, and triton's own
+    library, must be defined for the compiler, which an interpreting process cannot undo). Runs the
+    wrappers at their defaults with their kernels swapped for recorders, compiles every recorded launch
+    and prints, as JSON, each case's kernels' stack bytes."""
+    kernels = {name: getattr(triton_attention, name) for name in KERNELS}
+    stacks = []
+    for dtype_name, group, dim, softcap, window in SM90_CASES:
+        launches = {name: Launches() for name in KERNELS}
+        for name, recorder in launches.items():
+            setattr(triton_attention, name, recorder)  # the module's globals: what its wrappers launch
+        dtype, kv = getattr(torch, dtype_name), 2
+        q, pool = torch.zeros(6, kv * group, dim, dtype=dtype), torch.zeros(40, kv, dim, dtype=dtype)
+        index, slots = torch.zeros(2, dtype=torch.int64), torch.zeros(2, 600, dtype=torch.int64)
+        triton_attention.decode(q, q.clone(), index, pool, pool, slots, index, 0.1, softcap)
+        triton_attention.prefill(q, q.clone(), pool, pool, index, index, slots, index, 0.1, softcap, window)
+        case = {}
+        for name, recorder in launches.items():
+            ((args, kwargs),) = recorder.calls
+            case[name] = sm90_stack_bytes(kernels[name], name, args, kwargs, Path(work))
+        stacks.append(case)
+    print(json.dumps(stacks))
+
+
+def test_kernels_compile_for_sm90_without_spills(tmp_path: Path) -> None:
+    """What the interpreter never does: the kernels, as the wrappers launch them at their defaults, go
+    through Triton's compiler and ptxas for an H100/H200 (SM90_CASES), and no thread needs a stack,
+    i.e. no registers spill."""
+    if not CUOBJDUMP.exists():
+        pytest.skip(f"triton ships no cuobjdump here ({CUOBJDUMP})")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    code = (
+        "import sys; from tests.test_triton_attention import compile_launches_for_sm90 as c; c(sys.argv[1])"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    stacks = json.loads(run.stdout.splitlines()[-1])
+    assert stacks == [dict.fromkeys(KERNELS, 0)] * len(SM90_CASES), list(zip(SM90_CASES, stacks, strict=True))
 
 
 # ---------------------------------------------------------------------------------- graph capture
