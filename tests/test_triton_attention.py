@@ -1,10 +1,10 @@
 """The Triton paged attention kernels (services/worker/triton_attention.py) against plain torch attention
 in float64: decode (split-K) and varlen prefill, GQA and MHA, padded and poisoned slots, softcap,
-window, float32 and 16-bit pools.
+window, float32 and 16-bit pools; and their compilation for sm_90 (H100/H200), without spills.
 
 Without a CUDA device they run under Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, set here
 unless the environment says otherwise; it must be set before the kernels are defined), on small
-shapes: the interpreter runs each program in numpy, and the file takes about 30 s on two cores. With a
+shapes: the interpreter runs each program in numpy, and the file takes about 35 s on two cores. With a
 device (`pytest tests/test_triton_attention.py` there, or `-m cuda` for the capture test alone) the same
 tests run the compiled kernels on it, and the graph-capture test runs too.
 """
