@@ -334,7 +334,9 @@ def test_wrong_arguments_name_the_offending_value() -> None:
             0.0,
         )
     with pytest.raises(ValueError, match=r"lengths must be \[2\], got \(3,\)"):
-        triton_attention.decode(q, q.clone(), index, pool, pool, slots, torch.zeros(3), 1.0, 0.0)
+        triton_attention.decode(q, q.clone(), index, pool, pool, slots, index.repeat(2)[:3], 1.0, 0.0)
+    with pytest.raises(ValueError, match=r"lengths must hold integers, got torch\.float32"):
+        triton_attention.decode(q, q.clone(), index, pool, pool, slots, index.float(), 1.0, 0.0)
     with pytest.raises(ValueError, match=r"window must be 0 .* got -1"):
         triton_attention.prefill(q, q.clone(), pool, pool, index, index, slots, index, 1.0, 0.0, -1)
     wide = torch.zeros(1, 1, 512)

@@ -13,14 +13,16 @@ Two entry points with the native CPU kernels' calling convention (services/worke
   all `lengths[b]` keys and each earlier one a key fewer; with `window > 0` each sees only its last
   `window` keys. One program per (request, query block, kv head), flash-attention style.
 
-`q`/`out` are `[T, H, D]` (heads contiguous within a head, any token and head stride); `k_cache`/`v_cache`
+`q`/`out` are `[T, H, D]` (each head's dims contiguous, any token and head stride); `k_cache`/`v_cache`
 `[num_slots, kv_heads, D]` float32, bfloat16 or float16; query head h reads kv head h // (H // kv_heads).
 Each program holds all query heads of its kv head in one tile (GQA: each K/V row is loaded once for the
 group). Softmax runs online in float32; `softcap > 0` caps the scaled scores at softcap * tanh(s / softcap).
 
 Nothing here reads a device value on the host or branches on one in Python: launch grids come from
 tensor shapes and Python ints only, so both entry points can run under CUDA-graph capture once their
-kernels are compiled (the first call of each shape class compiles; warm up before capturing).
+kernels are compiled (the first call of each shape class compiles; warm up before capturing). For the
+same reason the index values are trusted, unlike the native kernels' host-side checks: rows within T,
+lengths within L, a chunk's queries within its keys are the caller's to hold.
 """
 
 from __future__ import annotations
@@ -307,15 +309,19 @@ def _check(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     return q.shape[1] // k_cache.shape[1]
 
 
-def _check_index(slots: torch.Tensor, batch: int, **per_request: torch.Tensor) -> None:
-    if slots.dim() != 2 or slots.shape[0] != batch or slots.stride(1) != 1:
+def _check_index(slots: torch.Tensor, **per_request: torch.Tensor) -> int:
+    """The index tensors' shapes and types (not their values: that would read the device); returns B."""
+    if slots.dim() != 2 or slots.stride(1) != 1:
         raise ValueError(
-            f"slots must be [{batch}, L] with contiguous rows, got {tuple(slots.shape)} "
-            f"strides {slots.stride()}"
+            f"slots must be [B, L] with contiguous rows, got {tuple(slots.shape)} {slots.stride()}"
         )
-    for name, t in per_request.items():
-        if t.shape != (batch,):
+    batch = slots.shape[0]
+    for name, t in (("slots", slots), *per_request.items()):
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise ValueError(f"{name} must hold integers, got {t.dtype}")
+        if name != "slots" and t.shape != (batch,):
             raise ValueError(f"{name} must be [{batch}], got {tuple(t.shape)}")
+    return batch
 
 
 def _pow2(n: int, least: int = 16) -> int:
@@ -348,9 +354,8 @@ def decode(
     splits' partials go to a float32 workspace allocated here (on the caching allocator, which a graph
     capture serves from its pool). `num_warps` is per program of the split pass."""
     group = _check(q, out, k_cache, v_cache)
-    batch, width = slots.shape[0], slots.shape[1]
-    _check_index(slots, batch, rows=rows, lengths=lengths)
-    kv_heads, head_dim = k_cache.shape[1], q.shape[2]
+    batch = _check_index(slots, rows=rows, lengths=lengths)
+    width, kv_heads, head_dim = slots.shape[1], k_cache.shape[1], q.shape[2]
     if batch == 0:
         return
     num_splits = max(1, min(max_splits, triton.cdiv(width, keys_per_split)))
@@ -436,8 +441,7 @@ def prefill(
     warps, not Triton's four: compiled for sm_90, a 64-row tile of 128-dim heads spilled registers at
     four (to the stack: bf16 a little, fp32 over 1 KB a thread) and spills none at eight."""
     group = _check(q, out, k_cache, v_cache)
-    batch = slots.shape[0]
-    _check_index(slots, batch, first_rows=first_rows, num_queries=num_queries, lengths=lengths)
+    batch = _check_index(slots, first_rows=first_rows, num_queries=num_queries, lengths=lengths)
     if window < 0:
         raise ValueError(f"window must be 0 (none) or positive, got {window}")
     queries = q.shape[0] if max_queries is None else max_queries
