@@ -126,8 +126,15 @@ def on_device(*tensors: torch.Tensor) -> list[torch.Tensor]:
 
 
 # (kv heads, query heads per kv head, head size, requests, padded context): MHA and GQA, head sizes
-# 16/32/64 and 80 (a power-of-two tile, masked), contexts over several 16-key splits.
-DECODE_CASES = [(2, 2, 16, 3, 70), (1, 4, 32, 2, 50), (3, 1, 64, 2, 40), (2, 3, 80, 3, 70)]
+# 16/32/64 and 80 (a power-of-two tile, masked), contexts over several 16-key splits, and a group
+# wider than 16 rows and not a power of two (Falcon-7B's 71 heads on one kv head, in small).
+DECODE_CASES = [
+    (2, 2, 16, 3, 70),
+    (1, 4, 32, 2, 50),
+    (3, 1, 64, 2, 40),
+    (2, 3, 80, 3, 70),
+    (1, 17, 16, 2, 40),
+]
 SMALL_SPLITS = {"keys_per_split": 16, "block_keys": 16}
 
 
@@ -269,7 +276,14 @@ SMALL_TILES = {"max_queries": 37, "block_rows": 16, "block_keys": 16}
 
 @pytest.mark.parametrize(
     ("kv", "group", "dim", "window", "softcap"),
-    [(2, 2, 16, 0, 0.0), (1, 4, 32, 0, 5.0), (3, 1, 64, 5, 0.0), (2, 3, 80, 7, 0.0), (1, 2, 32, 20, 5.0)],
+    [
+        (2, 2, 16, 0, 0.0),
+        (1, 4, 32, 0, 5.0),
+        (3, 1, 64, 5, 0.0),
+        (2, 3, 80, 7, 0.0),
+        (1, 2, 32, 20, 5.0),
+        (1, 17, 16, 0, 0.0),  # a 32-row group: one query token a block
+    ],
 )
 def test_prefill_matches_reference(kv: int, group: int, dim: int, window: int, softcap: float) -> None:
     k, v, args = prefill_batch(kv, group, dim, window, torch.float32)
