@@ -467,8 +467,8 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path: Path) -> None:
 @cuda_only
 @pytest.mark.skipif(INTERPRETING, reason="graph capture needs the compiled kernels (TRITON_INTERPRET=0)")
 def test_kernels_replay_in_a_cuda_graph_with_new_metadata() -> None:
-    """Captured once, replayed after the lengths, slots and rows change in place: the same results as
-    fresh calls, so nothing was read on the host at capture."""
+    """Captured once, replayed after the lengths, slots and rows change in place: the outputs follow the
+    new values, so nothing the kernels read was fixed on the host at capture."""
     k, v, q, rows, slots, lengths = on_device(*decode_batch(2, 4, 64, 3, 70, 300, seed=21))
     pk, pv, args = prefill_batch(2, 4, 64, 7, torch.float32)
     pk, pv, args = *on_device(pk, pv), on_device(*args)
