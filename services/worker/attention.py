@@ -8,8 +8,9 @@ one sequence (batch axis 1). For each layer we:
 2. attend the decode rows (one query token each) as one batch;
 3. attend the prefill chunks (several query tokens each).
 
-On the CPU in float32 native kernels read each context in place from the pool (csrc/paged_attention.cpp):
-one call for the decode rows, one for all prefill chunks. Elsewhere each row group gathers its
+Kernels read each context in place from the pool, one call for the decode rows and one for all
+prefill chunks: on the CPU in float32 the native ones (csrc/paged_attention.cpp), on a GPU the Triton
+ones (triton_attention.py); attention_kernels.py chooses. Without them each row group gathers its
 context into a padded batch and calls SDPA with a mask. Either way Python work per layer is constant,
 and attention cost follows the tokens each request really reads; there is no mask over the whole
 packed batch.
@@ -63,7 +64,8 @@ class RaggedPrefill:
     Request b's query tokens are the packed rows `first_rows[b] .. first_rows[b] + num_queries[b]`; its
     keys are the first `lengths[b]` entries of `slots[view][b]` (`[B, L]`), the last query token sees
     them all and each earlier one a key fewer; with a sliding `window` (0: none) only its last
-    `window` keys.
+    `window` keys. `max_queries` is the most of any request, known on the host (a GPU kernel's launch
+    grid is sized by it).
     """
 
     first_rows: torch.Tensor
@@ -71,6 +73,7 @@ class RaggedPrefill:
     lengths: torch.Tensor
     slots: dict[tuple[int, int], torch.Tensor]
     window: int
+    max_queries: int
 
 
 @dataclass
@@ -192,6 +195,7 @@ def attend_stored(
             scale,
             softcap or 0.0,
             ragged.window,
+            max_queries=ragged.max_queries,
         )
     return out
 

@@ -359,6 +359,7 @@ class BatchBuilder:
             lengths=(end - lo).to(self.device),
             slots=self._slots(sel, key_pos, key_pos < end[:, None], index),
             window=index.window or 0,
+            max_queries=int((end - start).max()),
         )
 
     def _bias(self, visible: torch.Tensor) -> torch.Tensor:

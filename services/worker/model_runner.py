@@ -12,19 +12,19 @@ from transformers import PreTrainedModel
 from services.common.config import CBConfig
 from services.common.kv_geometry import KVGeometry
 from services.common.precision import dtype_name
+from services.worker import attention_kernels
 from services.worker.attention import ATTENTION_NAME
 from services.worker.batch import BatchBuilder, BatchItem, ForwardBatch
 from services.worker.buckets import Shape
 from services.worker.cuda_graphs import Capture, CudaGraphs
 from services.worker.fused_llama import FusedLlama
-from services.worker.kernels import int8_path, paged_decode_kernel, paged_prefill_kernel
+from services.worker.kernels import int8_path
 from services.worker.kernels import paths as kernel_paths
 from services.worker.packed_linear import PackedLinear, pack_linears
 from services.worker.swap_copies import SwapCopies
 
 log = structlog.get_logger(__name__)
 
-NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)  # the pages the native attention kernels read
 
 # SDPA without cuDNN: torch may pick cuDNN's attention for the row groups' masked calls, and cuDNN
 # builds a plan for every new shape, tens of ms each. A prefill step brings new (requests, queries,
@@ -73,10 +73,8 @@ class ModelRunner:
         # Our own forward keeps its activations in float32 whatever the weights' dtype; the native
         # attention kernels take float32 queries over float32, bfloat16 or int8 pages.
         self.activation_dtype = torch.float32 if self.fused is not None else next(model.parameters()).dtype
-        native = (
-            self.device.type == "cpu"
-            and self.activation_dtype == torch.float32
-            and kv_pool.dtype in NATIVE_KV_DTYPES
+        self.attention = attention_kernels.choose(
+            self.device, kv_pool.dtype, self.activation_dtype, geometry.head_dim
         )
         self.builder = BatchBuilder(
             geometry,
@@ -87,8 +85,8 @@ class ModelRunner:
             q_padding=config.q_padding_interval_size,
             kv_padding=config.kv_padding_interval_size,
             device=self.device,
-            decode_kernel=paged_decode_kernel() if native else None,
-            prefill_kernel=paged_prefill_kernel(geometry.head_dim) if native else None,
+            decode_kernel=self.attention.decode,
+            prefill_kernel=self.attention.prefill,
             num_buffers=2 if config.use_async_batching else 1,
         )
         self.swap_copies = SwapCopies(kv_pool, swap_pool)
@@ -116,6 +114,7 @@ class ModelRunner:
             "weights": dtype_name(next(self.model.parameters()).dtype),
             "activations": dtype_name(self.activation_dtype),
             "kv_dtype": dtype_name(self.kv_pool.dtype),
+            "attention": self.attention.name,
             "weight_bytes": self.weight_bytes(),
             "kernel_paths": kernel_paths() if self.device.type == "cpu" else {},
             "quantization": self.config.quantization,
