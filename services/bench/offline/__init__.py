@@ -62,25 +62,25 @@ import torch
 
 from services.bench.arguments import EngineVariant, engine_variant
 from services.bench.host_quiet import usable_cores, wait_quiet
-from services.bench.offline.compare import _short_outputs, check_outputs, paired_ratios
-from services.bench.offline.engine_runner import _build_engine, run_engine
-from services.bench.offline.flops import _meta_model, _param_split, measure_matmul_gflops
-from services.bench.offline.peer_runner import _start_peer
-from services.bench.offline.pool import _sized_pool
+from services.bench.offline.compare import check_outputs, paired_ratios, short_outputs
+from services.bench.offline.engine_runner import build_engine, run_engine
+from services.bench.offline.flops import measure_matmul_gflops, meta_model, param_split
+from services.bench.offline.peer_runner import start_peer
+from services.bench.offline.pool import sized_pool
 from services.bench.offline.report import (
-    _print_agreement,
-    _print_engine_stats,
-    _print_paired,
-    _print_stack_profile,
-    _print_table,
-    _report,
+    json_report,
+    print_agreement,
+    print_engine_stats,
+    print_paired,
+    print_stack_profile,
+    print_table,
 )
 from services.bench.offline.results import SystemResult
 from services.bench.offline.stack_runner import STACK_SYSTEMS, run_stack
-from services.bench.offline.systems import _parse_systems, peer_variants
-from services.bench.offline.top1 import Top1, _prose, measure_top1
+from services.bench.offline.systems import parse_systems, peer_variants
+from services.bench.offline.top1 import Top1, measure_top1, prose_prompts
 from services.bench.offline.transformers_cb import run_hf_cb
-from services.bench.offline.transformers_generate import _pad_token_id, run_hf_generate, run_hf_static
+from services.bench.offline.transformers_generate import pad_token_id, run_hf_generate, run_hf_static
 from services.bench.workload import Workload, jsonl_workload, reference_workload
 from services.common.cli_args import cb_config, cb_settings, model_dir
 from services.common.heap import ask_huge_pages, keep_freed_memory
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         custom = {spec.name: spec for spec in map(custom_peer, args.peer)}
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
-    systems = _parse_systems(
+    systems = parse_systems(
         args.systems, args.static_batch, args.stack, custom, args.peer_precision, args.dtype
     )
     engines_wanted = {name: v for name in systems if (v := engine_variant(name, args.dtype)) is not None}
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
 
     model_path = Path(model_dir(args.model))
     workload = _workload(args, model_path)
-    prose = _prose(model_path) if args.agreement else None
+    prose = prose_prompts(model_path) if args.agreement else None
     print(
         f"workload: {workload.num_requests} requests, {workload.total_prompt_tokens} prompt tokens, "
         f"{workload.total_output_tokens} output tokens ({args.workload or f'W1, seed {args.seed}'}); "
@@ -143,11 +143,11 @@ def run(args: argparse.Namespace) -> int:
     pad_id = 0
     if any(s.startswith("hf-") for s in systems):
         hf_model, tokenizer = load_model(model_path, dtype=torch.float32, attn_implementation="sdpa")
-        pad_id = _pad_token_id(hf_model, tokenizer)
-    body_params, head_params = _param_split(hf_model if hf_model is not None else _meta_model(model_path))
+        pad_id = pad_token_id(hf_model, tokenizer)
+    body_params, head_params = param_split(hf_model if hf_model is not None else meta_model(model_path))
     useful_flop = 2 * body_params * workload.total_tokens + 2 * head_params * workload.total_output_tokens
 
-    engine_settings = _sized_pool(engine_settings, workload)
+    engine_settings = sized_pool(engine_settings, workload)
     matmul_gflops = measure_matmul_gflops()
     print(f"fp32 matmul 2048x2048x2048: {matmul_gflops:.1f} GFLOP/s (median)", flush=True)
 
@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     status = 0
     try:
         for name, variant in engines_wanted.items():
-            engines[name] = _build_engine(model_path, variant, engine_settings)
+            engines[name] = build_engine(model_path, variant, engine_settings)
         if set(STACK_SYSTEMS) & set(systems):
             from services.bench.stack import StackSystem
 
@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
         variants = peer_variants(custom)
         for name in [s for s in systems if s in variants]:
             spec, precision = variants[name]
-            status |= _start_peer(spec, precision, model_path, threads, peers, runners, workload)
+            status |= start_peer(spec, precision, model_path, threads, peers, runners, workload)
         systems = [s for s in systems if s in runners]
         for c in in_flight:
             for round_no in range(1, args.repeat + 1):
@@ -220,15 +220,15 @@ def run(args: argparse.Namespace) -> int:
         print(
             "\n" + ("all requests at once" if c is None else f"at most {c} requests in flight (closed loop)")
         )
-        _print_table(results, useful_flop, matmul_gflops, c, top1)
-        _print_paired(paired[c])
-        _print_agreement(results)
+        print_table(results, useful_flop, matmul_gflops, c, top1)
+        print_paired(paired[c])
+        print_agreement(results)
         for name in engines_wanted:
             if name in results:
-                _print_engine_stats(results[name])
+                print_engine_stats(results[name])
         for name in STACK_SYSTEMS:
             if name in results:
-                _print_stack_profile(results[name])
+                print_stack_profile(results[name])
     print(
         f"\nGFLOP/s counts 2 x {body_params / 1e6:.1f} M parameters (outside embedding and LM head) x "
         f"{workload.total_tokens} tokens (prompt + output) + 2 x {head_params / 1e6:.1f} M (LM head) x "
@@ -245,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
     )
 
     for c, point in points.items():
-        for name, bad in _short_outputs(point, workload).items():
+        for name, bad in short_outputs(point, workload).items():
             where = "" if c is None else f" (at most {c} in flight)"
             short = f"{len(bad)} requests did not generate exactly their max_new_tokens: {bad[:10]}"
             print(f"\nWARNING {name}{where}: {short}")
@@ -258,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
             status = 1
 
     if args.json is not None:
-        report = _report(
+        report = json_report(
             args,
             model_path,
             threads,

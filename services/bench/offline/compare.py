@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from services.bench.offline.results import SystemResult
-from services.bench.offline.systems import _is_engine
+from services.bench.offline.systems import is_engine
 from services.bench.workload import Workload
 
 
@@ -30,7 +30,7 @@ def fp32_reference(results: dict[str, SystemResult]) -> str | None:
     `generate` one request at a time, if it ran; else the first engine system that ran at float32."""
     if "hf-generate" in results:
         return "hf-generate"
-    engines = [n for n, r in results.items() if _is_engine(n) and r.extra.get("precision") == "float32"]
+    engines = [n for n, r in results.items() if is_engine(n) and r.extra.get("precision") == "float32"]
     return engines[0] if engines else None
 
 
@@ -50,7 +50,7 @@ def paired_ratios(by_name: Mapping[str, list[SystemResult]], peers: set[str]) ->
     present = [name for name in by_name if name in peers]
     if present:
         faster = [max(by_name[p][i].output_tok_s for p in present) for i in range(len(engine))]
-        for name in filter(_is_engine, by_name):
+        for name in filter(is_engine, by_name):
             ours = by_name[name]
             ratios[f"{name} / faster peer"] = [e.output_tok_s / f for e, f in zip(ours, faster, strict=True)]
     return ratios
@@ -83,7 +83,7 @@ def check_outputs(results: dict[str, SystemResult]) -> dict[str, Any]:
     return report
 
 
-def _short_outputs(results: dict[str, SystemResult], workload: Workload) -> dict[str, list[int]]:
+def short_outputs(results: dict[str, SystemResult], workload: Workload) -> dict[str, list[int]]:
     """Requests whose output length differs from their max_new_tokens, per system."""
     short: dict[str, list[int]] = {}
     for name, r in results.items():

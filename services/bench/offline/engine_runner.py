@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from services.bench.offline.results import _WARMUP_NEW_TOKENS, _WARMUP_PROMPT, SystemResult
+from services.bench.offline.results import WARMUP_NEW_TOKENS, WARMUP_PROMPT, SystemResult
 from services.bench.peer_runners.protocol import closed_loop
 from services.bench.workload import Workload
 
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from services.worker.engine import Engine
 
 
-def _build_engine(model_path: Path, variant: EngineVariant, settings: dict[str, Any]) -> Engine:
+def build_engine(model_path: Path, variant: EngineVariant, settings: dict[str, Any]) -> Engine:
     """The engine of one engine system: `settings` plus the variant's own, at its dtype."""
     from services.worker.engine import Engine
 
@@ -41,7 +41,7 @@ def run_engine(
     max_in_flight: int | None,
     name: str = "engine",
 ) -> SystemResult:
-    engine.generate([_WARMUP_PROMPT], [_WARMUP_NEW_TOKENS], ignore_eos=True)
+    engine.generate([WARMUP_PROMPT], [WARMUP_NEW_TOKENS], ignore_eos=True)
     stats_before = dict(engine.stats())
     phases_before = dataclasses.replace(engine.phase_totals)
     start = time.perf_counter()

@@ -12,11 +12,11 @@ from typing import Any
 
 from services.bench.offline.compare import agreement, fp32_reference
 from services.bench.offline.results import SystemResult
-from services.bench.offline.top1 import Top1, _top1_cell
+from services.bench.offline.top1 import Top1, top1_cell
 from services.bench.workload import Workload
 
 
-def _print_table(
+def print_table(
     results: dict[str, SystemResult],
     useful_flop: float,
     matmul_gflops: float,
@@ -43,7 +43,7 @@ def _print_table(
         )
         row = [r.name, str(r.extra.get("precision", "-")), f"{r.wall_s:.2f}", str(r.output_tokens)]
         row += [f"{r.output_tok_s:.2f}", equal]
-        row += [] if top1 is None else [_top1_cell(top1.get(r.name))]
+        row += [] if top1 is None else [top1_cell(top1.get(r.name))]
         row += [str(r.prompt_tokens)]
         row += [ratio(r, "hf-cb"), ratio(r, "hf-generate"), ratio(r, "engine")]
         row += [f"{gflops:.1f}", f"{100 * gflops / matmul_gflops:.1f}"]
@@ -74,7 +74,7 @@ def _print_table(
                 print(f"(top-1 = fp32 of {name} n/a: {value})")
 
 
-def _print_paired(ratios: dict[str, list[float]]) -> None:
+def print_paired(ratios: dict[str, list[float]]) -> None:
     if not ratios:
         return
     print(
@@ -86,14 +86,14 @@ def _print_paired(ratios: dict[str, list[float]]) -> None:
         print(f"  {name}: {rounds} ({statistics.median(values):.3f})")
 
 
-def _print_agreement(results: dict[str, SystemResult]) -> None:
+def print_agreement(results: dict[str, SystemResult]) -> None:
     if fp32_reference(results) == "engine":
         return  # the table's greedy = fp32 column says it already
     for name, same in agreement(results).items():
         print(f"{name}: {same}/{len(results[name].outputs)} requests' greedy tokens equal the engine's")
 
 
-def _print_engine_stats(result: SystemResult) -> None:
+def print_engine_stats(result: SystemResult) -> None:
     before, after = result.extra["stats_before"], result.extra["stats"]
     parts = []
     for key, value in after.items():
@@ -113,7 +113,7 @@ def _print_engine_stats(result: SystemResult) -> None:
     print(f"{result.name} step profile over {steps} timed steps, per step: {_phases_line(phases)}")
 
 
-def _print_stack_profile(result: SystemResult) -> None:
+def print_stack_profile(result: SystemResult) -> None:
     rows = result.extra["step_profile"]
     phases = [(r["phase"], r["mean_s"], r["share"]) for r in rows if r["phase"] != "total"]
     steps = max((r["steps"] for r in rows), default=0)
@@ -126,7 +126,7 @@ def _phases_line(phases: list[tuple[str, float, float]]) -> str:
     return ", ".join(f"{name} {1000 * mean_s:.1f} ms ({100 * share:.0f}%)" for name, mean_s, share in phases)
 
 
-def _report(
+def json_report(
     args: argparse.Namespace,
     model_path: Path,
     threads: int,

@@ -24,7 +24,7 @@ def peer_variants(custom: Mapping[str, PeerSpec]) -> dict[str, tuple[PeerSpec, s
     }
 
 
-def _parse_systems(
+def parse_systems(
     value: str,
     static_batch: int | None,
     stack: bool = False,
@@ -69,6 +69,6 @@ def _parse_systems(
     return list(dict.fromkeys(systems))  # drop repeats, keep order
 
 
-def _is_engine(name: str) -> bool:
+def is_engine(name: str) -> bool:
     """`engine` or one of its variants, `engine:DTYPE` (the systems that run cbserve's engine in-process)."""
     return name == "engine" or name.startswith("engine:")
