@@ -13,6 +13,8 @@ import pytest
 
 from services.bench.constraint import DEFAULT_SCHEMA, bench_constraint
 from services.bench.offline.systems import parse_systems, unconstrained
+from services.bench.serve.backends import generate_request
+from services.bench.serve.workloads import BenchRequest
 from services.cli import main
 from services.common.sampling_params import Constraint
 from tests.tiny_models import tiny_text_model_dir
@@ -115,3 +117,40 @@ def test_only_engine_systems_take_the_constraint() -> None:
 )
 def test_a_constrained_systems_unconstrained_twin(name: str, twin: str) -> None:
     assert unconstrained(name, "float32") == twin
+
+
+@pytest.mark.parametrize(
+    ("spec", "field", "value"),
+    [
+        ("json-schema", "json_schema", DEFAULT_SCHEMA.read_text()),
+        ("json-object", "json_object", True),
+        ("regex:[a-z]+", "regex", "[a-z]+"),
+        ("choice:yes,no", "choice", ["yes", "no"]),
+    ],
+)
+def test_bench_serve_sends_the_constraint_in_cbserve_v1s_oneof(spec: str, field: str, value: object) -> None:
+    args = argparse.Namespace(
+        temperature=0.0, ignore_eos=True, cache_salt=None, constraint=bench_constraint(spec)
+    )
+    sampling = generate_request(BenchRequest(0, 8, token_ids=[1, 2, 3]), args).sampling
+    assert sampling.WhichOneof("constraint") == field
+    sent = getattr(sampling, field)
+    assert (list(sent.choices) if field == "choice" else sent) == value
+
+
+def test_bench_serve_refuses_a_constraint_over_http() -> None:
+    with pytest.raises(SystemExit, match="--constraint json-object: the openai backend"):
+        main(
+            [
+                "bench",
+                "serve",
+                "--backend",
+                "openai",
+                "--target",
+                "http://localhost:1",
+                "--tokenizer",
+                ".",
+                "--constraint",
+                "json-object",
+            ]
+        )
