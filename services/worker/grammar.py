@@ -16,6 +16,7 @@ the CPU in microseconds; this module is the worker's only user of it, and import
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import time
@@ -161,6 +162,7 @@ class GrammarCompiler:
 def _timed(advance: Callable[[GrammarState, int], str]) -> Callable[[GrammarState, int], str]:
     """`GrammarState.advance`, its seconds added to `GrammarState.matcher_s`."""
 
+    @functools.wraps(advance)
     def timed(state: GrammarState, token: int) -> str:
         t0 = time.perf_counter()
         try:
