@@ -16,7 +16,7 @@ from services.bench.agreement import prose_conversations
 from services.bench.arguments import EngineVariant, engine_variant
 from services.bench.offline.compare import agreement, fp32_reference
 from services.bench.offline.results import SystemResult
-from services.bench.offline.systems import _parse_systems
+from services.bench.offline.systems import parse_systems
 from services.bench.peer_runners import protocol
 from services.bench.peer_runners.protocol import closed_loop
 from services.cli import main
@@ -291,7 +291,7 @@ def _standin_spec(name: str) -> peers.PeerSpec:
 def test_systems_expand_to_each_precision_asked(
     systems: str, peer_precision: str, dtype: str, expected: list[str]
 ) -> None:
-    assert _parse_systems(systems, None, peer_precision=peer_precision, dtype=dtype) == expected
+    assert parse_systems(systems, None, peer_precision=peer_precision, dtype=dtype) == expected
 
 
 @pytest.mark.parametrize(
@@ -308,7 +308,7 @@ def test_systems_expand_to_each_precision_asked(
 )
 def test_a_precision_a_system_does_not_have_is_refused(systems: str, error: str) -> None:
     with pytest.raises(SystemExit, match=error):
-        _parse_systems(systems, None)
+        parse_systems(systems, None)
 
 
 def test_an_engine_system_names_its_dtype_quantization_and_kv_type() -> None:

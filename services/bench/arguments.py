@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.bench.constraint import SPEC_FORMS, bench_constraint
 from services.common.cli_args import add_cb_arguments, bounded
 from services.common.config import KV_CACHE_DTYPES, QUANTIZATIONS
 
@@ -20,6 +21,8 @@ ENGINE_DTYPES = ("float32", "bfloat16")
 ENGINE_QUANTIZATIONS = tuple(q for q in QUANTIZATIONS if q != "none")
 # `engine:kv-KV` systems: the engine's KV pages in another element type (`--kv-cache-dtype`).
 ENGINE_KV_DTYPES = tuple(f"kv-{d}" for d in KV_CACHE_DTYPES)
+# The part of an engine system's name that holds its requests to `--constraint`.
+CONSTRAINED = "constrained"
 # A peer runner's `--precision` (peer_runners/protocol.py): fp32 pinned, or the peer's own default.
 PEER_PRECISIONS = ("fp32", "default")
 
@@ -32,10 +35,12 @@ def peer_system(peer: str, precision: str | None) -> str:
 
 @dataclass(frozen=True)
 class EngineVariant:
-    """One cbserve engine system: its weights' dtype and the engine settings its name adds."""
+    """One cbserve engine system: its weights' dtype, the engine settings its name adds, and whether
+    its requests are held to `--constraint` (the `constrained` part)."""
 
     dtype: str
     settings: dict[str, Any] = field(default_factory=dict)
+    constrained: bool = False
 
     @property
     def precision(self) -> str:
@@ -48,13 +53,19 @@ class EngineVariant:
 def engine_variant(name: str, engine_dtype: str) -> EngineVariant | None:
     """The engine system `name` in a bench whose `--dtype` is `engine_dtype`: `engine`, or
     `engine:PART[+PART...]` with at most one part of each kind, a dtype (ENGINE_DTYPES), a quantization
-    (ENGINE_QUANTIZATIONS) and a KV type (ENGINE_KV_DTYPES), e.g. `engine:int8+kv-int8`. None for a
+    (ENGINE_QUANTIZATIONS), a KV type (ENGINE_KV_DTYPES) and `constrained`, e.g. `engine:int8+kv-int8`
+    or `engine:bfloat16+constrained`. None for a
     system that is not the engine; ValueError naming the part for one that does not parse."""
     if name == "engine":
         return EngineVariant(engine_dtype)
     if not name.startswith("engine:"):
         return None
-    kinds = {"dtype": ENGINE_DTYPES, "quantization": ENGINE_QUANTIZATIONS, "kv_cache_dtype": ENGINE_KV_DTYPES}
+    kinds = {
+        "dtype": ENGINE_DTYPES,
+        "quantization": ENGINE_QUANTIZATIONS,
+        "kv_cache_dtype": ENGINE_KV_DTYPES,
+        "constraint": (CONSTRAINED,),
+    }
     chosen: dict[str, str] = {}
     for part in name.removeprefix("engine:").split("+"):
         kind = next((k for k, values in kinds.items() if part in values), None)
@@ -64,7 +75,8 @@ def engine_variant(name: str, engine_dtype: str) -> EngineVariant | None:
         if kind in chosen:
             raise ValueError(f"{name!r} names two of a kind: {chosen[kind]!r} and {part!r}")
         chosen[kind] = part.removeprefix("kv-") if kind == "kv_cache_dtype" else part
-    return EngineVariant(chosen.pop("dtype", engine_dtype), chosen)
+    constrained = chosen.pop("constraint", None) is not None
+    return EngineVariant(chosen.pop("dtype", engine_dtype), chosen, constrained)
 
 
 def peer_name(value: str) -> str:
@@ -148,7 +160,20 @@ def add_offline_arguments(parser: argparse.ArgumentParser) -> None:
         "engine:PART[+PART...] adds the engine at other precisions than --dtype, side by side: a dtype "
         f"({'|'.join(ENGINE_DTYPES)}), a quantization of its layers ({'|'.join(ENGINE_QUANTIZATIONS)}), "
         f"a KV type ({'|'.join(ENGINE_KV_DTYPES)}), e.g. engine:bfloat16+int8+kv-int8; "
-        "PEER:default names one peer at its own default precision",
+        "PEER:default names one peer at its own default precision; a +constrained part "
+        "(engine:bfloat16+constrained) holds that engine's requests to --constraint",
+    )
+    parser.add_argument(
+        "--constraint",
+        type=bench_constraint,
+        default=None,
+        metavar="SPEC",
+        help=f"structured output for the +constrained engine systems, on every request: {SPEC_FORMS}; "
+        "json-schema alone is the bundled schema (services/bench/data/strings_array.schema.json, an "
+        "array of strings that stays open for 128 tokens). Default: json-schema when --systems names "
+        "a +constrained system. Name the same system without +constrained beside it, "
+        "e.g. engine:bfloat16,engine:bfloat16+constrained, and the report prints constrained over "
+        "unconstrained output tok/s, the grammar compile times and the requests the grammar ended early",
     )
     parser.add_argument(
         "--dtype",

@@ -49,6 +49,7 @@ import torch
 from services.common.cachemgr_messages import KvEvents, StepGrant
 from services.worker.batch import BatchItem, ForwardBatch
 from services.worker.cache_client import CacheClient
+from services.worker.grammar import GrammarState
 from services.worker.model_runner import ModelRunner
 from services.worker.request import Request
 from services.worker.sampler import SampleOutput, Sampler, SamplingRow, TokenLogprobs, token_logprobs
@@ -62,7 +63,9 @@ class StepPhases:
 
     With async batching `forward` and `sample` (and the counts) are those of the step that ended in
     this call, on the forward thread, overlapping the others; `wait` is how long the host then waited
-    for them: the part of them the overlap did not hide."""
+    for them: the part of them the overlap did not hide. `grammar` is the part of `schedule` that
+    constrained requests' matchers took (accepting the tokens sampled, filling the next masks); the
+    masks' application is in `sample`."""
 
     schedule: float = 0.0
     cache: float = 0.0
@@ -72,6 +75,7 @@ class StepPhases:
     wait: float = 0.0
     num_tokens: int = 0
     num_requests: int = 0
+    grammar: float = 0.0
 
     PHASES = ("schedule", "cache", "build", "forward", "sample", "wait")
 
@@ -82,7 +86,7 @@ class StepPhases:
         return wall_s - self.cache - self.build - self.wait - ran_here
 
     def add(self, other: StepPhases) -> None:
-        for name in (*self.PHASES, "num_tokens", "num_requests"):
+        for name in (*self.PHASES, "num_tokens", "num_requests", "grammar"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
@@ -177,7 +181,7 @@ class StepPipeline:
         processes that news wakes (a gateway, its clients) would otherwise take the cores from the
         build and slow it several times over."""
         times = self.last_step_times = StepPhases()
-        t0 = time.perf_counter()
+        t0, matcher_s = time.perf_counter(), GrammarState.matcher_s
         previous = self._in_flight[-1] if self._in_flight else None
         plan = self.scheduler.plan(previous.built.batch if previous is not None else None)
         t1 = time.perf_counter()
@@ -205,6 +209,7 @@ class StepPipeline:
         else:
             self._launch(built, previous)
         updated += self.finish_running(keep=0 if self._forward_thread is None else 1)
+        times.grammar = GrammarState.matcher_s - matcher_s
         times.schedule = times.rest_of(time.perf_counter() - t0 - callers_s, self._forward_thread is not None)
         self.phase_totals.add(times)
         return updated

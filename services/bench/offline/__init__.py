@@ -22,7 +22,9 @@ Systems:
   `stack` is the cost of streaming each token over gRPC on the cores the forward runs on.
 
 Precision: the cbserve systems run at `--dtype` (weights and KV cache); `engine:DTYPE` adds the engine
-at another precision beside it, as its own system. The peers run at `--peer-precision`: pinned to
+at another precision beside it, as its own system. Structured output: `engine:...+constrained` is that
+engine with every request held to `--constraint` (services/bench/constraint.py), beside which its
+unconstrained twin gives the ratio that the report prints. The peers run at `--peer-precision`: pinned to
 fp32 (`vllm-cpu`, like for like with an fp32 engine) or at the precision a user who installs them
 gets (`vllm-cpu:default`; on a CPU with bf16 instructions, bf16 compute), or both; each peer reports
 what its settings resolved to, which the table's `precision` column shows. Beside each system's
@@ -53,6 +55,7 @@ report.py (the tables and the JSON report).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -61,26 +64,28 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from services.bench.arguments import EngineVariant, engine_variant
+from services.bench.constraint import CompileTimes, bench_constraint, compile_times
 from services.bench.host_quiet import usable_cores, wait_quiet
-from services.bench.offline.compare import _short_outputs, check_outputs, paired_ratios
-from services.bench.offline.engine_runner import _build_engine, run_engine
-from services.bench.offline.flops import _meta_model, _param_split, measure_matmul_gflops
-from services.bench.offline.peer_runner import _start_peer
-from services.bench.offline.pool import _sized_pool
+from services.bench.offline.compare import check_outputs, paired_ratios, short_outputs
+from services.bench.offline.engine_runner import build_engine, run_engine
+from services.bench.offline.flops import measure_matmul_gflops, meta_model, param_split
+from services.bench.offline.peer_runner import start_peer
+from services.bench.offline.pool import sized_pool
 from services.bench.offline.report import (
-    _print_agreement,
-    _print_engine_stats,
-    _print_paired,
-    _print_stack_profile,
-    _print_table,
-    _report,
+    json_report,
+    print_agreement,
+    print_constrained,
+    print_engine_stats,
+    print_paired,
+    print_stack_profile,
+    print_table,
 )
 from services.bench.offline.results import SystemResult
 from services.bench.offline.stack_runner import STACK_SYSTEMS, run_stack
-from services.bench.offline.systems import _parse_systems, peer_variants
-from services.bench.offline.top1 import Top1, _prose, measure_top1
+from services.bench.offline.systems import parse_systems, peer_variants
+from services.bench.offline.top1 import Top1, measure_top1, prose_prompts
 from services.bench.offline.transformers_cb import run_hf_cb
-from services.bench.offline.transformers_generate import _pad_token_id, run_hf_generate, run_hf_static
+from services.bench.offline.transformers_generate import pad_token_id, run_hf_generate, run_hf_static
 from services.bench.workload import Workload, jsonl_workload, reference_workload
 from services.common.cli_args import cb_config, cb_settings, model_dir
 from services.common.heap import ask_huge_pages, keep_freed_memory
@@ -105,10 +110,17 @@ def run(args: argparse.Namespace) -> int:
         custom = {spec.name: spec for spec in map(custom_peer, args.peer)}
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
-    systems = _parse_systems(
+    systems = parse_systems(
         args.systems, args.static_batch, args.stack, custom, args.peer_precision, args.dtype
     )
     engines_wanted = {name: v for name in systems if (v := engine_variant(name, args.dtype)) is not None}
+    constrained = [name for name, v in engines_wanted.items() if v.constrained]
+    if args.constraint is not None and not constrained:
+        raise SystemExit(
+            f"--constraint {args.constraint.spec}: --systems names no +constrained engine system "
+            f"({args.systems!r}); e.g. engine:bfloat16,engine:bfloat16+constrained"
+        )
+    constraint = args.constraint or (bench_constraint("json-schema") if constrained else None)
     # The arithmetic of each system but the peers, which report their own (`run_peer`).
     precisions = {name: v.precision for name, v in engines_wanted.items()}
     precisions |= dict.fromkeys(STACK_SYSTEMS, args.dtype)
@@ -131,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
 
     model_path = Path(model_dir(args.model))
     workload = _workload(args, model_path)
-    prose = _prose(model_path) if args.agreement else None
+    prose = prose_prompts(model_path) if args.agreement else None
     print(
         f"workload: {workload.num_requests} requests, {workload.total_prompt_tokens} prompt tokens, "
         f"{workload.total_output_tokens} output tokens ({args.workload or f'W1, seed {args.seed}'}); "
@@ -143,11 +155,11 @@ def run(args: argparse.Namespace) -> int:
     pad_id = 0
     if any(s.startswith("hf-") for s in systems):
         hf_model, tokenizer = load_model(model_path, dtype=torch.float32, attn_implementation="sdpa")
-        pad_id = _pad_token_id(hf_model, tokenizer)
-    body_params, head_params = _param_split(hf_model if hf_model is not None else _meta_model(model_path))
+        pad_id = pad_token_id(hf_model, tokenizer)
+    body_params, head_params = param_split(hf_model if hf_model is not None else meta_model(model_path))
     useful_flop = 2 * body_params * workload.total_tokens + 2 * head_params * workload.total_output_tokens
 
-    engine_settings = _sized_pool(engine_settings, workload)
+    engine_settings = sized_pool(engine_settings, workload)
     matmul_gflops = measure_matmul_gflops()
     print(f"fp32 matmul 2048x2048x2048: {matmul_gflops:.1f} GFLOP/s (median)", flush=True)
 
@@ -155,9 +167,19 @@ def run(args: argparse.Namespace) -> int:
     stack: StackSystem | None = None
     peers: dict[str, PeerProcess] = {}
 
+    compiled: dict[str, CompileTimes] = {}  # the +constrained engines' grammar compile times
+
     def engine_runner(name: str, variant: EngineVariant) -> Callable[[int | None], SystemResult]:
         settings = engine_settings | variant.settings | {"dtype": variant.dtype}
-        return lambda c: run_engine(engines[name], settings, workload, c, name)
+        held = constraint if variant.constrained else None
+
+        def run_one(c: int | None) -> SystemResult:
+            result = run_engine(engines[name], settings, workload, c, name, held)
+            if name in compiled:
+                result.extra["grammar_compile_s"] = dataclasses.asdict(compiled[name])
+            return result
+
+        return run_one
 
     runners: dict[str, Callable[[int | None], SystemResult]] = {
         **{name: engine_runner(name, variant) for name, variant in engines_wanted.items()},
@@ -177,7 +199,14 @@ def run(args: argparse.Namespace) -> int:
     status = 0
     try:
         for name, variant in engines_wanted.items():
-            engines[name] = _build_engine(model_path, variant, engine_settings)
+            engines[name] = build_engine(model_path, variant, engine_settings)
+            if variant.constrained and constraint is not None:
+                compiled[name] = times = compile_times(engines[name], constraint.constraint, model_path)
+                print(
+                    f"{name}: grammar of {constraint.spec}: compiler made in {times.compiler_s:.2f} s, "
+                    f"first compile {1000 * times.first_s:.1f} ms, cached {1000 * times.cached_s:.3f} ms",
+                    flush=True,
+                )
         if set(STACK_SYSTEMS) & set(systems):
             from services.bench.stack import StackSystem
 
@@ -187,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
         variants = peer_variants(custom)
         for name in [s for s in systems if s in variants]:
             spec, precision = variants[name]
-            status |= _start_peer(spec, precision, model_path, threads, peers, runners, workload)
+            status |= start_peer(spec, precision, model_path, threads, peers, runners, workload)
         systems = [s for s in systems if s in runners]
         for c in in_flight:
             for round_no in range(1, args.repeat + 1):
@@ -200,7 +229,9 @@ def run(args: argparse.Namespace) -> int:
                     rounds[c].setdefault(name, []).append(result)
                     print(f"  {name}: {result.wall_s:.2f} s, {result.output_tok_s:.2f} tok/s", flush=True)
         if prose is not None:  # after the timed rounds: peers are still up, and nothing timed waits
-            top1 = measure_top1(prose, systems, model_path, hf_model, engines_wanted, engine_settings, peers)
+            # A +constrained engine's arithmetic is its unconstrained twin's: scored once, as that.
+            unheld = {name: v for name, v in engines_wanted.items() if not v.constrained}
+            top1 = measure_top1(prose, systems, model_path, hf_model, unheld, engine_settings, peers)
     finally:
         for engine in engines.values():
             engine.close()
@@ -220,15 +251,16 @@ def run(args: argparse.Namespace) -> int:
         print(
             "\n" + ("all requests at once" if c is None else f"at most {c} requests in flight (closed loop)")
         )
-        _print_table(results, useful_flop, matmul_gflops, c, top1)
-        _print_paired(paired[c])
-        _print_agreement(results)
+        print_table(results, useful_flop, matmul_gflops, c, top1)
+        print_paired(paired[c])
+        print_constrained(results, args.dtype)
+        print_agreement(results)
         for name in engines_wanted:
             if name in results:
-                _print_engine_stats(results[name])
+                print_engine_stats(results[name])
         for name in STACK_SYSTEMS:
             if name in results:
-                _print_stack_profile(results[name])
+                print_stack_profile(results[name])
     print(
         f"\nGFLOP/s counts 2 x {body_params / 1e6:.1f} M parameters (outside embedding and LM head) x "
         f"{workload.total_tokens} tokens (prompt + output) + 2 x {head_params / 1e6:.1f} M (LM head) x "
@@ -245,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
     )
 
     for c, point in points.items():
-        for name, bad in _short_outputs(point, workload).items():
+        for name, bad in short_outputs(point, workload).items():
             where = "" if c is None else f" (at most {c} in flight)"
             short = f"{len(bad)} requests did not generate exactly their max_new_tokens: {bad[:10]}"
             print(f"\nWARNING {name}{where}: {short}")
@@ -258,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
             status = 1
 
     if args.json is not None:
-        report = _report(
+        report = json_report(
             args,
             model_path,
             threads,

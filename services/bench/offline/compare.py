@@ -1,7 +1,10 @@
 """What `cbserve bench offline` reads off the systems' results beside their speed: whose greedy tokens
 equal whose (`agreement`, against the fp32 reference or `--check`'s hf-generate), which requests did not
 generate exactly what they asked, and the round-by-round ratios that a shared host's slow spells hit
-alike."""
+alike.
+
+A +constrained system generates other tokens than the rest, by design, and ends a request early where
+its grammar completes (the report counts those apart): none of the token comparisons here takes it."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from services.bench.offline.results import SystemResult
-from services.bench.offline.systems import _is_engine
+from services.bench.offline.systems import is_engine
 from services.bench.workload import Workload
 
 
@@ -20,9 +23,14 @@ def agreement(results: dict[str, SystemResult], reference: str = "engine") -> di
     want = results[reference].outputs
     return {
         name: sum(a == b for a, b in zip(r.outputs, want, strict=True))
-        for name, r in results.items()
+        for name, r in unconstrained_results(results).items()
         if name != reference
     }
+
+
+def unconstrained_results(results: dict[str, SystemResult]) -> dict[str, SystemResult]:
+    """`results` but the +constrained systems'."""
+    return {name: r for name, r in results.items() if "constraint" not in r.extra}
 
 
 def fp32_reference(results: dict[str, SystemResult]) -> str | None:
@@ -30,7 +38,8 @@ def fp32_reference(results: dict[str, SystemResult]) -> str | None:
     `generate` one request at a time, if it ran; else the first engine system that ran at float32."""
     if "hf-generate" in results:
         return "hf-generate"
-    engines = [n for n, r in results.items() if _is_engine(n) and r.extra.get("precision") == "float32"]
+    unheld = unconstrained_results(results).items()
+    engines = [n for n, r in unheld if is_engine(n) and r.extra.get("precision") == "float32"]
     return engines[0] if engines else None
 
 
@@ -50,7 +59,7 @@ def paired_ratios(by_name: Mapping[str, list[SystemResult]], peers: set[str]) ->
     present = [name for name in by_name if name in peers]
     if present:
         faster = [max(by_name[p][i].output_tok_s for p in present) for i in range(len(engine))]
-        for name in filter(_is_engine, by_name):
+        for name in filter(is_engine, by_name):
             ours = by_name[name]
             ratios[f"{name} / faster peer"] = [e.output_tok_s / f for e, f in zip(ours, faster, strict=True)]
     return ratios
@@ -60,7 +69,7 @@ def check_outputs(results: dict[str, SystemResult]) -> dict[str, Any]:
     """Compare every system's greedy outputs with hf-generate's; print and return the mismatches."""
     reference = results["hf-generate"].outputs
     report: dict[str, Any] = {}
-    for name, result in results.items():
+    for name, result in unconstrained_results(results).items():
         if name == "hf-generate":
             continue
         mismatching = []
@@ -83,10 +92,10 @@ def check_outputs(results: dict[str, SystemResult]) -> dict[str, Any]:
     return report
 
 
-def _short_outputs(results: dict[str, SystemResult], workload: Workload) -> dict[str, list[int]]:
+def short_outputs(results: dict[str, SystemResult], workload: Workload) -> dict[str, list[int]]:
     """Requests whose output length differs from their max_new_tokens, per system."""
     short: dict[str, list[int]] = {}
-    for name, r in results.items():
+    for name, r in unconstrained_results(results).items():
         bad = [
             i for i, (o, n) in enumerate(zip(r.outputs, workload.max_new_tokens, strict=True)) if len(o) != n
         ]

@@ -27,7 +27,7 @@ def measure_matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
     return 2 * n**3 / statistics.median(times) / 1e9
 
 
-def _param_split(model: PreTrainedModel) -> tuple[int, int]:
+def param_split(model: PreTrainedModel) -> tuple[int, int]:
     """(parameters outside the input embedding and LM head, LM head parameters).
 
     The LM head is split out because it runs only on rows that sample; with tied embeddings it is the
@@ -40,7 +40,7 @@ def _param_split(model: PreTrainedModel) -> tuple[int, int]:
     return body, (head.numel() if head is not None else 0)
 
 
-def _meta_model(model_path: Path) -> PreTrainedModel:
+def meta_model(model_path: Path) -> PreTrainedModel:
     """The architecture without weights, for counting parameters when no HF system is run."""
     from transformers import AutoConfig, AutoModelForCausalLM
 

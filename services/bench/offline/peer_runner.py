@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from services.bench.peers import PeerProcess, PeerSpec
 
 
-def _start_peer(
+def start_peer(
     spec: PeerSpec,
     precision: str | None,
     model_path: Path,

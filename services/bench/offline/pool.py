@@ -4,7 +4,7 @@ Unless a pool size is given, the engine's and the stack's KV pools hold the work
 (`workload_pool_blocks`) instead of a CPU host's default 4 GiB: every peer stays loaded between rounds,
 and all of them at their default pool sizes outgrow a machine of a few tens of GiB. The pool's size does
 not change a W1 step (it is prefaulted). The agreement measure's engines get a pool sized to the prose
-instead (`_prose_pool`).
+instead (`prose_pool`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def workload_pool_blocks(workload: Workload, page_size: int) -> int:
     return POOL_HEADROOM * pages
 
 
-def _sized_pool(settings: dict[str, Any], workload: Workload) -> dict[str, Any]:
+def sized_pool(settings: dict[str, Any], workload: Workload) -> dict[str, Any]:
     if any(settings.get(name) is not None for name in POOL_SIZE_SETTINGS):
         return settings
     page_size = settings.get("page_size", CBConfig.page_size)
@@ -40,7 +40,7 @@ def _sized_pool(settings: dict[str, Any], workload: Workload) -> dict[str, Any]:
     return settings | {"num_blocks": blocks}
 
 
-def _prose_pool(settings: dict[str, Any], prose: list[list[int]]) -> dict[str, Any]:
+def prose_pool(settings: dict[str, Any], prose: list[list[int]]) -> dict[str, Any]:
     """`settings` with a pool that holds every prose prompt at once, `POOL_HEADROOM` times over: the
     timed engine's pool is sized to the workload, which may be smaller than the prose."""
     page_size = settings.get("page_size", CBConfig.page_size)

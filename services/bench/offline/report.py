@@ -1,6 +1,6 @@
 """How `cbserve bench offline` shows its results: the table per in-flight limit (each system's median
-round), the paired ratios, the engine's and the stack's counters and step profiles, and the JSON report
-of `--json`."""
+round), the paired ratios, what a constraint costs, the engine's and the stack's counters and step
+profiles, and the JSON report of `--json`."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ from typing import Any
 
 from services.bench.offline.compare import agreement, fp32_reference
 from services.bench.offline.results import SystemResult
-from services.bench.offline.top1 import Top1, _top1_cell
+from services.bench.offline.systems import unconstrained
+from services.bench.offline.top1 import Top1, top1_cell
 from services.bench.workload import Workload
 
 
-def _print_table(
+def print_table(
     results: dict[str, SystemResult],
     useful_flop: float,
     matmul_gflops: float,
@@ -43,7 +44,7 @@ def _print_table(
         )
         row = [r.name, str(r.extra.get("precision", "-")), f"{r.wall_s:.2f}", str(r.output_tokens)]
         row += [f"{r.output_tok_s:.2f}", equal]
-        row += [] if top1 is None else [_top1_cell(top1.get(r.name))]
+        row += [] if top1 is None else [top1_cell(top1.get(r.name))]
         row += [str(r.prompt_tokens)]
         row += [ratio(r, "hf-cb"), ratio(r, "hf-generate"), ratio(r, "engine")]
         row += [f"{gflops:.1f}", f"{100 * gflops / matmul_gflops:.1f}"]
@@ -74,7 +75,7 @@ def _print_table(
                 print(f"(top-1 = fp32 of {name} n/a: {value})")
 
 
-def _print_paired(ratios: dict[str, list[float]]) -> None:
+def print_paired(ratios: dict[str, list[float]]) -> None:
     if not ratios:
         return
     print(
@@ -86,14 +87,38 @@ def _print_paired(ratios: dict[str, list[float]]) -> None:
         print(f"  {name}: {rounds} ({statistics.median(values):.3f})")
 
 
-def _print_agreement(results: dict[str, SystemResult]) -> None:
+def print_constrained(results: dict[str, SystemResult], dtype: str) -> None:
+    """Each +constrained system's output tok/s over its unconstrained twin's, with the requests its
+    grammar ended before their length (they generate fewer tokens, which tok/s counts) and the
+    grammar's compile times."""
+    for name, r in results.items():
+        if "constraint" not in r.extra:
+            continue
+        base = unconstrained(name, dtype)
+        ratio = (
+            f"{r.output_tok_s / results[base].output_tok_s:.3f}x" if base in results else "- (it did not run)"
+        )
+        print(
+            f"constrained / unconstrained output tok/s, {name} over {base}: {ratio} "
+            f"({r.extra['constraint']}; {r.extra['ended_early']}/{len(r.outputs)} requests ended early, "
+            f"their grammar complete; tok/s counts the {r.output_tokens} tokens generated)"
+        )
+        times = r.extra.get("grammar_compile_s")
+        if times is not None:
+            print(
+                f"  grammar compile (submit to result): first {1000 * times['first_s']:.1f} ms, "
+                f"cached {1000 * times['cached_s']:.3f} ms; the compiler made in {times['compiler_s']:.2f} s"
+            )
+
+
+def print_agreement(results: dict[str, SystemResult]) -> None:
     if fp32_reference(results) == "engine":
         return  # the table's greedy = fp32 column says it already
     for name, same in agreement(results).items():
         print(f"{name}: {same}/{len(results[name].outputs)} requests' greedy tokens equal the engine's")
 
 
-def _print_engine_stats(result: SystemResult) -> None:
+def print_engine_stats(result: SystemResult) -> None:
     before, after = result.extra["stats_before"], result.extra["stats"]
     parts = []
     for key, value in after.items():
@@ -111,9 +136,16 @@ def _print_engine_stats(result: SystemResult) -> None:
     total = sum(profile.values()) or 1.0
     phases = [(k, v / max(steps, 1), v / total) for k, v in profile.items()]
     print(f"{result.name} step profile over {steps} timed steps, per step: {_phases_line(phases)}")
+    if "grammar_s" in result.extra:
+        grammar = result.extra["grammar_s"]
+        print(
+            f"{result.name} grammar, within schedule: {1000 * grammar / max(steps, 1):.2f} ms per step "
+            f"({100 * grammar / total:.1f}%), the matchers accepting tokens and filling the next masks "
+            "(the masks' application is within sample)"
+        )
 
 
-def _print_stack_profile(result: SystemResult) -> None:
+def print_stack_profile(result: SystemResult) -> None:
     rows = result.extra["step_profile"]
     phases = [(r["phase"], r["mean_s"], r["share"]) for r in rows if r["phase"] != "total"]
     steps = max((r["steps"] for r in rows), default=0)
@@ -126,7 +158,7 @@ def _phases_line(phases: list[tuple[str, float, float]]) -> str:
     return ", ".join(f"{name} {1000 * mean_s:.1f} ms ({100 * share:.0f}%)" for name, mean_s, share in phases)
 
 
-def _report(
+def json_report(
     args: argparse.Namespace,
     model_path: Path,
     threads: int,
@@ -170,6 +202,8 @@ def _report(
                     "positions": positions,
                     "share": same_top1 / positions,
                 }
+            if "constraint" in r.extra and (base := unconstrained(name, args.dtype)) in results:
+                out[name]["ratio_vs_unconstrained"] = r.output_tok_s / results[base].output_tok_s
             for base in ("hf-cb", "hf-generate", "engine"):
                 if base in results and base != name:
                     out[name][f"ratio_vs_{base}"] = r.output_tok_s / results[base].output_tok_s

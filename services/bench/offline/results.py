@@ -8,8 +8,8 @@ from typing import Any
 
 # Token ids for the warm-up requests: fewer than one page, so a prefix cache cannot keep anything from
 # them that W1 (random ids) would hit.
-_WARMUP_PROMPT = list(range(100, 116))
-_WARMUP_NEW_TOKENS = 4
+WARMUP_PROMPT = list(range(100, 116))
+WARMUP_NEW_TOKENS = 4
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from services.bench.offline.results import _WARMUP_NEW_TOKENS, _WARMUP_PROMPT, SystemResult
+from services.bench.offline.results import WARMUP_NEW_TOKENS, WARMUP_PROMPT, SystemResult
 from services.bench.workload import Workload
 
 if TYPE_CHECKING:
@@ -19,7 +19,7 @@ STACK_SYSTEMS = ("stack", "stack-streamed")  # one `cbserve up` serves both
 def run_stack(
     stack: StackSystem, workload: Workload, max_in_flight: int | None, streamed: bool = False
 ) -> SystemResult:
-    run = stack.run(workload, (_WARMUP_PROMPT, _WARMUP_NEW_TOKENS), max_in_flight, streamed)
+    run = stack.run(workload, (WARMUP_PROMPT, WARMUP_NEW_TOKENS), max_in_flight, streamed)
     return SystemResult(
         name="stack-streamed" if streamed else "stack",
         wall_s=run.wall_s,

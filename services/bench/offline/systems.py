@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from services.bench.arguments import PEER_NAMES, SYSTEMS, engine_variant, peer_system
+from services.bench.arguments import CONSTRAINED, PEER_NAMES, SYSTEMS, engine_variant, peer_system
 
 if TYPE_CHECKING:
     from services.bench.peers import PeerSpec
@@ -24,7 +24,7 @@ def peer_variants(custom: Mapping[str, PeerSpec]) -> dict[str, tuple[PeerSpec, s
     }
 
 
-def _parse_systems(
+def parse_systems(
     value: str,
     static_batch: int | None,
     stack: bool = False,
@@ -42,6 +42,14 @@ def _parse_systems(
     wanted = ("fp32", "default") if peer_precision == "both" else (peer_precision,)
     systems: list[str] = []
     for name in (s.strip() for s in value.split(",") if s.strip()):
+        if name == f"engine+{CONSTRAINED}":  # the engine at --dtype, as its variants name it
+            name = f"engine:{CONSTRAINED}"
+        base, plus, part = name.rpartition("+")
+        if plus and part == CONSTRAINED and not is_engine(name):
+            raise SystemExit(
+                f"--systems: {name!r}: only the engine systems take --constraint (e.g. "
+                f"engine:bfloat16+{CONSTRAINED}); {base} runs unconstrained or not at all"
+            )
         if name in PEER_NAMES:
             spec = PEERS[name]
             chosen: list[str | None] = [p for p in spec.precisions if p in wanted]
@@ -69,6 +77,14 @@ def _parse_systems(
     return list(dict.fromkeys(systems))  # drop repeats, keep order
 
 
-def _is_engine(name: str) -> bool:
+def is_engine(name: str) -> bool:
     """`engine` or one of its variants, `engine:DTYPE` (the systems that run cbserve's engine in-process)."""
     return name == "engine" or name.startswith("engine:")
+
+
+def unconstrained(name: str, dtype: str) -> str:
+    """The engine system that `name` (a `+constrained` one) is without its constraint, named as
+    `parse_systems` names it: `engine:bfloat16+constrained` -> `engine:bfloat16`, and `engine` for
+    the engine at `dtype`."""
+    parts = [p for p in name.removeprefix("engine:").split("+") if p != CONSTRAINED]
+    return "engine" if parts in ([], [dtype]) else "engine:" + "+".join(parts)

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from services.bench.offline.engine_runner import _build_engine
-from services.bench.offline.pool import _prose_pool
+from services.bench.offline.engine_runner import build_engine
+from services.bench.offline.pool import prose_pool
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 Top1 = tuple[int, int] | str
 
 
-def _prose(model_path: Path) -> list[list[int]]:
+def prose_prompts(model_path: Path) -> list[list[int]]:
     """The agreement text's prompts (services/bench/agreement.py), made before anything is loaded so
     that a model without a tokenizer is refused at once, not after the timed rounds."""
     from transformers import AutoTokenizer
@@ -69,8 +69,8 @@ def measure_top1(
     for name in systems:
         try:
             if name in engines_wanted:
-                with _build_engine(
-                    model_path, engines_wanted[name], _prose_pool(engine_settings, prose)
+                with build_engine(
+                    model_path, engines_wanted[name], prose_pool(engine_settings, prose)
                 ) as engine:
                     other = engine_top1(engine, prose)
             elif name in peers:
@@ -81,11 +81,11 @@ def measure_top1(
         except (PeerCannotScore, PeerUnavailable, RuntimeError, ValueError) as exc:
             out[name] = str(exc)
         reason = f" ({out[name]})" if isinstance(out[name], str) else ""
-        print(f"  {name}: {_top1_cell(out[name])}{reason}", flush=True)
+        print(f"  {name}: {top1_cell(out[name])}{reason}", flush=True)
     return out
 
 
-def _top1_cell(value: Top1 | None) -> str:
+def top1_cell(value: Top1 | None) -> str:
     if value is None:
         return "-"
     if isinstance(value, str):

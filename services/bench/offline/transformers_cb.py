@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from services.bench.offline.results import _WARMUP_NEW_TOKENS, _WARMUP_PROMPT, SystemResult
+from services.bench.offline.results import WARMUP_NEW_TOKENS, WARMUP_PROMPT, SystemResult
 from services.bench.peer_runners.protocol import closed_loop
 from services.bench.workload import Workload
 
@@ -52,7 +52,7 @@ def run_hf_cb(model: PreTrainedModel, workload: Workload, max_in_flight: int | N
         num_requests=workload.num_requests,
     )
     with started_manager(model, gen_config, cb_config, hints) as manager:
-        hf_cb_collect(manager, [_WARMUP_PROMPT], [_WARMUP_NEW_TOKENS], "warmup", 1)
+        hf_cb_collect(manager, [WARMUP_PROMPT], [WARMUP_NEW_TOKENS], "warmup", 1)
         start = time.perf_counter()
         in_flight = max_in_flight or workload.num_requests
         outputs = hf_cb_collect(manager, workload.prompts, workload.max_new_tokens, "w1", in_flight)

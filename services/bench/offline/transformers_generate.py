@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from services.bench.offline.results import _WARMUP_NEW_TOKENS, _WARMUP_PROMPT, SystemResult
+from services.bench.offline.results import WARMUP_NEW_TOKENS, WARMUP_PROMPT, SystemResult
 from services.bench.workload import Workload
 
 if TYPE_CHECKING:
@@ -24,7 +24,7 @@ def run_hf_generate(model: PreTrainedModel, workload: Workload) -> SystemResult:
     def one(prompt: list[int], n: int) -> list[int]:
         return _hf_generate(model, [prompt], n, pad_id=0)[0][:n]
 
-    one(_WARMUP_PROMPT, _WARMUP_NEW_TOKENS)
+    one(WARMUP_PROMPT, WARMUP_NEW_TOKENS)
     start = time.perf_counter()
     outputs = [one(p, n) for p, n in zip(workload.prompts, workload.max_new_tokens, strict=True)]
     wall = time.perf_counter() - start
@@ -34,7 +34,7 @@ def run_hf_generate(model: PreTrainedModel, workload: Workload) -> SystemResult:
 @torch.inference_mode()
 def run_hf_static(model: PreTrainedModel, workload: Workload, batch_size: int, pad_id: int) -> SystemResult:
     """Static batches in workload order; each batch runs to its longest request (the rest is waste)."""
-    _hf_generate(model, [_WARMUP_PROMPT] * min(batch_size, 2), _WARMUP_NEW_TOKENS, pad_id)
+    _hf_generate(model, [WARMUP_PROMPT] * min(batch_size, 2), WARMUP_NEW_TOKENS, pad_id)
     outputs: list[list[int]] = []
     wasted = 0
     start = time.perf_counter()
@@ -80,7 +80,7 @@ def _hf_generate(
     return out[:, width:].tolist()
 
 
-def _pad_token_id(model: PreTrainedModel, tokenizer: Any) -> int:
+def pad_token_id(model: PreTrainedModel, tokenizer: Any) -> int:
     # Padded positions are masked out, so any valid id does; prefer the model's own pad id.
     for candidate in (
         getattr(tokenizer, "pad_token_id", None),

@@ -7,6 +7,7 @@ import argparse
 import math
 from pathlib import Path
 
+from services.bench.constraint import SPEC_FORMS, bench_constraint
 from services.bench.serve.backends import DEFAULT_GRPC_TARGET
 from services.bench.serve.workloads import WORKLOADS
 
@@ -104,6 +105,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="generate exactly max_tokens (default on)",
     )
+    parser.add_argument(
+        "--constraint",
+        type=bench_constraint,
+        default=None,
+        metavar="SPEC",
+        help=f"cbserve backend: hold every request to this structured output, {SPEC_FORMS}; json-schema "
+        "alone is the bundled schema (services/bench/data/strings_array.schema.json), which keeps "
+        "W1-length outputs going to their max_tokens (a request its grammar ends early shows as a "
+        "length mismatch). Run again without it for the unconstrained figures",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths and arrivals")
     parser.add_argument(
         "--cache-salt", default=None, help="prefix-cache salt of all requests (default: new each run)"
@@ -178,6 +189,11 @@ def validate(args: argparse.Namespace) -> None:
         (args.repeat > 1 and args.baseline is None, "--repeat compares rounds: it needs --baseline"),
         (args.baseline is not None and args.plot is not None, "--plot draws one server: not with --baseline"),
         (openai and args.tokenizer is None, "--backend openai needs --tokenizer MODEL_DIR"),
+        (
+            openai and args.constraint is not None,
+            f"--constraint {args.constraint and args.constraint.spec}: the openai backend sends "
+            "/v1/completions, where servers differ on how a constraint is asked for; use --backend cbserve",
+        ),
         (args.num_requests < 1, "--num-requests must be at least 1"),
         (args.concurrency is not None and args.concurrency < 1, "--concurrency must be at least 1"),
         (args.duration is not None and args.duration <= 0, "--duration must be positive"),

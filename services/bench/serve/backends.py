@@ -11,12 +11,16 @@ client time of each chunk carrying tokens and their count, then what the server 
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from services.bench.serve.report import RequestRecord
 from services.bench.serve.workloads import BenchRequest
+
+if TYPE_CHECKING:
+    from services.common.sampling_params import Constraint
 
 DEFAULT_GRPC_TARGET = "127.0.0.1:50051"
 
@@ -134,9 +138,21 @@ def generate_request(req: BenchRequest, args: argparse.Namespace) -> Any:
     if req.max_tokens is not None:
         request.stopping.max_tokens = req.max_tokens
     request.stopping.ignore_eos = args.ignore_eos
+    if args.constraint is not None:
+        _constrain(request.sampling, args.constraint.constraint)
     request.output.token_ids = True
     request.cache_salt = args.cache_salt or ""
     return request
+
+
+def _constrain(sampling: Any, constraint: Constraint) -> None:
+    """Set cbserve.v1's `constraint` oneof of `sampling` (a SamplingParams message) to `constraint`."""
+    if constraint.kind == "json_object":
+        sampling.json_object = True
+    elif constraint.kind == "choice":
+        sampling.choice.choices.extend(json.loads(constraint.text))
+    else:
+        setattr(sampling, constraint.kind, constraint.text)
 
 
 def _record_final(record: RequestRecord, final: Any) -> None:
