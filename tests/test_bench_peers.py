@@ -109,6 +109,29 @@ def test_a_peer_runs_beside_the_engine_in_alternating_rounds_and_a_sweep(
     assert printed.count("round by round (median)") == 2
 
 
+def test_n_choices_fork_unless_unforked_and_count_every_choices_tokens(
+    tiny_models: Callable[[str], Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, report = _bench(
+        tmp_path, tiny_models("llama"), "--n", "3", "--systems", "engine,engine:unforked", standin=False
+    )
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    forked, unforked = report["systems"]["engine"], report["systems"]["engine:unforked"]
+    asked = sum(4 + 3 * i for i in range(5))
+    assert forked["output_tokens"] == unforked["output_tokens"] == 3 * asked
+    assert unforked["requests_equal_to_engine"] == 5
+    # Forked, choices 1 and 2 of each of the five requests started on the first's prompt KV (one round;
+    # the warm-up forks nothing).
+    assert forked["stats"]["forks"] == 10
+    assert unforked["stats"]["forks"] == 0
+
+
+def test_only_engine_systems_take_choices(tiny_models: Callable[[str], Path], tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="--n 2: only engine systems take choices; leave out standin"):
+        _bench(tmp_path, tiny_models("llama"), "--n", "2", "--systems", "engine,standin")
+
+
 def test_the_pool_is_sized_to_the_workload_unless_a_size_is_given(
     tiny_models: Callable[[str], Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -317,6 +317,31 @@ def test_random_workload_against_the_tiny_stack(
     assert "Serving benchmark: rate inf req/s, concurrency 4" in printed and "Step profile" in printed
 
 
+def test_n_choices_count_every_choices_tokens(tiny_stack: Stack, tmp_path: Path) -> None:
+    n = 6
+    code, report = _bench(
+        tiny_stack,
+        tmp_path,
+        "--workload",
+        "random",
+        "--num-requests",
+        str(n),
+        "--input-len",
+        "40",
+        "--output-len",
+        "5",
+        "--n",
+        "3",
+        "--request-rate",
+        "inf",
+    )
+    assert code == 0
+    [phase] = report["phases"]
+    assert phase["requests"]["completed"] == n and phase["requests"]["failed"] == {}
+    assert [r["output_tokens"] for r in phase["records"]] == [3 * 5] * n
+    assert phase["tokens"] == {"prompt": n * 40, "output": n * 3 * 5}
+
+
 def test_shared_prefix_reports_prefix_hits(tiny_stack: Stack, tmp_path: Path) -> None:
     # Two at a time over two groups: each group's later requests start after its first has written
     # the prefix blocks (page size 8: 32 prefix tokens are 4 full blocks).

@@ -23,6 +23,9 @@ ENGINE_QUANTIZATIONS = tuple(q for q in QUANTIZATIONS if q != "none")
 ENGINE_KV_DTYPES = tuple(f"kv-{d}" for d in KV_CACHE_DTYPES)
 # The part of an engine system's name that holds its requests to `--constraint`.
 CONSTRAINED = "constrained"
+# The part of an engine system's name that sends `--n`'s choices as requests of their own (no fork).
+UNFORKED = "unforked"
+MAX_N = 16  # as the gateway's --max-n default
 # A peer runner's `--precision` (peer_runners/protocol.py): fp32 pinned, or the peer's own default.
 PEER_PRECISIONS = ("fp32", "default")
 
@@ -35,12 +38,14 @@ def peer_system(peer: str, precision: str | None) -> str:
 
 @dataclass(frozen=True)
 class EngineVariant:
-    """One cbserve engine system: its weights' dtype, the engine settings its name adds, and whether
-    its requests are held to `--constraint` (the `constrained` part)."""
+    """One cbserve engine system: its weights' dtype, the engine settings its name adds, whether its
+    requests are held to `--constraint` (the `constrained` part), and whether `--n`'s choices go as
+    requests of their own instead of forking from the first (the `unforked` part)."""
 
     dtype: str
     settings: dict[str, Any] = field(default_factory=dict)
     constrained: bool = False
+    unforked: bool = False
 
     @property
     def precision(self) -> str:
@@ -53,8 +58,8 @@ class EngineVariant:
 def engine_variant(name: str, engine_dtype: str) -> EngineVariant | None:
     """The engine system `name` in a bench whose `--dtype` is `engine_dtype`: `engine`, or
     `engine:PART[+PART...]` with at most one part of each kind, a dtype (ENGINE_DTYPES), a quantization
-    (ENGINE_QUANTIZATIONS), a KV type (ENGINE_KV_DTYPES) and `constrained`, e.g. `engine:int8+kv-int8`
-    or `engine:bfloat16+constrained`. None for a
+    (ENGINE_QUANTIZATIONS), a KV type (ENGINE_KV_DTYPES), `constrained` and `unforked`, e.g.
+    `engine:int8+kv-int8` or `engine:bfloat16+constrained`. None for a
     system that is not the engine; ValueError naming the part for one that does not parse."""
     if name == "engine":
         return EngineVariant(engine_dtype)
@@ -65,6 +70,7 @@ def engine_variant(name: str, engine_dtype: str) -> EngineVariant | None:
         "quantization": ENGINE_QUANTIZATIONS,
         "kv_cache_dtype": ENGINE_KV_DTYPES,
         "constraint": (CONSTRAINED,),
+        "unforked": (UNFORKED,),
     }
     chosen: dict[str, str] = {}
     for part in name.removeprefix("engine:").split("+"):
@@ -76,7 +82,8 @@ def engine_variant(name: str, engine_dtype: str) -> EngineVariant | None:
             raise ValueError(f"{name!r} names two of a kind: {chosen[kind]!r} and {part!r}")
         chosen[kind] = part.removeprefix("kv-") if kind == "kv_cache_dtype" else part
     constrained = chosen.pop("constraint", None) is not None
-    return EngineVariant(chosen.pop("dtype", engine_dtype), chosen, constrained)
+    unforked = chosen.pop("unforked", None) is not None
+    return EngineVariant(chosen.pop("dtype", engine_dtype), chosen, constrained, unforked)
 
 
 def peer_name(value: str) -> str:
@@ -161,7 +168,18 @@ def add_offline_arguments(parser: argparse.ArgumentParser) -> None:
         f"({'|'.join(ENGINE_DTYPES)}), a quantization of its layers ({'|'.join(ENGINE_QUANTIZATIONS)}), "
         f"a KV type ({'|'.join(ENGINE_KV_DTYPES)}), e.g. engine:bfloat16+int8+kv-int8; "
         "PEER:default names one peer at its own default precision; a +constrained part "
-        "(engine:bfloat16+constrained) holds that engine's requests to --constraint",
+        "(engine:bfloat16+constrained) holds that engine's requests to --constraint; an +unforked part "
+        "sends --n's choices as requests of their own",
+    )
+    parser.add_argument(
+        "--n",
+        type=bounded(int, 1, MAX_N),
+        default=1,
+        help="choices per request for the engine systems, greedy (so each has its request's tokens; "
+        "output tok/s counts them all): the choices after the first fork from it, computing the prompt "
+        "once, as a call with sampling n does; engine:...+unforked beside an engine system sends them "
+        "as requests of their own (the prefix cache shares their full prompt pages), the baseline for "
+        "what forking saves. Only engine systems take --n > 1",
     )
     parser.add_argument(
         "--constraint",

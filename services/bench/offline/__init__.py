@@ -121,6 +121,10 @@ def run(args: argparse.Namespace) -> int:
             f"({args.systems!r}); e.g. engine:bfloat16,engine:bfloat16+constrained"
         )
     constraint = args.constraint or (bench_constraint("json-schema") if constrained else None)
+    if args.n > 1:
+        others = [name for name in systems if name not in engines_wanted]
+        if others:
+            raise SystemExit(f"--n {args.n}: only engine systems take choices; leave out {', '.join(others)}")
     # The arithmetic of each system but the peers, which report their own (`run_peer`).
     precisions = {name: v.precision for name, v in engines_wanted.items()}
     precisions |= dict.fromkeys(STACK_SYSTEMS, args.dtype)
@@ -157,9 +161,11 @@ def run(args: argparse.Namespace) -> int:
         hf_model, tokenizer = load_model(model_path, dtype=torch.float32, attn_implementation="sdpa")
         pad_id = pad_token_id(hf_model, tokenizer)
     body_params, head_params = param_split(hf_model if hf_model is not None else meta_model(model_path))
-    useful_flop = 2 * body_params * workload.total_tokens + 2 * head_params * workload.total_output_tokens
+    # Every choice of a request (--n) computes its own output tokens; the prompt counts once.
+    outputs = args.n * workload.total_output_tokens
+    useful_flop = 2 * body_params * (workload.total_prompt_tokens + outputs) + 2 * head_params * outputs
 
-    engine_settings = sized_pool(engine_settings, workload)
+    engine_settings = sized_pool(engine_settings, workload, args.n)
     matmul_gflops = measure_matmul_gflops()
     print(f"fp32 matmul 2048x2048x2048: {matmul_gflops:.1f} GFLOP/s (median)", flush=True)
 
@@ -174,7 +180,9 @@ def run(args: argparse.Namespace) -> int:
         held = constraint if variant.constrained else None
 
         def run_one(c: int | None) -> SystemResult:
-            result = run_engine(engines[name], settings, workload, c, name, held)
+            result = run_engine(
+                engines[name], settings, workload, c, name, held, args.n, not variant.unforked
+            )
             if name in compiled:
                 result.extra["grammar_compile_s"] = dataclasses.asdict(compiled[name])
             return result

@@ -5,6 +5,10 @@ Like the stack and the peers' servers, each engine is built once and serves ever
 under a cache salt of its own so that no round hits what an earlier one cached: built afresh per round,
 the first touches of its pool would fall inside the timed part.
 
+With `--n` each request is that many greedy choices: those after the first fork from it (its prompt
+computed once), or with `+unforked` go as requests of their own. The result keeps each request's first
+choice (every choice has its tokens) and counts them all (`SystemResult.choices`).
+
 A `+constrained` engine holds every request, the warm-up's too, to `--constraint`. Its grammar may end
 a request before its length (the grammar complete): the result counts the tokens generated, and says
 how many requests ended so (`ended_early`) and what they read (`output_texts`).
@@ -47,6 +51,8 @@ def run_engine(
     max_in_flight: int | None,
     name: str = "engine",
     constraint: BenchConstraint | None = None,
+    choices: int = 1,
+    forked: bool = True,
 ) -> SystemResult:
     held = None if constraint is None else constraint.constraint
     engine.generate([WARMUP_PROMPT], [WARMUP_NEW_TOKENS], ignore_eos=True, constraint=held)
@@ -54,7 +60,9 @@ def run_engine(
     phases_before = dataclasses.replace(engine.phase_totals)
     start = time.perf_counter()
     salt = uuid.uuid4().hex
-    outputs = _engine_closed_loop(engine, workload, max_in_flight or workload.num_requests, salt, held)
+    outputs = _engine_closed_loop(
+        engine, workload, max_in_flight or workload.num_requests, salt, held, choices, forked
+    )
     wall = time.perf_counter() - start
     engine.run_until_done()  # the last step's releases, so the stats below count nothing as held
     stats_after = dict(engine.stats())
@@ -76,6 +84,7 @@ def run_engine(
         wall_s=wall,
         outputs=outputs,
         prompt_tokens=workload.total_prompt_tokens,
+        choices=choices,
         extra={
             "settings": settings,
             "stats_before": stats_before,
@@ -88,25 +97,49 @@ def run_engine(
 
 
 def _engine_closed_loop(
-    engine: Engine, workload: Workload, max_in_flight: int, cache_salt: str, constraint: Constraint | None
+    engine: Engine,
+    workload: Workload,
+    max_in_flight: int,
+    cache_salt: str,
+    constraint: Constraint | None,
+    choices: int,
+    forked: bool,
 ) -> list[list[int]]:
+    """Each request's first choice's tokens; every choice must end as the first did."""
     from services.common.sampling_params import SamplingParams
     from services.worker.request import FinishReason
 
-    requests: list[Any] = [None] * workload.num_requests
+    requests: list[list[Any]] = [[] for _ in range(workload.num_requests)]
+    call_of: dict[str, int] = {}  # a choice's request id -> its request's index in the workload
+    left = [choices] * workload.num_requests  # choices of each request still running
 
     def submit(i: int) -> None:
         params = SamplingParams(
             temperature=0.0, max_new_tokens=workload.max_new_tokens[i], ignore_eos=True, constraint=constraint
         )
-        requests[i] = engine.add_request(workload.prompts[i], params, cache_salt=cache_salt)
+        first = engine.add_request(workload.prompts[i], params, cache_salt=cache_salt)
+        fork_of = first.request_id if forked else None
+        requests[i] = [first] + [
+            engine.add_request(workload.prompts[i], params, cache_salt=cache_salt, fork_of=fork_of)
+            for _ in range(choices - 1)
+        ]
+        call_of.update((r.request_id, i) for r in requests[i])
 
     def step() -> int:
-        finished = [r for r in engine.step() if r.finished]
-        failed = [r for r in finished if r.finish_reason is FinishReason.ERROR]
-        if failed:
-            raise RuntimeError(f"request {failed[0].request_id} failed: {failed[0].error}")
-        return len(finished)
+        """Requests whose every choice finished in this step."""
+        done = 0
+        for r in engine.step():
+            if not r.finished:
+                continue
+            if r.finish_reason is FinishReason.ERROR:
+                raise RuntimeError(f"request {r.request_id} failed: {r.error}")
+            i = call_of.pop(r.request_id)
+            left[i] -= 1
+            done += left[i] == 0
+        return done
 
     closed_loop(workload.num_requests, max_in_flight, submit, step)
-    return [list(r.output_ids) for r in requests]
+    for i, call in enumerate(requests):
+        if any(c.output_ids != call[0].output_ids for c in call):
+            raise RuntimeError(f"request {i}: its greedy choices generated different tokens")
+    return [list(call[0].output_ids) for call in requests]

@@ -18,20 +18,21 @@ POOL_SIZE_SETTINGS = ("num_blocks", "kv_cache_space", "max_memory_percent")
 POOL_HEADROOM = 2  # beside the scheduler's safety margin, the warm-up and an earlier round's leftovers
 
 
-def workload_pool_blocks(workload: Workload, page_size: int) -> int:
-    """Blocks for every request of `workload` at its full length at once, `POOL_HEADROOM` times over."""
+def workload_pool_blocks(workload: Workload, page_size: int, choices: int = 1) -> int:
+    """Blocks for every request of `workload` at its full length at once, each of its `choices` with
+    pages of its own (an over-count where they share their prompt's), `POOL_HEADROOM` times over."""
     pages = sum(
         -(-(len(prompt) + new) // page_size)
         for prompt, new in zip(workload.prompts, workload.max_new_tokens, strict=True)
     )
-    return POOL_HEADROOM * pages
+    return POOL_HEADROOM * choices * pages
 
 
-def sized_pool(settings: dict[str, Any], workload: Workload) -> dict[str, Any]:
+def sized_pool(settings: dict[str, Any], workload: Workload, choices: int = 1) -> dict[str, Any]:
     if any(settings.get(name) is not None for name in POOL_SIZE_SETTINGS):
         return settings
     page_size = settings.get("page_size", CBConfig.page_size)
-    blocks = workload_pool_blocks(workload, page_size)
+    blocks = workload_pool_blocks(workload, page_size, choices)
     print(
         f"KV pool: {blocks} blocks of {page_size} tokens, the workload twice over "
         "(--num-blocks, --kv-cache-space or --max-memory-percent to choose)",

@@ -14,7 +14,8 @@ WARMUP_NEW_TOKENS = 4
 
 @dataclass
 class SystemResult:
-    """One system's timed run. `outputs` holds each request's generated ids, in workload order."""
+    """One system's timed run. `outputs` holds each request's generated ids, in workload order; with
+    `choices` > 1 (`--n`), its first choice's, the others' being the same (greedy)."""
 
     name: str
     wall_s: float
@@ -22,11 +23,12 @@ class SystemResult:
     prompt_tokens: int
     # Tokens a system computed beyond what was asked (static batches run to their longest request).
     wasted_output_tokens: int = 0
+    choices: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def output_tokens(self) -> int:
-        return sum(len(o) for o in self.outputs)
+        return self.choices * sum(len(o) for o in self.outputs)
 
     @property
     def output_tok_s(self) -> float:

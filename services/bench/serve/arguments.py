@@ -10,6 +10,7 @@ from pathlib import Path
 from services.bench.constraint import SPEC_FORMS, bench_constraint
 from services.bench.serve.backends import DEFAULT_GRPC_TARGET
 from services.bench.serve.workloads import WORKLOADS
+from services.common.cli_args import bounded
 
 
 def _rates(text: str) -> list[float]:
@@ -115,6 +116,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "W1-length outputs going to their max_tokens (a request its grammar ends early shows as a "
         "length mismatch). Run again without it for the unconstrained figures",
     )
+    parser.add_argument(
+        "--n",
+        type=bounded(int, 1),
+        default=1,
+        help="cbserve backend: choices per request (sampling.n; the server computes each prompt once); "
+        "output tokens count every choice's",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths and arrivals")
     parser.add_argument(
         "--cache-salt", default=None, help="prefix-cache salt of all requests (default: new each run)"
@@ -194,6 +202,7 @@ def validate(args: argparse.Namespace) -> None:
             f"--constraint {args.constraint and args.constraint.spec}: the openai backend sends "
             "/v1/completions, where servers differ on how a constraint is asked for; use --backend cbserve",
         ),
+        (openai and args.n > 1, f"--n {args.n}: choices go through the cbserve backend's sampling.n"),
         (args.num_requests < 1, "--num-requests must be at least 1"),
         (args.concurrency is not None and args.concurrency < 1, "--concurrency must be at least 1"),
         (args.duration is not None and args.duration <= 0, "--duration must be positive"),

@@ -138,6 +138,8 @@ def generate_request(req: BenchRequest, args: argparse.Namespace) -> Any:
     if req.max_tokens is not None:
         request.stopping.max_tokens = req.max_tokens
     request.stopping.ignore_eos = args.ignore_eos
+    if args.n > 1:
+        request.sampling.n = args.n
     if args.constraint is not None:
         _constrain(request.sampling, args.constraint.constraint)
     request.output.token_ids = True

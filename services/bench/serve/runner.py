@@ -247,7 +247,11 @@ async def run_phase(
 
     arrivals = arrivals_for(requests, phase.rate, phase_rng(args.seed, phase.index, "arrivals"))
     records = [
-        RequestRecord(r.index, r.kind, r.max_tokens, r.prompt_len, r.group, r.shared_len) for r in requests
+        # With --n, a request's output is every choice's: n times max_tokens when each runs to its end.
+        RequestRecord(
+            r.index, r.kind, _all_choices(r.max_tokens, args.n), r.prompt_len, r.group, r.shared_len
+        )
+        for r in requests
     ]
     await wait_idle(backend)
     steps_before = await asyncio.to_thread(scrape_steps, args.metrics_url)
@@ -407,3 +411,7 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, Path):
         return str(value)
     return value
+
+
+def _all_choices(max_tokens: int | None, n: int) -> int | None:
+    return None if max_tokens is None else n * max_tokens
