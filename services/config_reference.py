@@ -70,6 +70,13 @@ OTHER_VARIABLES: tuple[OtherVariable, ...] = (
         "`native` also means no native bfloat16, so `--dtype auto` picks float32 on a CPU.",
     ),
     OtherVariable(
+        "CBSERVE_PAGED_ATTENTION",
+        "`auto`",
+        "Which kernels read the KV pages in place: `auto` (the native ones on the CPU, Triton's on a "
+        "GPU), `triton` (Triton's anywhere; on a CPU only under `TRITON_INTERPRET=1`, for tests) or "
+        "`gather` (none: each context is gathered for SDPA, the GPU check's baseline).",
+    ),
+    OtherVariable(
         "CBSERVE_GEMM_CROSSOVER",
         "unset (measured once per machine and kept under `$CBSERVE_HOME/kernels`)",
         "Pins the number of rows from which the linears use torch's GEMM instead of the panel "
