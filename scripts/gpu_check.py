@@ -27,6 +27,10 @@ recorded as skipped. Within a section each system or phase is tried on its own t
   and registers the swap pool as pinned memory, a swap-out/in round trip, and a worker SIGKILL
   mid-stream whose streams finish identical to `generate`, after the restarted worker attached again.
 - tests: the CUDA-only tests (`pytest -m cuda`).
+- roofline: a Llama-3.1-8B-shaped model (random, bf16) on 1,024- and 4,096-token prompts: per decode
+  step the share of the measured copy rate its reads reach, per prefill step that of the measured bf16
+  matmul rate, output tok/s and TTFT, against transformers' continuous batching and the gather path
+  (`roofline_section`). Last, and saved part by part: a stop inside it loses no other figure.
 
 On a CPU (`--device cpu`) graphs cannot be captured: the graphs-on runs use `eager_capture`, the same
 buckets and static inputs run eagerly, so that every path but the capture itself is exercised.
@@ -1100,16 +1104,28 @@ def roofline_settings(check: Check, load: RooflineLoad) -> Entry:
     8192 (vLLM's default on a GPU): a prefill step then computes 8192 tokens, the issue's 8k, and the
     pages attention may gather in a step, which grow with it, hold every request's context (at 512, the
     throughput section's, they would cap (a)'s decode steps near 100 of the 128 requests). The pool
-    holds every request whole, and one request more (the warm-up's pages, still in the prefix cache)."""
+    holds every request whole, and the warm-up's beside them (its pages stay in the prefix cache)."""
     page = 8 if check.quick else 32
     pages_each = -(-(load.prompt_tokens + load.new_tokens) // page)
     return {
         "page_size": page,
-        "num_blocks": (load.running + 1) * pages_each,
-        "max_batch_tokens": 64 if check.quick else 8192,
+        "num_blocks": (load.running + roofline_warmup(check, load).requests) * pages_each,
+        "max_batch_tokens": roofline_batch_tokens(check),
         "max_requests_per_batch": load.running,
         "use_async_batching": True,
     }
+
+
+def roofline_batch_tokens(check: Check) -> int:
+    return 64 if check.quick else 8192
+
+
+def roofline_warmup(check: Check, load: RooflineLoad) -> RooflineLoad:
+    """Enough of the workload's prompts (other draws) to fill a prefill step and start the next, two
+    tokens each: the kernels the timed run's steps launch are built before it (Triton compiles each
+    new specialization at its first launch, and the first TTFTs would carry that)."""
+    count = min(load.running, roofline_batch_tokens(check) // load.prompt_tokens + 1)
+    return RooflineLoad("warmup", load.prompt_tokens, 2, count, count)
 
 
 def record_steps(engine: Engine) -> list[StepRecord]:
@@ -1235,7 +1251,7 @@ def roofline_engine(
     """cbserve's engine as a GPU runs it by default (CUDA graphs, async batching) on one workload, with
     the attention kernels attention_kernels.py chooses or those `kernels` names."""
     settings = roofline_settings(check, load)
-    warmup = RooflineLoad("warmup", load.prompt_tokens, 2, 1, 1).prompts(model.config.vocab_size, SEED + 1)
+    warmup = roofline_warmup(check, load)
     with paged_attention(kernels):
         started = time.perf_counter()
         engine = check.engine(model, settings, graphs=True)
@@ -1245,7 +1261,9 @@ def roofline_engine(
                 "attention": engine.runner.attention.name,
                 "settings": settings,
             }
-            engine.generate(warmup, 2, ignore_eos=True)  # first-use costs (kernel builds), untimed
+            engine.generate(
+                warmup.prompts(model.config.vocab_size, SEED + 1), warmup.new_tokens, ignore_eos=True
+            )
             records, ttft, wall = drive_steps(
                 engine, load.prompts(model.config.vocab_size), load.new_tokens, check.deadline
             )
@@ -1288,10 +1306,13 @@ def roofline_section(check: Check) -> Entry:
     The parts run most telling first, (a) and (b) on the engine, transformers on (a) and (b), then the
     gather baseline, each only with its ROOFLINE_NEEDS_S left: on an H200 the model takes ~5 s to make
     and the rates ~1 s, the engine ~30 s a workload, transformers up to a minute each, gather ~40 s
-    each, about 4 minutes in all, after the other sections (~3 minutes). The entry is saved after each
+    each, 4-5 minutes in all, after the other sections (~3 minutes). The entry is saved after each
     part, so that a check stopped inside this section keeps what it measured."""
-    loads = [load.scaled(check.roofline_scale) for load in ROOFLINE_QUICK_LOADS if check.quick] or [
-        load.scaled(check.roofline_scale) for load in ROOFLINE_LOADS
+    if check.device != "cuda" and not check.quick:
+        return {"skipped": "the 8B-shaped model is for a GPU; --quick runs a tiny one"}
+    loads = [
+        load.scaled(check.roofline_scale)
+        for load in (ROOFLINE_QUICK_LOADS if check.quick else ROOFLINE_LOADS)
     ]
     entry: Entry = {"rates": device_rates(check)}
     started = time.perf_counter()
