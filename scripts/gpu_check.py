@@ -1303,11 +1303,17 @@ def roofline_section(check: Check) -> Entry:
     tok/s and the median time to first token; for the engine, per step the share of the measured copy
     rate (decode) or matmul rate (prefill) it reached (`step_figures`).
 
+    Which steps count, with 8,192 tokens a step (`roofline_settings`): each workload's 131,072 prompt
+    tokens fill about 16 steps of 8,192 (8 prompts a step in (a), 2 in (b), with the decodes of the
+    requests already prefilled taking their share of each), and those are the prefill steps; the last
+    partial one is not. The decode steps that count are those after the last prompt is in and before
+    the first request finishes: about 239 in (a), 111 in (b).
+
     The parts run most telling first, (a) and (b) on the engine, transformers on (a) and (b), then the
-    gather baseline, each only with its ROOFLINE_NEEDS_S left: on an H200 the model takes ~5 s to make
-    and the rates ~1 s, the engine ~30 s a workload, transformers up to a minute each, gather ~40 s
-    each, 4-5 minutes in all, after the other sections (~3 minutes). The entry is saved after each
-    part, so that a check stopped inside this section keeps what it measured."""
+    gather baseline, each only with its ROOFLINE_NEEDS_S left. On an H200: the rates ~1 s, the model
+    ~5 s, the engine 20-30 s a workload, transformers 30-60 s each, gather 30-45 s each: 3-4 minutes,
+    after the other sections' ~3, within the 480-s budget. The entry is saved after each part, so that a
+    check stopped inside this section keeps what it measured."""
     if check.device != "cuda" and not check.quick:
         return {"skipped": "the 8B-shaped model is for a GPU; --quick runs a tiny one"}
     loads = [
