@@ -1422,7 +1422,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--quick", action="store_true", help="small models and workloads (the CPU test)")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"a subset of {','.join(SECTIONS)}")
-    # 480 s: the sections before the roofline took ~3 minutes on an H200, the roofline ~4 (its
+    # 480 s: the sections before the roofline took ~3 minutes on an H200, the roofline 3-4 (its
     # docstring), and one device call of 9 minutes holds this, the start-up and a margin.
     parser.add_argument("--budget-s", type=float, default=480.0, help="wall time the check may take")
     parser.add_argument(
@@ -1440,6 +1440,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown sections {unknown}; known: {','.join(SECTIONS + EXTRA_SECTIONS)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device: pass --device cpu")
+    if args.roofline_scale <= 0:
+        parser.error("--roofline-scale must be positive")
 
     from services.common.logging import configure_logging, disable_progress_bars
 
@@ -1448,8 +1450,6 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="cbserve-gpu-check-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    if args.roofline_scale <= 0:
-        parser.error("--roofline-scale must be positive")
     results: Entry = {}
 
     def save_partial(name: str, entry: Entry) -> None:
