@@ -4,11 +4,16 @@ the issue asks for. The capture itself (and so the figures of a device) needs a 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import ModuleType
 from typing import Any
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -72,3 +77,128 @@ def test_the_quick_cpu_check_runs_every_section_and_reports_json(tmp_path: Path)
     assert kill["reattach"]["attaches"] == 2 and stack["idle_after"] is True
     assert summary["targets"]["greedy_identical"] is True
     assert summary["targets"]["stack_streams_identical"] is True
+
+
+# ------------------------------------------------------------------------------------------- roofline
+
+
+@pytest.fixture(scope="module")
+def gpu_check() -> ModuleType:
+    """scripts/gpu_check.py as a module (scripts/ is no package)."""
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # dataclasses resolve their annotations through it
+    spec.loader.exec_module(module)
+    return module
+
+
+def quick_check(gpu_check: ModuleType, tmp_path: Path) -> Any:
+    return gpu_check.Check("cpu", True, time.monotonic() + 3600, tmp_path)
+
+
+def test_roofline_costs_of_the_tiny_llama_are_its_hand_counted_bytes_and_flops(
+    gpu_check: ModuleType, tmp_path: Path
+) -> None:
+    model = gpu_check.roofline_model(quick_check(gpu_check, tmp_path))
+    costs = gpu_check.StepCosts.of(model)
+    # LLAMA_TINY in float32: hidden 64, FFN 128, 2 layers, 4 heads / 2 KV heads of 16, vocab 512, untied.
+    matrices = 64 * 64 + 2 * (64 * 32) + 64 * 64 + 3 * (64 * 128)  # q, k and v, o, gate up and down
+    norms = 2 * 2 * 64 + 64
+    head = 512 * 64
+    assert costs.weight_bytes == (2 * matrices + norms + head) * 4  # the input embedding read by rows
+    assert costs.row_bytes == 64 * 4
+    assert costs.kv_token_bytes == 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads of 16
+    assert costs.layer_flops_per_token == 2 * 2 * matrices
+    assert costs.head_flops_per_row == 2 * head
+    assert costs.attention_flops_per_pair == 4 * 4 * 16 * 2
+
+    decode = gpu_check.StepRecord([(40, 1, False), (10, 1, False)], logit_rows=2)
+    assert (
+        costs.read_bytes(decode)
+        == costs.weight_bytes + 2 * costs.row_bytes + (41 + 11) * costs.kv_token_bytes
+    )
+    # A chunk of 8 prompt tokens from position 4: positions 4..11 attend 5..12 keys.
+    chunk = gpu_check.StepRecord([(4, 8, True)], logit_rows=1)
+    pairs = sum(range(5, 13))
+    assert chunk.attended_pairs == pairs
+    assert costs.flops(chunk) == 8 * 2 * 2 * matrices + 2 * head + pairs * 4 * 4 * 16 * 2
+
+
+def test_roofline_steady_state_is_every_running_request_decoding(gpu_check: ModuleType) -> None:
+    record = gpu_check.StepRecord
+    costs = gpu_check.StepCosts(1000, 10, 100, 1, 1, 1)
+    rates = {"copy_bytes_per_s": 1e6, "matmul_flops_per_s": 1e3}
+    steps = [
+        record([(0, 16, True)], 1, seconds=0.5),  # a full prefill step: qualifies
+        record([(16, 1, False), (0, 15, True)], 2, seconds=0.5),  # full, mixed: qualifies
+        record([(17, 1, False), (15, 1, True)], 2),  # a prompt's last token beside a decode: neither
+        record([(18, 1, False), (16, 1, False)], 2, seconds=0.002),  # 2 of 3 running: ramp-up
+        record([(19, 1, False), (17, 1, False), (20, 1, False)], 3, seconds=0.002),  # steady
+        record([(20, 1, False), (18, 1, False), (21, 1, False)], 3, seconds=0.004),  # steady
+        record([(21, 1, False), (19, 1, False)], 2, seconds=0.001),  # the tail
+    ]
+    figures = gpu_check.step_figures(steps, costs, rates, running=3, prefill_tokens=16)
+    steady_bytes = [1000 + 3 * 10 + (20 + 18 + 21) * 100, 1000 + 3 * 10 + (21 + 19 + 22) * 100]
+    assert figures["decode"]["steady_steps"] == 2
+    fractions = [steady_bytes[0] / 1e6 / 0.002, steady_bytes[1] / 1e6 / 0.004]
+    assert figures["decode"]["fraction_median"] == pytest.approx(sum(fractions) / 2, abs=1e-3)
+    assert figures["decode"]["step_ms_median"] == pytest.approx(3.0)
+    assert figures["prefill"]["steps"] == 2 and figures["prefill"]["tokens"] == [16, 16]
+    flops = [16 + 1 + 136, 16 + 2 + (17 + sum(range(1, 16)))]
+    assert figures["prefill"]["fraction_median"] == pytest.approx(sum(flops) / 2 / 0.5 / 1e3, abs=1e-3)
+    assert figures["mixed_or_partial_steps"] == 3
+
+
+def test_roofline_scale_shrinks_the_requests_and_the_running_with_them(gpu_check: ModuleType) -> None:
+    a, b = gpu_check.ROOFLINE_LOADS
+    assert (a.requests, a.running, b.requests, b.running) == (128, 128, 32, 32)  # one wave each
+    assert (a.scaled(0.5).requests, a.scaled(0.5).running) == (64, 64)
+    assert (a.scaled(2).requests, a.scaled(2).running) == (256, 128)
+    assert b.scaled(0.01).requests == 1
+
+
+def test_the_quick_cpu_roofline_section_reports_each_system(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    argv = [
+        sys.executable,
+        "scripts/gpu_check.py",
+        "--device",
+        "cpu",
+        "--quick",
+        "--budget-s",
+        "3600",
+        "--sections",
+        "roofline",
+        "--workdir",
+        str(tmp_path),
+        "--out-dir",
+        str(out),
+    ]
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary: dict[str, Any] = json.loads(done.stdout)
+    assert summary == json.loads((out / "gpu_check.json").read_text())
+    roofline = summary["sections"]["roofline"]
+    assert "error" not in json.dumps(roofline) and "partial" not in roofline, json.dumps(roofline)[:4000]
+    assert roofline["rates"]["copy_bytes_per_s"] > 0 and roofline["rates"]["matmul_flops_per_s"] > 0
+    for name, load in roofline["loads"].items():
+        workload = load["workload"]
+        systems = load["systems"]
+        assert (
+            systems["engine"]["attention"] == "native" and systems["engine_gather"]["attention"] == "gather"
+        )
+        for system in systems.values():
+            assert system["output_tok_s"] > 0 and system["ttft_ms_median"] > 0, (name, system)
+        for engine in (systems["engine"], systems["engine_gather"]):
+            decode, prefill = engine["decode"], engine["prefill"]
+            # The first token comes from a request's prefill: at most new_tokens - 1 decode steps each.
+            assert 0 < decode["steady_steps"] <= workload["new_tokens"] - 1, engine
+            assert decode["fraction_median"] > 0 and decode["step_ms_median"] > 0
+            assert prefill["steps"] > 0 and min(prefill["tokens"]) >= engine["settings"]["max_batch_tokens"]
+            assert prefill["fraction_median"] > 0
+        assert load["engine_over_transformers_cb"] > 0 and load["engine_over_gather"] > 0
+    targets = summary["targets"]
+    for key in ("roofline_decode_0.70_a", "roofline_decode_0.70_b", "roofline_prefill_0.55"):
+        assert isinstance(targets[key], bool), targets
+    assert isinstance(targets["roofline_engine_5x_transformers_cb_a"], bool)
