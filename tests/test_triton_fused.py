@@ -3,12 +3,13 @@ in float32, against the native CPU passes (csrc/fused_ops.cpp) they stand in for
 with the residual updated in place, rotary with the K/V writes into the pool, SiLU-times-up. Odd token
 counts, widths that are not powers of two (SmolLM2-135M's 576, SmolLM2-360M's 960), MHA and GQA,
 head sizes 64/80/128, scattered positions and slots, padded tokens on the padding slot, float32 and
-16-bit activations and pools.
+16-bit activations and pools; and their compilation for sm_90 (H100/H200), without spills.
 
 Without a CUDA device they run under Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, set here
 unless the environment says otherwise; it must be set before the kernels are defined), on small
-shapes. With a device (`pytest tests/test_triton_fused.py` there, or `-m cuda` for the capture test
-alone) the same tests run the compiled kernels on it, and the graph-capture test runs too.
+shapes: about 8 s on two cores, the sm_90 compile included. With a device (`pytest
+tests/test_triton_fused.py` there, or `-m cuda` for the capture test alone) the same tests run the
+compiled kernels on it, and the graph-capture test runs too.
 
 Bounds, with u32 = 2^-24 float32's unit roundoff and u the 16-bit formats' (every input is exact in
 float32, so the float64 reference sees the kernel's own inputs):
@@ -27,8 +28,12 @@ float32, so the float64 reference sees the kernel's own inputs):
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -44,8 +49,14 @@ from tests.cuda_marks import cuda_only
 pytest.importorskip("triton", reason="the Triton kernels need triton (xgrammar brings it on Linux x86-64)")
 
 from services.common.kv_geometry import PADDING_SLOT
+from services.worker import triton_fused
 from services.worker.kernels import fused_ops
 from services.worker.triton_fused import TritonFusedOps
+from tests.stack import REPO
+
+# The attention kernels' sm_90 compile check, reused as it is (a launch recorder, and a compile of a
+# recorded launch that returns its stack bytes) rather than copied.
+from tests.test_triton_attention import CUOBJDUMP, Launches, sm90_stack_bytes
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 pytestmark = pytest.mark.skipif(
@@ -339,6 +350,61 @@ def test_silu_mul_of_extreme_gates_is_finite() -> None:
     got = OPS.silu_mul(gate_up)
     want = torch.nn.functional.silu(gate_up[:, :4]) * gate_up[:, 4:]
     torch.testing.assert_close(got, want, rtol=8 * U32, atol=0.0)
+
+
+# -------------------------------------------------------------------------------------- sm_90 compile
+
+KERNELS = ("_rms_norm_kernel", "_add_rms_norm_kernel", "_rotary_store_kv_kernel", "_silu_mul_kernel")
+SM90_DTYPES = ("bfloat16", "float32")  # a 16-bit GPU forward's activations and pool; the float32 path
+
+
+def compile_launches_for_sm90(work: str) -> None:
+    """The child process of the sm_90 compile test (TRITON_INTERPRET=0: an interpreting process cannot
+    compile). Runs the passes at Llama-3.1-8B's sizes (hidden 4096, 32/8 heads of 128, FFN 14336) with
+    their kernels swapped for recorders, compiles every recorded launch and prints, as JSON, each
+    dtype's kernels' stack bytes."""
+    kernels = {name: getattr(triton_fused, name) for name in KERNELS}
+    stacks = []
+    for dtype_name in SM90_DTYPES:
+        launches = {name: Launches() for name in KERNELS}
+        for name, recorder in launches.items():
+            setattr(triton_fused, name, recorder)  # the module's globals: what its methods launch
+        dtype, hidden, heads, kv_heads, dim = getattr(torch, dtype_name), 4096, 32, 8, 128
+        x, weight = torch.zeros(2, hidden, dtype=dtype), torch.zeros(hidden, dtype=dtype)
+        OPS.rms_norm(x, weight, EPS)
+        OPS.add_rms_norm(x, x.clone(), weight, EPS)
+        qkv, table = torch.zeros(2, (heads + 2 * kv_heads) * dim, dtype=dtype), torch.zeros(8, dim)
+        pool, index = torch.zeros(4, kv_heads, dim, dtype=dtype), torch.zeros(2, dtype=torch.int64)
+        OPS.rotary_store_kv_(qkv, heads, kv_heads, dim, table, table, index, pool, pool, index)
+        OPS.silu_mul(torch.zeros(2, 2 * 14336, dtype=dtype))
+        case = {}
+        for name, recorder in launches.items():
+            ((args, kwargs),) = recorder.calls
+            case[name] = sm90_stack_bytes(kernels[name], name, args, kwargs, Path(work))
+        stacks.append(case)
+    print(json.dumps(stacks))
+
+
+def test_kernels_compile_for_sm90_without_spills(tmp_path: Path) -> None:
+    """What the interpreter never does: the kernels, as the methods launch them, go through Triton's
+    compiler and ptxas for an H100/H200, and no thread needs a stack, i.e. no registers spill."""
+    if not CUOBJDUMP.exists():
+        pytest.skip(f"triton ships no cuobjdump here ({CUOBJDUMP})")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    code = "import sys; from tests.test_triton_fused import compile_launches_for_sm90 as c; c(sys.argv[1])"
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    stacks = json.loads(run.stdout.splitlines()[-1])
+    assert stacks == [dict.fromkeys(KERNELS, 0)] * len(SM90_DTYPES), list(
+        zip(SM90_DTYPES, stacks, strict=True)
+    )
 
 
 # --------------------------------------------------------------------------------------- graph capture
