@@ -286,7 +286,7 @@ class TritonFusedOps:
             slots,
             qkv.stride(0),
             cos.stride(0),
-            k_cache.stride(0),
+            k_cache.stride(0),  # v_cache's too: both contiguous, of one shape (checked above)
             k_cache.stride(1),
             NUM_HEADS=num_heads,
             KV_HEADS=kv_heads,
