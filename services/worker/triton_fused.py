@@ -57,13 +57,14 @@ def _row_warps(block: int) -> int:
 @triton.jit
 def _normalize(x, w, mask, width, eps):
     """weight * x / sqrt(mean(x^2) + eps) of one float32 row tile (masked columns are 0). sqrt and the
-    division correctly rounded: Triton's defaults approximate both, the CPU op rounds them."""
+    divisions correctly rounded: Triton's defaults approximate them on a GPU, the CPU op rounds them."""
     ss = tl.sum(tl.where(mask, x * x, 0.0), 0)
-    r = tl.div_rn(1.0, tl.sqrt_rn(ss / width + eps))
+    r = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, width.to(tl.float32)) + eps))
     return w * (x * r)
 
 
-@triton.jit
+# `width` unspecialised: Triton would make a width of 1 a constexpr, which has no `.to` in `_normalize`.
+@triton.jit(do_not_specialize=["width"])
 def _rms_norm_kernel(x, weight, y, width, eps, stride_x, BLOCK: tl.constexpr):
     """Program t: row t."""
     t = tl.program_id(0).to(tl.int64)
@@ -75,7 +76,8 @@ def _rms_norm_kernel(x, weight, y, width, eps, stride_x, BLOCK: tl.constexpr):
     tl.store(y + t * width + cols, out.to(y.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# `width` unspecialised: Triton would make a width of 1 a constexpr, which has no `.to` in `_normalize`.
+@triton.jit(do_not_specialize=["width"])
 def _add_rms_norm_kernel(x, residual, weight, y, width, eps, stride_x, BLOCK: tl.constexpr):
     """Program t: residual row t += x row t, rounded to the residual's dtype, then normalised as stored."""
     t = tl.program_id(0).to(tl.int64)
