@@ -16,6 +16,16 @@ os.environ.setdefault("CBSERVE_GEMM_CROSSOVER", "never")
 # with transformers' float32 `generate` token for token (`--dtype auto` is bfloat16 on some CPUs).
 os.environ.setdefault("CBSERVE_DTYPE", "float32")
 
+import torch
+
+# Without a GPU the Triton kernels (the GPU's attention and layer passes) run under Triton's interpreter
+# on CPU tensors. Set before anything imports triton (xgrammar does): triton reads the switch as its jit
+# functions are made, and kernels made in one mode cannot call helpers made in the other. Only without a
+# device: there it would turn every Triton kernel of a GPU run (torch.compile's, xgrammar's) into the
+# interpreter's.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from collections.abc import Callable, Iterator
 from pathlib import Path
 

@@ -130,7 +130,7 @@ def test_a_constrained_systems_unconstrained_twin(name: str, twin: str) -> None:
 )
 def test_bench_serve_sends_the_constraint_in_cbserve_v1s_oneof(spec: str, field: str, value: object) -> None:
     args = argparse.Namespace(
-        temperature=0.0, ignore_eos=True, cache_salt=None, constraint=bench_constraint(spec)
+        temperature=0.0, ignore_eos=True, cache_salt=None, constraint=bench_constraint(spec), n=1
     )
     sampling = generate_request(BenchRequest(0, 8, token_ids=[1, 2, 3]), args).sampling
     assert sampling.WhichOneof("constraint") == field

@@ -2,8 +2,8 @@
 in float64: decode (split-K) and varlen prefill, GQA and MHA, padded and poisoned slots, softcap,
 window, float32 and 16-bit pools; and their compilation for sm_90 (H100/H200), without spills.
 
-Without a CUDA device they run under Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, set here
-unless the environment says otherwise; it must be set before the kernels are defined), on small
+Without a CUDA device they run under Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, set by
+tests/conftest.py before anything imports triton, unless the environment says otherwise), on small
 shapes: the interpreter runs each program in numpy, and the file takes about 35 s on two cores. With a
 device (`pytest tests/test_triton_attention.py` there, or `-m cuda` for the capture test alone) the same
 tests run the compiled kernels on it, and the graph-capture test runs too.
@@ -13,20 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-
-# Only without a device: set session-wide, the switch would also turn every other Triton kernel of a
-# GPU run (torch.compile's, xgrammar's) into the interpreter's.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.attention_cases import causal_reference, decode_batch, gather_sdpa, prefill_batch
 from tests.cuda_marks import cuda_only
@@ -34,11 +26,8 @@ from tests.stack import REPO
 
 pytest.importorskip("triton", reason="the Triton kernels need triton (xgrammar brings it on Linux x86-64)")
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
 from services.worker import triton_attention
+from tests.triton_sm90 import CUOBJDUMP, Launches, sm90_stack_bytes
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # A mark, not a module-level skip: the sm_90 compile test's child process imports this module with the
@@ -362,52 +351,6 @@ def test_wrong_arguments_name_the_offending_value() -> None:
 
 # ---------------------------------------------------------------- compiled for an H100/H200, without one
 
-
-class Launches:
-    """Stands in for a kernel in a module's globals: records what the wrapper launches."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[tuple[object, ...], dict[str, object]]] = []
-
-    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
-        def launch(*args: object, **kwargs: object) -> None:
-            self.calls.append((args, kwargs))
-
-        return launch
-
-
-def arg_type(value: object) -> str:
-    """Triton's signature type of a launch argument (the tests' ints are all small)."""
-    if isinstance(value, torch.Tensor):
-        return (
-            "*"
-            + {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64"}[
-                value.dtype
-            ]
-        )
-    return "fp32" if isinstance(value, float) else "i32"
-
-
-def sm90_stack_bytes(
-    kernel: Any, name: str, args: tuple[object, ...], kwargs: dict[str, object], work: Path
-) -> int:
-    """Compiles one recorded launch for sm_90 (ptxas ships with triton) and returns the stack a thread
-    needs: 0 unless registers spilled."""
-    options = {"num_warps": kwargs.pop("num_warps", 4)}  # 4: what a launch without it gets
-    values = dict(zip(kernel.arg_names, args, strict=False)) | kwargs
-    constexprs = {p.name: values[p.name] for p in kernel.params if p.is_constexpr}
-    signature = {p.name: "constexpr" if p.is_constexpr else arg_type(values[p.name]) for p in kernel.params}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-    cubin = work / f"{name}.cubin"
-    cubin.write_bytes(compiled.asm["cubin"])
-    usage = subprocess.run([CUOBJDUMP, "-res-usage", str(cubin)], capture_output=True, text=True, check=True)
-    found = re.search(r"REG:(\d+) STACK:(\d+)", usage.stdout)
-    assert found, usage.stdout
-    return int(found.group(2))
-
-
-CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 KERNELS = ("_decode_split_kernel", "_decode_reduce_kernel", "_prefill_kernel")
 # (pool and query dtype, query heads a kv head, head size, softcap, window): Llama-3-8B's group and head
 # in bfloat16; softcap, window and a masked 80-dim head in float16; the float32 parity path.

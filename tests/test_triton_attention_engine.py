@@ -15,9 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # before any Triton kernel is defined (see test_triton_attention.py)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 pytest.importorskip("triton", reason="the Triton kernels need triton (xgrammar brings it on Linux x86-64)")
 
 from services.worker import attention_kernels

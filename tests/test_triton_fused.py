@@ -5,8 +5,8 @@ counts, widths that are not powers of two (SmolLM2-135M's 576, SmolLM2-360M's 96
 head sizes 64/80/128, scattered positions and slots, padded tokens on the padding slot, float32 and
 16-bit activations and pools; and their compilation for sm_90 (H100/H200), without spills.
 
-Without a CUDA device they run under Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, set here
-unless the environment says otherwise; it must be set before the kernels are defined), on small
+Without a CUDA device they run under Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, set by
+tests/conftest.py before anything imports triton, unless the environment says otherwise), on small
 shapes: about 8 s on two cores, the sm_90 compile included. With a device (`pytest
 tests/test_triton_fused.py` there, or `-m cuda` for the capture test alone) the same tests run the
 compiled kernels on it, and the graph-capture test runs too.
@@ -40,11 +40,6 @@ from typing import Any
 import pytest
 import torch
 
-# Only without a device: set session-wide, the switch would also turn every other Triton kernel of a
-# GPU run (torch.compile's, xgrammar's) into the interpreter's.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 from tests.cuda_marks import cuda_only
 
 pytest.importorskip("triton", reason="the Triton kernels need triton (xgrammar brings it on Linux x86-64)")
@@ -54,10 +49,7 @@ from services.worker import triton_fused
 from services.worker.kernels import fused_ops
 from services.worker.triton_fused import TritonFusedOps
 from tests.stack import REPO
-
-# The attention kernels' sm_90 compile check, reused as it is (a launch recorder, and a compile of a
-# recorded launch that returns its stack bytes) rather than copied.
-from tests.test_triton_attention import CUOBJDUMP, Launches, sm90_stack_bytes
+from tests.triton_sm90 import CUOBJDUMP, Launches, sm90_stack_bytes
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 pytestmark = pytest.mark.skipif(
