@@ -782,13 +782,32 @@ inline float softmax_(float* row, int64_t n, float cap) {
 
 // The scores (or softmax weights) of keys [j0, j0 + count) times each key's K (or V) row scale, per
 // head: for int8 pools, whose values were read unscaled.
+// On AVX-512 16 keys' scales are gathered once into a vector and each of the head's G rows takes
+// them in one multiply, where the scalar loop made a load, a multiply and a store per score. The same
+// one product per score either way, so the scores keep their bits.
 template <class T>
 inline void scale_by_rows(const Task<T>& t, const T* pool, int64_t j0, int64_t count, float* scores) {
-  for (int64_t h = 0; h < t.hs; ++h)
-    for (int64_t i = 0; i < count; ++i) {
-      const float s = row_scale(pool + t.slot[j0 + i] * t.stride + h * t.hd, t.D);
+  for (int64_t h = 0; h < t.hs; ++h) {
+    const T* head = pool + h * t.hd;
+    int64_t i = 0;
+#ifdef __AVX512F__
+    for (; i < count; i += 16) {
+      const int64_t n = std::min<int64_t>(16, count - i);
+      alignas(64) float s[16] = {};
+      for (int64_t u = 0; u < n; ++u) s[u] = row_scale(head + t.slot[j0 + i + u] * t.stride, t.D);
+      const __m512 sv = _mm512_load_ps(s);
+      const __mmask16 keep = __mmask16((1u << n) - 1);
+      for (int64_t g = 0; g < t.G; ++g) {
+        float* row = scores + (h * t.G + g) * t.n + j0 + i;
+        _mm512_mask_storeu_ps(row, keep, _mm512_mul_ps(_mm512_maskz_loadu_ps(keep, row), sv));
+      }
+    }
+#endif
+    for (; i < count; ++i) {
+      const float s = row_scale(head + t.slot[j0 + i] * t.stride, t.D);
       for (int64_t g = 0; g < t.G; ++g) scores[(h * t.G + g) * t.n + j0 + i] *= s;
     }
+  }
 }
 
 // The dots of every (head, query) row of a task with keys [j0, j0 + count): on a vector path a head
@@ -1067,9 +1086,12 @@ inline void scale_keys(const PrefillTask<T>& t, const T* pool, int64_t j, int64_
 }
 
 #ifdef __AVX512F__
-// Scores of GR x 16 rows (lanes) against kKeys keys: st[u * Rp + g * 16 + lane].
+// Scores of GR x 16 rows (lanes) against kKeys keys: st[u * Rp + g * 16 + lane]; where the pool is
+// int8, each key's times its K row scale ks[u] as it is stored (ks null otherwise): the one product
+// that a pass over the stored scores (scale_keys) would make, without that pass's loads and stores.
 template <int NC, int GR>
-inline void prefill_scores(const float* qt, int64_t Rp, const float* const* kr, float* st, int64_t keys) {
+inline void prefill_scores(const float* qt, int64_t Rp, const float* const* kr, float* st, int64_t keys,
+                           const float* ks) {
   __m512 acc[kKeys][GR];
   for (int u = 0; u < kKeys; ++u)
     for (int g = 0; g < GR; ++g) acc[u][g] = _mm512_setzero_ps();
@@ -1081,8 +1103,11 @@ inline void prefill_scores(const float* qt, int64_t Rp, const float* const* kr, 
       for (int g = 0; g < GR; ++g) acc[u][g] = _mm512_fmadd_ps(qv[g], kv, acc[u][g]);
     }
   }
-  for (int64_t u = 0; u < keys; ++u)
-    for (int g = 0; g < GR; ++g) _mm512_storeu_ps(st + u * Rp + g * kLanes, acc[u][g]);
+  for (int64_t u = 0; u < keys; ++u) {
+    const __m512 s = _mm512_set1_ps(ks != nullptr ? ks[u] : 1.f);
+    for (int g = 0; g < GR; ++g)
+      _mm512_storeu_ps(st + u * Rp + g * kLanes, ks != nullptr ? _mm512_mul_ps(acc[u][g], s) : acc[u][g]);
+  }
 }
 
 // 1 / the softmax sum of each of a vector of rows, from the rows' 16 partial sums part[u] (lane r of
@@ -1157,21 +1182,30 @@ void run_prefill(const PrefillTask<T>& t, float* qt, float* st) {
     const int64_t keys = std::min(kKeys, t.nk - j);
     alignas(64) float widened[kKeys][16 * NC];
     const float* kr[kKeys];
-    for (int64_t u = 0; u < kKeys; ++u)
-      kr[u] = f32_row(t.k + t.slot[t.j0 + j + std::min(u, keys - 1)] * t.stride, widened[u], 16 * NC);
+    float ks[kKeys];
+    for (int64_t u = 0; u < kKeys; ++u) {
+      const T* row = t.k + t.slot[t.j0 + j + std::min(u, keys - 1)] * t.stride;
+      kr[u] = f32_row(row, widened[u], 16 * NC);
+      if constexpr (kScaled<T>) ks[u] = row_scale(row, t.D);
+    }
+    const float* scales = kScaled<T> ? ks : nullptr;
     for (int64_t g0 = 0; g0 < vectors; g0 += 3) {
       const float* qg = qt + g0 * kLanes;
       float* sg = st + j * Rp + g0 * kLanes;
       switch (std::min<int64_t>(3, vectors - g0)) {
-        case 3: prefill_scores<NC, 3>(qg, Rp, kr, sg, keys); break;
-        case 2: prefill_scores<NC, 2>(qg, Rp, kr, sg, keys); break;
-        default: prefill_scores<NC, 1>(qg, Rp, kr, sg, keys); break;
+        case 3: prefill_scores<NC, 3>(qg, Rp, kr, sg, keys, scales); break;
+        case 2: prefill_scores<NC, 2>(qg, Rp, kr, sg, keys, scales); break;
+        default: prefill_scores<NC, 1>(qg, Rp, kr, sg, keys, scales); break;
       }
     }
-    if constexpr (kScaled<T>) scale_keys(t, t.k, j, keys, st, Rp);
   }
   soft_cap(st, t.nk * Rp, t.cap);
   std::vector<float> inv(Rp);
+  // int8: each key's V row scale, folded into its softmax weights as they are stored (after their
+  // sum takes them), the product scale_keys would make afterwards.
+  std::vector<float> vs(kScaled<T> ? t.nk : 0);
+  if constexpr (kScaled<T>)
+    for (int64_t j = 0; j < t.nk; ++j) vs[j] = row_scale(t.v + t.slot[t.j0 + j] * t.stride, t.D);
   for (int64_t gv = 0; gv < vectors; ++gv) {
     const __m512i lv = _mm512_loadu_si512(lo.data() + gv * kLanes), hv = _mm512_loadu_si512(hi.data() + gv * kLanes);
     // Keys every lane of this vector sees: there the mask is all ones and costs nothing.
@@ -1194,13 +1228,13 @@ void run_prefill(const PrefillTask<T>& t, float* qt, float* st) {
         if (j >= t.nk) break;
         float* s = col + j * Rp;
         const __m512 ev = _mm512_maskz_mov_ps(seen(j), exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s), mv)));
-        _mm512_storeu_ps(s, ev);
+        if constexpr (kScaled<T>) _mm512_storeu_ps(s, _mm512_mul_ps(ev, _mm512_set1_ps(vs[j])));
+        else _mm512_storeu_ps(s, ev);
         part[u] = _mm512_add_ps(part[u], ev);
       }
     }
     _mm512_storeu_ps(inv.data() + gv * kLanes, inverse_sums16(part, lv));
   }
-  if constexpr (kScaled<T>) scale_keys(t, t.v, 0, t.nk, st, Rp);
   constexpr int64_t kRows = values_rows(NC);
   for (int64_t r0 = 0; r0 < R; r0 += kRows) {
     const int64_t rows = std::min(kRows, R - r0);
