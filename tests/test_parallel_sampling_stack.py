@@ -40,7 +40,8 @@ def choices_of(stack: Stack, request: Any) -> tuple[dict[int, list[int]], dict[i
     return ids, finals
 
 
-@pytest.mark.parametrize("stack_name", ["tiny_stack", "async_stack"])
+# The sync stack in the slow run: tests/test_parallel_sampling.py counts the same in a sync engine.
+@pytest.mark.parametrize("stack_name", [pytest.param("tiny_stack", marks=pytest.mark.slow), "async_stack"])
 def test_greedy_choices_compute_the_prompt_once(stack_name: str, request: pytest.FixtureRequest) -> None:
     stack: Stack = request.getfixturevalue(stack_name)
     prompt = tiny_prompt(70, 400)

@@ -31,7 +31,10 @@ def triton_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(attention_kernels.SWITCH, "triton")
 
 
-@pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
+# Sync in the slow run: async batching's steps reach the kernels through the same batches.
+@pytest.mark.parametrize(
+    "async_batching", [pytest.param(False, marks=pytest.mark.slow), True], ids=["sync", "async"]
+)
 @pytest.mark.parametrize(
     ("family", "cb"),
     [
