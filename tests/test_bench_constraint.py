@@ -65,7 +65,10 @@ def test_the_constrained_engine_beside_the_free_one_gives_valid_json_and_the_rat
     assert systems["engine"]["output_tokens"] == sum(r["max_tokens"] for r in requests)
     assert "constrained / unconstrained output tok/s, engine:constrained over engine: " in printed
     assert "grammar compile (submit to result): first " in printed
-    assert "engine:constrained grammar, within schedule: " in printed
+    assert "engine:constrained grammar per step: advance " in printed
+    grammar = held["grammar_s"]
+    assert set(grammar) == {"grammar_advance", "grammar_fill", "grammar_apply"}
+    assert all(seconds > 0 for seconds in grammar.values()), grammar
 
 
 def test_the_bundled_schema_holds_an_array_of_strings_open_for_w1s_longest_output() -> None:

@@ -315,6 +315,36 @@ def test_sampler_applies_the_bitmask_before_everything() -> None:
         assert tokens[2] == 5
         assert tokens[3] == int(logits[3].argmax())
 
+def test_greedy_masked_rows_take_the_first_maximum_among_admitted_tokens() -> None:
+    """A greedy batch held only by masks reads one bit where the raw argmax is admitted and masks the
+    row where it is not: either way the token is the first maximum among the admitted tokens (ties
+    included), with logprobs from the raw logits, and the caller's logits stay untouched."""
+    vocab = 70
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(1))
+    logits[4, [7, 40, 41]] = 9.0  # a tie: 7 is the raw argmax, 40 the first admitted maximum
+    top = [int(t) for t in logits.argmax(-1)]
+    allowed = [
+        list(range(vocab)),  # everything: the raw argmax, no mask written
+        [top[1], (top[1] + 1) % vocab],  # the raw argmax among others
+        [t for t in range(vocab) if t != top[2]],  # all but the raw argmax
+        [69],  # one token, in the last word past a multiple of 32
+        [40, 41],
+    ]
+    rows = [
+        SamplingRow(SamplingParams(logprobs=2), None, (), token_bitmask=_bitmask(a, vocab)) for a in allowed
+    ]
+    before = logits.clone()
+    out = Sampler().sample(logits, rows)
+    assert torch.equal(logits, before)
+    expected = [max(a, key=lambda t: (float(logits[i, t]), -t)) for i, a in enumerate(allowed)]
+    assert out.token_ids == expected == [top[0], top[1], expected[2], 69, 40]
+    assert expected[2] != top[2]
+    raw = torch.log_softmax(logits, -1)
+    for i, lp in enumerate(out.logprobs):
+        assert lp is not None and lp.token_logprob == pytest.approx(float(raw[i, expected[i]]))
+    assert out.mask_s > 0
+
+
 
 @ASYNC
 def test_chunked_prefill_with_constraints_matches_generate(tiny_text: Path, async_batching: bool) -> None:

@@ -16,12 +16,11 @@ the CPU in microseconds; this module is the worker's only user of it, and import
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -159,20 +158,6 @@ class GrammarCompiler:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _timed(advance: Callable[[GrammarState, int], str]) -> Callable[[GrammarState, int], str]:
-    """`GrammarState.advance`, its seconds added to `GrammarState.matcher_s`."""
-
-    @functools.wraps(advance)
-    def timed(state: GrammarState, token: int) -> str:
-        t0 = time.perf_counter()
-        try:
-            return advance(state, token)
-        finally:
-            GrammarState.matcher_s += time.perf_counter() - t0
-
-    return timed
-
-
 class GrammarState:
     """One constrained request's matcher and the mask of its next token (`mask`, int32 bits over the
     vocabulary, `SamplingRow.token_bitmask`).
@@ -180,9 +165,10 @@ class GrammarState:
     `generated` are tokens it generated before (a re-submitted request's, at the end of its prompt):
     the matcher accepts them first."""
 
-    # Seconds every matcher of the process spent in `advance` (accepting a token, filling the next
-    # mask), host thread only: the step profile's grammar share is its growth over a step.
-    matcher_s: ClassVar[float] = 0.0
+    # Seconds every matcher of the process spent accepting tokens and filling next masks, host thread
+    # only: the step profile's grammar phases are their growth over a step.
+    accept_s: ClassVar[float] = 0.0
+    fill_s: ClassVar[float] = 0.0
 
     def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int, generated: Sequence[int] = ()) -> None:
         import xgrammar as xgr
@@ -203,11 +189,13 @@ class GrammarState:
         """The grammar has ended (its stop token accepted): the request is complete."""
         return bool(self.matcher.is_terminated())
 
-    @_timed
     def advance(self, token: int) -> str:
         """Accept a sampled token and fill the next mask; an error message when the grammar cannot go
         on ("" when it can, or has ended)."""
-        if not self.matcher.accept_token(token):
+        t0 = time.perf_counter()
+        accepted = self.matcher.accept_token(token)
+        GrammarState.accept_s += time.perf_counter() - t0
+        if not accepted:
             return f"the constraint rejected token {token}"
         if self.terminated:
             return ""
@@ -228,5 +216,7 @@ class GrammarState:
 
     def _fill(self) -> bool:
         """Fill the mask; whether it allows any token."""
+        t0 = time.perf_counter()
         self.matcher.fill_next_token_bitmask(self._bitmask, 0)
+        GrammarState.fill_s += time.perf_counter() - t0
         return bool(self.mask.any())

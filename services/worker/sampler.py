@@ -15,6 +15,7 @@ settings; `token_logprobs` computes them, for sampled rows here and for prompt r
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -82,6 +83,7 @@ class SampleOutput:
 
     tokens: torch.Tensor  # [R] long
     logprobs: list[TokenLogprobs | None]
+    mask_s: float = 0.0  # seconds spent applying constrained rows' grammar masks (the step profile's)
 
     @property
     def token_ids(self) -> list[int]:
@@ -122,6 +124,7 @@ class _Plan:
     logprob_n: list[int] = field(default_factory=list)
     masked_rows: list[int] = field(default_factory=list)
     bitmasks: list[torch.Tensor] = field(default_factory=list)
+    mask_s: float = 0.0  # seconds the masks took, added by whoever applies them
 
     @classmethod
     def build(cls, rows: Sequence[SamplingRow], vocab_size: int) -> _Plan:
@@ -185,6 +188,13 @@ class _Plan:
             or self.masked_rows
         )
 
+    @property
+    def greedy_within_masks(self) -> bool:
+        """True when every row's token is argmax of its raw logits among what its grammar admits."""
+        return bool(self.masked_rows) and not (
+            self.random_rows or self.penalty_rows or self.suppress_rows or self.bias_rows or self.counted_rows
+        )
+
 
 class Sampler:
     """Stateless batched sampler; one instance can serve every step of every batch.
@@ -205,6 +215,8 @@ class Sampler:
 
         if plan.all_plain_greedy:
             tokens = _argmax_rows(logits)
+        elif plan.greedy_within_masks and logits.device.type == "cpu":
+            tokens = _argmax_within_masks(logits, plan)
         else:
             tokens = _sample_general(logits, plan)
 
@@ -215,7 +227,7 @@ class Sampler:
         if plan.logprob_rows:
             for i, lp in zip(plan.logprob_rows, _logprobs(logits, tokens, plan), strict=True):
                 logprobs[i] = lp
-        return SampleOutput(tokens=tokens, logprobs=logprobs)
+        return SampleOutput(tokens=tokens, logprobs=logprobs, mask_s=plan.mask_s)
 
     @staticmethod
     def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -268,11 +280,37 @@ def _apply_token_bitmask_(x: torch.Tensor, plan: _Plan) -> None:
     all-ones mask (the kernel pairs bitmask rows with logits rows)."""
     import xgrammar as xgr  # only constrained batches need it
 
+    t0 = time.perf_counter()
     words = torch.full((x.shape[0], plan.bitmasks[0].shape[0]), -1, dtype=torch.int32)
     words[plan.masked_rows] = torch.stack(plan.bitmasks)
     xgr.apply_token_bitmask_inplace(
         x, words.to(x.device, non_blocking=True), vocab_size=x.shape[1], indices=plan.masked_rows
     )
+    plan.mask_s += time.perf_counter() - t0
+
+
+def _argmax_within_masks(logits: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    """Greedy tokens of a CPU batch whose only constraint is masks: each row's raw argmax where its
+    grammar admits it, and the argmax over the admitted tokens only for the rows where it does not.
+
+    Exactly the masked argmax (the first maximum among admitted tokens: an admitted raw argmax is one),
+    but a row inside a string or a number, where the grammar admits nearly every token, needs no mask
+    written over its whole vocabulary: only a bit read."""
+    import xgrammar as xgr  # only constrained batches need it
+
+    tokens = _argmax_rows(logits)
+    t0 = time.perf_counter()
+    words = torch.stack(plan.bitmasks)
+    picked = tokens[plan.masked_rows]
+    bits = (words.gather(1, (picked >> 5).unsqueeze(1)).squeeze(1) >> (picked & 31)) & 1
+    refused = (bits == 0).nonzero().flatten().tolist()
+    if refused:
+        rows = [plan.masked_rows[i] for i in refused]
+        x = logits[rows]  # a copy: the caller's logits stay as they are
+        xgr.apply_token_bitmask_inplace(x, words[refused], vocab_size=x.shape[1])
+        tokens[rows] = _argmax_rows(x)
+    plan.mask_s += time.perf_counter() - t0
+    return tokens
 
 
 def _process_logits(logits: torch.Tensor, plan: _Plan) -> torch.Tensor:

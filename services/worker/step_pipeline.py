@@ -29,8 +29,10 @@ Invariants:
   the host's copy of the tokens, the logprobs and the finish checks wait one step, the cachemgr's
   commit of a step's KV one plan more (`StepPlan.overlapped`). N+1's placeholders are filled on the
   device from N's sampled tokens. A step whose sampling reads the tokens before it on the host (a
-  repetition penalty, a grammar's mask, which its matcher fills from the token before) finishes N
-  first.
+  repetition penalty; a grammar's mask while min_tokens holds its end back) finishes N first.
+- A constrained request's next mask is made on the host from the token before, by its matcher: then
+  N+1's forward runs while the host finishes N (its matchers take N's tokens and fill the masks), and
+  N+1's sampling waits for that (`_Running.masks_ready`), as SGLang's overlap scheduler does.
 - A failed forward fails every step launched behind it (they take their tokens from it); the first
   error is raised, and nothing is left in flight.
 """
@@ -38,6 +40,7 @@ Invariants:
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -64,8 +67,9 @@ class StepPhases:
     With async batching `forward` and `sample` (and the counts) are those of the step that ended in
     this call, on the forward thread, overlapping the others; `wait` is how long the host then waited
     for them: the part of them the overlap did not hide. `grammar` is the part of `schedule` that
-    constrained requests' matchers took (accepting the tokens sampled, filling the next masks); the
-    masks' application is in `sample`."""
+    constrained requests' matchers took: `grammar_advance` accepting the tokens sampled,
+    `grammar_fill` filling the next masks; `grammar_apply` is the part of `sample` that applied the
+    masks to the logits."""
 
     schedule: float = 0.0
     cache: float = 0.0
@@ -75,9 +79,12 @@ class StepPhases:
     wait: float = 0.0
     num_tokens: int = 0
     num_requests: int = 0
-    grammar: float = 0.0
+    grammar_advance: float = 0.0
+    grammar_fill: float = 0.0
+    grammar_apply: float = 0.0
 
     PHASES = ("schedule", "cache", "build", "forward", "sample", "wait")
+    GRAMMAR = ("grammar_advance", "grammar_fill", "grammar_apply")
 
     def rest_of(self, wall_s: float, overlapped: bool) -> float:
         """The schedule phase: what of a step call's `wall_s` no other phase took. Overlapped (async
@@ -86,7 +93,7 @@ class StepPhases:
         return wall_s - self.cache - self.build - self.wait - ran_here
 
     def add(self, other: StepPhases) -> None:
-        for name in (*self.PHASES, "num_tokens", "num_requests", "grammar"):
+        for name in (*self.PHASES, "num_tokens", "num_requests", *self.GRAMMAR):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
@@ -102,6 +109,7 @@ class _Computed:
     prompt_logprobs: list[TokenLogprobs]
     forward_s: float
     sample_s: float
+    mask_s: float
 
 
 @dataclass
@@ -115,10 +123,12 @@ class _Built:
 
 @dataclass
 class _Running:
-    """A step whose forward has started."""
+    """A step whose forward has started. `masks_ready`: set once its constrained rows' masks are
+    filled (the host finishing the step before); its sampling waits for it."""
 
     built: _Built
     result: Future[_Computed]
+    masks_ready: threading.Event
 
 
 class StepPipeline:
@@ -181,7 +191,7 @@ class StepPipeline:
         processes that news wakes (a gateway, its clients) would otherwise take the cores from the
         build and slow it several times over."""
         times = self.last_step_times = StepPhases()
-        t0, matcher_s = time.perf_counter(), GrammarState.matcher_s
+        t0, accept_s, fill_s = time.perf_counter(), GrammarState.accept_s, GrammarState.fill_s
         previous = self._in_flight[-1] if self._in_flight else None
         plan = self.scheduler.plan(previous.built.batch if previous is not None else None)
         t1 = time.perf_counter()
@@ -204,12 +214,18 @@ class StepPipeline:
         times.cache, times.build = t2 - t1, t5 - t4
         if built is None or not self._starts_before_tokens(batch):
             updated += self.finish_running()
+        launched = None
         if built is None:
             self.runner.copy_swap(batch.swap_out, batch.swap_in)
         else:
-            self._launch(built, previous)
-        updated += self.finish_running(keep=0 if self._forward_thread is None else 1)
-        times.grammar = GrammarState.matcher_s - matcher_s
+            launched = self._launch(built, previous)
+        try:
+            updated += self.finish_running(keep=0 if self._forward_thread is None else 1)
+        finally:
+            if launched is not None:
+                launched.masks_ready.set()  # the matchers took every token before
+        times.grammar_advance = GrammarState.accept_s - accept_s
+        times.grammar_fill = GrammarState.fill_s - fill_s
         times.schedule = times.rest_of(time.perf_counter() - t0 - callers_s, self._forward_thread is not None)
         self.phase_totals.add(times)
         return updated
@@ -248,9 +264,13 @@ class StepPipeline:
     @staticmethod
     def _starts_before_tokens(batch: StepBatch) -> bool:
         """Whether the step may start before the host has the tokens of the step before: a repetition
-        penalty reads them on the host, and a grammar's mask is made there from the token before."""
+        penalty reads them on the host, and so does min_tokens on a constrained request (whether its
+        grammar admits only its end decides what it suppresses, `Scheduler.suppressed_ids`). A grammar's
+        mask alone is waited for by the sampling only."""
         return all(
-            s.request.params.repetition_penalty == 1.0 and s.request.grammar is None for s in batch.sampling
+            s.request.params.repetition_penalty == 1.0
+            and (s.request.grammar is None or len(s.request.output_ids) >= s.request.params.min_new_tokens)
+            for s in batch.sampling
         )
 
     def _output_counts(self, req: Request) -> torch.Tensor | None:
@@ -274,7 +294,7 @@ class StepPipeline:
             req.output_counts = Sampler.make_output_counts(self.vocab_size, generated, self.device)
         return req.output_counts
 
-    def _launch(self, step: _Built, before: _Running | None) -> None:
+    def _launch(self, step: _Built, before: _Running | None) -> _Running:
         """Start the step's forward, after its swap copies: in the forward thread with async batching,
         else here and now. `before`: the step its placeholders take their tokens from."""
         sampling = step.batch.sampling
@@ -300,19 +320,26 @@ class StepPipeline:
             top_n += [min(s.request.params.prompt_logprobs or 0, self.vocab_size)] * len(item.logit_rows)
         batch = step.batch
         source = before.result if before is not None else None
-        args = (step.forward, batch, source, rows, batch.logits_rows(), chosen, top_n)
+        # Set at once unless the step before may still give a constrained row of this one its token.
+        masks_ready = threading.Event()
+        if before is None or not any(row.token_bitmask is not None for row in rows):
+            masks_ready.set()
+        args = (step.forward, batch, source, masks_ready, rows, batch.logits_rows(), chosen, top_n)
         if self._forward_thread is None:
             result: Future[_Computed] = Future()
             result.set_result(self._compute(*args))
         else:
             result = self._forward_thread.submit(self._compute, *args)
-        self._in_flight.append(_Running(step, result))
+        running = _Running(step, result, masks_ready)
+        self._in_flight.append(running)
+        return running
 
     def _compute(
         self,
         built: ForwardBatch,
         batch: StepBatch,
         before: Future[_Computed] | None,
+        masks_ready: threading.Event,
         rows: list[SamplingRow],
         logits_rows: list[int],
         chosen: list[int],
@@ -322,13 +349,15 @@ class StepPipeline:
         `batch` only its copies, and touches no request (another thread may be
         planning the next step). The swap copies wait for the step before: it may still write the KV
         of the requests moved. `before`: that step, when this one's placeholders take its tokens on
-        the device; this thread computed it, so its result is there (or its error, raised again)."""
+        the device; this thread computed it, so its result is there (or its error, raised again).
+        The sampling waits for `masks_ready`: the host fills constrained rows' masks meanwhile."""
         t0 = time.perf_counter()
         self.runner.copy_swap(batch.swap_out, batch.swap_in)
         tokens = before.result().sampled.tokens if before is not None else None
         logits = self.runner.forward(built, tokens)
         self.runner.copy_pages(batch.page_copies)
         t1 = time.perf_counter()
+        waited = 0.0
         computed_rows = len(set(logits_rows))
         prompt_logprobs = []
         if chosen:
@@ -339,6 +368,9 @@ class StepPipeline:
             sample_logits = logits[:computed_rows]
             if len(logits_rows) > computed_rows:  # forks: each samples its parent's row on its own
                 sample_logits = sample_logits[torch.tensor(logits_rows, device=logits.device)]
+            t2 = time.perf_counter()
+            masks_ready.wait()
+            waited = time.perf_counter() - t2
             sampled = self.sampler.sample(sample_logits, rows)
         else:
             sampled = SampleOutput(torch.empty(0, dtype=torch.long, device=logits.device), [])
@@ -349,7 +381,15 @@ class StepPipeline:
             host_tokens.copy_(sampled.tokens, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record()
-        return _Computed(sampled, host_tokens, copied, prompt_logprobs, t1 - t0, time.perf_counter() - t1)
+        return _Computed(
+            sampled,
+            host_tokens,
+            copied,
+            prompt_logprobs,
+            t1 - t0,
+            time.perf_counter() - t1 - waited,
+            sampled.mask_s,
+        )
 
     def finish_running(self, keep: int = 0) -> list[Request]:
         """Wait for the steps still computing, oldest first, until `keep` are left, and give their
@@ -361,6 +401,7 @@ class StepPipeline:
             except Exception:
                 # The steps launched behind the failed one take their tokens from it: they fail alike.
                 for running in self._in_flight:
+                    running.masks_ready.set()  # their masks will not be filled: let them end
                     running.result.exception()  # waited for; the first error is the one to raise
                 self._in_flight.clear()
                 raise
@@ -379,6 +420,7 @@ class StepPipeline:
         times = self.last_step_times
         times.wait += time.perf_counter() - t0
         times.forward, times.sample = computed.forward_s, computed.sample_s
+        times.grammar_apply = computed.mask_s
         batch = running.built.batch
         times.num_tokens = sum(s.num_tokens for s in batch.scheduled)
         times.num_requests = len(batch.scheduled)

@@ -76,7 +76,10 @@ def run_engine(
         held_extra = {
             "constraint": constraint.spec,
             "ended_early": ended,
-            "grammar_s": engine.phase_totals.grammar - phases_before.grammar,
+            "grammar_s": {
+                name: getattr(engine.phase_totals, name) - getattr(phases_before, name)
+                for name in engine.phase_totals.GRAMMAR
+            },
             "output_texts": [engine.tokenizer.decode(o, skip_special_tokens=True) for o in outputs],
         }
     return SystemResult(
