@@ -315,6 +315,7 @@ def test_sampler_applies_the_bitmask_before_everything() -> None:
         assert tokens[2] == 5
         assert tokens[3] == int(logits[3].argmax())
 
+
 def test_greedy_masked_rows_take_the_first_maximum_among_admitted_tokens() -> None:
     """A greedy batch held only by masks reads one bit where the raw argmax is admitted and masks the
     row where it is not: either way the token is the first maximum among the admitted tokens (ties
@@ -343,7 +344,6 @@ def test_greedy_masked_rows_take_the_first_maximum_among_admitted_tokens() -> No
     for i, lp in enumerate(out.logprobs):
         assert lp is not None and lp.token_logprob == pytest.approx(float(raw[i, expected[i]]))
     assert out.mask_s > 0
-
 
 
 @ASYNC

@@ -13,6 +13,7 @@ import grpc
 import jsonschema
 import pytest
 
+from services.bench.serve.metrics import parse_histogram, scrape
 from services.gateway.api import pb
 from tests.stack import Stack
 
@@ -74,6 +75,11 @@ def test_regex_and_choice(smol_stack: Stack) -> None:
     choices = ["Paris", "London", "Berlin", "Madrid"]
     _, text, final, _ = smol_stack.generate(chat("What is the capital of France?", 16, choice=choices))
     assert text in choices and final.finish_reason == pb.FINISH_REASON_EOS, (text, final)
+    # The step profile's grammar phases: observed in the steps that held constrained requests.
+    phases = parse_histogram(scrape(f"http://127.0.0.1:{smol_stack.metrics_port}/metrics"))
+    for phase in ("grammar_advance", "grammar_fill", "grammar_apply"):
+        seconds, steps = phases[phase]
+        assert steps > 0 and seconds > 0, (phase, phases)
 
 
 def test_ebnf(smol_stack: Stack) -> None:

@@ -114,7 +114,9 @@ class WorkerStatus(msgspec.Struct, frozen=True):
 class StepTimes(msgspec.Struct, array_like=True, frozen=True):
     """Seconds one worker step spent in each phase (the step profile). With async batching forward
     and sample overlap the others, so `total` is the step's wall time, not the phases' sum; `wait`
-    is the part of the forward the overlap did not hide."""
+    is the part of the forward the overlap did not hide. The grammar phases are parts of schedule
+    (the matchers accepting tokens and filling masks) and of sample (the masks applied), zero in a
+    step without constrained requests."""
 
     schedule: float
     cache: float
@@ -126,6 +128,9 @@ class StepTimes(msgspec.Struct, array_like=True, frozen=True):
     num_requests: int
     wait: float
     total: float
+    grammar_advance: float = 0.0
+    grammar_fill: float = 0.0
+    grammar_apply: float = 0.0
 
 
 class WorkerMessage(msgspec.Struct, frozen=True):

@@ -34,6 +34,8 @@ from services.common.gateway_messages import Load, StepTimes
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0, 120.0)
 STEP_PHASES = ("schedule", "cache", "build", "forward", "sample", "wait", "emit")
+# Parts of schedule and sample, observed only in steps that have constrained requests.
+GRAMMAR_PHASES = ("grammar_advance", "grammar_fill", "grammar_apply")
 
 
 def _version(distribution: str) -> str:
@@ -218,6 +220,9 @@ class GatewayMetrics:
     def observe_step(self, times: StepTimes) -> None:
         for phase in STEP_PHASES:
             self.step.labels(phase).observe(getattr(times, phase))
+        if times.grammar_advance or times.grammar_fill or times.grammar_apply:
+            for phase in GRAMMAR_PHASES:
+                self.step.labels(phase).observe(getattr(times, phase))
         self.step.labels("total").observe(times.total)
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:

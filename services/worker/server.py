@@ -365,6 +365,9 @@ class WorkerServer:
                 times.num_requests,
                 times.wait,
                 t_end - t_step,
+                times.grammar_advance,
+                times.grammar_fill,
+                times.grammar_apply,
             )
 
     def _fail_all(self, reason: str, code: str) -> None:

@@ -23,7 +23,10 @@ from typing import Any
 
 from services.bench.serve.metrics import STEP_METRIC
 
-STEP_PHASE_ORDER = ("schedule", "cache", "build", "forward", "sample", "wait", "emit", "total")
+STEP_PHASE_ORDER = (
+    *("schedule", "cache", "build", "forward", "sample", "wait", "emit"),
+    *("grammar_advance", "grammar_fill", "grammar_apply", "total"),
+)
 
 
 # ------------------------------------------------------------------------------------------ records
@@ -413,8 +416,8 @@ def format_long_prompt(lp: dict[str, Any]) -> list[str]:
 
 def format_step_profile(rows: list[dict[str, Any]]) -> str:
     steps = max((r["steps"] for r in rows), default=0)
-    lines = [f"Step profile ({STEP_METRIC}, {steps} steps)", f"{'phase':<12}{'ms/step':>10}{'share':>9}"]
-    lines += [f"{r['phase']:<12}{r['mean_s'] * 1000:>10.2f}{r['share']:>9.1%}" for r in rows]
+    lines = [f"Step profile ({STEP_METRIC}, {steps} steps)", f"{'phase':<16}{'ms/step':>10}{'share':>9}"]
+    lines += [f"{r['phase']:<16}{r['mean_s'] * 1000:>10.2f}{r['share']:>9.1%}" for r in rows]
     return "\n".join(lines)
 
 
