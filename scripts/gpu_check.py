@@ -71,7 +71,7 @@ from services.bench.offline.transformers_cb import hf_cb_collect, started_manage
 from services.bench.workload import Workload  # noqa: E402
 from services.common.config import CBConfig  # noqa: E402
 from services.common.sampling_params import SamplingParams  # noqa: E402
-from services.worker.attention_kernels import SWITCH  # noqa: E402
+from services.worker import attention_kernels, layer_forward  # noqa: E402
 from services.worker.cuda_graphs import eager_capture  # noqa: E402
 from services.worker.engine import Engine  # noqa: E402
 
@@ -140,8 +140,9 @@ class Check:
 
     def engine(self, model: Any, settings: dict[str, Any], graphs: bool, gpu_forward: bool = False) -> Engine:
         """An engine on `model` (a directory or a loaded model), with decode graphs or without. On a
-        CPU, `gpu_forward` runs the forward a GPU runs (transformers' modules, gather + SDPA) instead
-        of the native kernels."""
+        CPU, `gpu_forward` runs a GPU's fallback forward (transformers' modules, gather + SDPA) instead
+        of the native kernels: the Triton forward a GPU runs a Llama with would run under Triton's
+        interpreter here, too slow for a check (tests/test_gpu_llama.py runs it on the CPU)."""
         cb = settings | self.graphs_settings(graphs)
         if isinstance(model, Path):
             engine = Engine.from_pretrained(model, device=self.device, **cb)
@@ -155,6 +156,28 @@ class Check:
             if graphs:
                 engine.runner.use_graphs(eager_capture)
         return engine
+
+
+def path_facts(engine: Engine) -> Entry:
+    """Which forward and which attention kernels ran (layer_forward.py, attention_kernels.py)."""
+    return {"forward": engine.runner.describe()["forward"], "attention": engine.runner.attention.name}
+
+
+@contextlib.contextmanager
+def switched(name: str, value: str | None) -> Iterator[None]:
+    """Environment variable `name` set to `value` for what runs inside (None: as it is)."""
+    if value is None:
+        yield
+        return
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
 
 
 def graph_facts(engine: Engine) -> Entry | None:
@@ -230,19 +253,41 @@ def parity_section(check: Check) -> Entry:
         attempt(
             runs, "async", refused_or, parity_run, check, model_dir, async_settings, rounds, expected, True
         )
+        if check.device == "cuda" and family == "llama":
+            # The fallback too: transformers' layers where ours (the Triton forward on a GPU) would run.
+            attempt(
+                runs,
+                "graphs_transformers_layers",
+                parity_run,
+                check,
+                model_dir,
+                settings,
+                rounds,
+                expected,
+                True,
+                "transformers",
+            )
         entry[family] = runs
         release_memory()
     return entry
 
 
 def parity_run(
-    check: Check, model_dir: Path, settings: Entry, rounds: list[list[list[int]]], expected: Any, graphs: bool
+    check: Check,
+    model_dir: Path,
+    settings: Entry,
+    rounds: list[list[list[int]]],
+    expected: Any,
+    graphs: bool,
+    forward: str | None = None,
 ) -> Entry:
-    with check.engine(model_dir, settings, graphs, gpu_forward=True) as engine:
+    """`forward`: CBSERVE_FORWARD for the engine (None: as it is, `auto`)."""
+    with switched(layer_forward.SWITCH, forward), check.engine(model_dir, settings, graphs, True) as engine:
         outputs = [engine.generate(r, PARITY_NEW_TOKENS, ignore_eos=True) for r in rounds]
         stats = engine.stats()
         builder = engine.runner.builder
         return {
+            **path_facts(engine),
             "equal_generate": outputs == expected,
             "prompt_chunks": builder.prompt_chunks,
             "padded_queries": builder.padded_queries,
@@ -375,12 +420,20 @@ def decode_steps_per_s(engine: Engine, check: Check, vocab: int) -> Entry:
 
 
 def engine_system(
-    check: Check, model: Any, settings: Entry, load: Workload, graphs: bool, async_: bool
+    check: Check,
+    model: Any,
+    settings: Entry,
+    load: Workload,
+    graphs: bool,
+    async_: bool,
+    forward: str | None = None,
 ) -> Entry:
+    """`forward`: CBSERVE_FORWARD for the engine (None: as it is, `auto`)."""
     cb = settings | {"use_async_batching": async_}
     started = time.perf_counter()
-    engine = check.engine(model, cb, graphs)
-    entry: Entry = {"setup_s": round(time.perf_counter() - started, 2)}
+    with switched(layer_forward.SWITCH, forward):
+        engine = check.engine(model, cb, graphs)
+    entry: Entry = {"setup_s": round(time.perf_counter() - started, 2), **path_facts(engine)}
     vocab = engine.vocab_size
     with engine:
         engine.generate([load.prompts[0][:8]], 4, ignore_eos=True)  # first-use costs, untimed
@@ -497,6 +550,12 @@ def throughput_section(check: Check) -> Entry:
     runs: list[tuple[str, Callable[..., Entry], tuple[Any, ...]]] = [
         ("graphs_async", refused_or, (engine_system, check, model, settings, load, True, True)),
         ("transformers_cb", hf_continuous_batching, (check, model, settings, load)),
+        # The engine's default with transformers' layers in place of ours: what the fused forward adds.
+        (
+            "graphs_async_transformers_layers",
+            refused_or,
+            (engine_system, check, model, settings, load, True, True, "transformers"),
+        ),
         ("graphs", refused_or, (engine_system, check, model, settings, load, True, False)),
         ("eager", refused_or, (engine_system, check, model, settings, load, False, False)),
         ("eager_async", refused_or, (engine_system, check, model, settings, load, False, True)),
@@ -544,9 +603,18 @@ def throughput_ratios(systems: Entry) -> Entry:
             figure("eager", "decode_at_full_batch", "steps_per_s"),
         ),
         "async_over_sync": ratio(figure("graphs_async", "output_tok_s"), figure("graphs", "output_tok_s")),
+        "own_layers_over_transformers_layers": ratio(
+            figure("graphs_async", "output_tok_s"), figure("graphs_async_transformers_layers", "output_tok_s")
+        ),
+        "own_layers_over_transformers_layers_decode_steps": ratio(
+            figure("graphs_async", "decode_at_full_batch", "steps_per_s"),
+            figure("graphs_async_transformers_layers", "decode_at_full_batch", "steps_per_s"),
+        ),
         # bf16: graphs and eager pad differently, so a near tie may flip; async must change nothing.
         "same_tokens_graphs_eager": same("graphs", "eager"),
         "same_tokens_async_sync": same("graphs_async", "graphs"),
+        # bf16: our passes round once where transformers' layers round each op: near ties may flip.
+        "same_tokens_own_transformers_layers": same("graphs_async", "graphs_async_transformers_layers"),
         "same_tokens_engine_transformers_cb": same("graphs", "transformers_cb"),
     }
 
@@ -1228,23 +1296,6 @@ def step_figures(
     }
 
 
-@contextlib.contextmanager
-def paged_attention(kernels: str | None) -> Iterator[None]:
-    """CBSERVE_PAGED_ATTENTION for what runs inside (None: as it is)."""
-    if kernels is None:
-        yield
-        return
-    before = os.environ.get(SWITCH)
-    os.environ[SWITCH] = kernels
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[SWITCH]
-        else:
-            os.environ[SWITCH] = before
-
-
 def roofline_engine(
     check: Check, model: Any, costs: StepCosts, rates: Entry, load: RooflineLoad, kernels: str | None
 ) -> Entry:
@@ -1252,13 +1303,13 @@ def roofline_engine(
     the attention kernels attention_kernels.py chooses or those `kernels` names."""
     settings = roofline_settings(check, load)
     warmup = roofline_warmup(check, load)
-    with paged_attention(kernels):
+    with switched(attention_kernels.SWITCH, kernels):
         started = time.perf_counter()
         engine = check.engine(model, settings, graphs=True)
         with engine:
             entry: Entry = {
                 "setup_s": round(time.perf_counter() - started, 2),
-                "attention": engine.runner.attention.name,
+                **path_facts(engine),
                 "settings": settings,
             }
             engine.generate(
