@@ -14,10 +14,13 @@ recorded as skipped. Within a section each system or phase is tried on its own t
 - env: versions, the device and its memory.
 - parity: tiny models (tests/tiny_models.py), fp32: greedy tokens with graphs on and off against
   transformers `generate` on the same device, with chunked prefill, prefix hits and a swap round trip
-  in the mix (and the counts that show each happened); async batching on, or why it is refused.
+  in the mix (and the counts that show each happened); async batching on, or why it is refused. Each
+  run says which forward and attention ran (on a GPU the Llama runs ours, gpu_llama.py, and once more
+  with transformers' layers, the fallback: `CBSERVE_FORWARD=transformers`).
 - throughput: a Llama-shaped model of about 1B parameters (random, seeded, bf16) on a decode-heavy
   workload (256 requests, 64 running): output tokens/s with graphs on and off and async on and off,
-  and transformers' own continuous batching with its CUDA graphs; decode steps/s at 64 running
+  the default again with transformers' layers in place of ours (what the fused forward adds), and
+  transformers' own continuous batching with its CUDA graphs; decode steps/s at 64 running
   requests; the share of step time left in eager (uncaptured) steps, which bounds what piecewise
   capture could add; capture time, graph count and memory.
 - serve: the throughput load (prompts of one length) through `cbserve up --device cuda` on the same

@@ -31,19 +31,31 @@ from services.worker import attention_kernels, layer_forward
 from services.worker.cuda_graphs import Step
 from services.worker.engine import Engine
 from services.worker.request import SamplingParams
+from tests.cuda_marks import cuda_only
 from tests.parity import assert_no_leak, generate_reference, reference_prompt_logprobs
-
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="on a GPU the device check runs this path compiled"
-)
 
 NEW_TOKENS = 4
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def triton_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(layer_forward.SWITCH, "triton")
     monkeypatch.setenv(attention_kernels.SWITCH, "triton")
+
+
+# The CPU's tests: the GPU's forward forced, its kernels interpreted.
+interpreted = (
+    pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET") != "1", reason="on a GPU the cuda tests run this path compiled"
+    ),
+    pytest.mark.usefixtures("triton_everywhere"),
+)
+
+
+def on_the_cpu(test: Callable[..., None]) -> Callable[..., None]:
+    for mark in interpreted:
+        test = mark(test)
+    return test
 
 
 class CaptureGuard(TorchDispatchMode):
@@ -114,6 +126,16 @@ def assert_prompt_logprobs(req: Any, expected: torch.Tensor, tolerance: float) -
         assert lp.token_logprob == pytest.approx(expected[i, req.prompt_ids[i + 1]].item(), abs=tolerance), i
 
 
+def prompt_logprob_error(engine: Engine, prompt: list[int], exact: torch.Tensor) -> float:
+    """The mean distance of the engine's prompt log-probabilities from `exact`'s (float32's)."""
+    req = engine.add_request(prompt, SamplingParams(max_new_tokens=1, ignore_eos=True, prompt_logprobs=1))
+    engine.run_until_done()
+    gaps = [
+        abs(lp.token_logprob - exact[i, prompt[i + 1]].item()) for i, lp in enumerate(req.prompt_logprobs)
+    ]
+    return sum(gaps) / len(gaps)
+
+
 # Pages of 8 and a pool of 14 chunks: requests read at most 112 keys, and the graphs' buckets
 # (4 requests; 64 and 128 keys) put their captures' positions up to 127, past the pool.
 GRAPHED = {
@@ -126,6 +148,7 @@ GRAPHED = {
 }
 
 
+@on_the_cpu
 def test_greedy_tokens_and_prompt_logprobs_equal_transformers(tiny_models: Callable[[str], Path]) -> None:
     model_dir = tiny_models("llama")
     together, after = prompts(seed=5)
@@ -145,6 +168,7 @@ def test_greedy_tokens_and_prompt_logprobs_equal_transformers(tiny_models: Calla
         assert_no_leak(engine)
 
 
+@on_the_cpu
 def test_the_switch_picks_the_forward(
     monkeypatch: pytest.MonkeyPatch, tiny_models: Callable[[str], Path]
 ) -> None:
@@ -166,6 +190,10 @@ def test_the_switch_picks_the_forward(
         layer_forward.choose(llama, "none", torch.int8, 64)
     with pytest.raises(ValueError, match="--quantization int8"):
         layer_forward.choose(llama, "int8", torch.float32, 64)
+    with monkeypatch.context() as compiled:
+        compiled.delenv("TRITON_INTERPRET")
+        with pytest.raises(ValueError, match="a model on the cpu"):
+            layer_forward.choose(llama, "none", torch.float32, 64)
     gpu = layer_forward.choose(llama, "none", torch.bfloat16, 64)
     assert gpu is not None and gpu.name == "triton" and gpu.activation_dtype == torch.float32
     assert gpu.packed_weights() == []
@@ -175,6 +203,7 @@ def test_the_switch_picks_the_forward(
 
 
 @pytest.mark.slow
+@on_the_cpu
 @pytest.mark.parametrize(
     ("family", "cb"),
     [
@@ -199,6 +228,7 @@ def test_other_families_equal_generate(
 
 
 @pytest.mark.slow
+@on_the_cpu
 def test_bfloat16_is_as_close_to_float32_as_transformers_layers(
     monkeypatch: pytest.MonkeyPatch, tiny_models: Callable[[str], Path]
 ) -> None:
@@ -215,13 +245,37 @@ def test_bfloat16_is_as_close_to_float32_as_transformers_layers(
         with Engine.from_pretrained(model_dir, dtype="bfloat16", num_blocks=64, page_size=8) as engine:
             assert engine.runner.describe()["forward"] == forward
             assert engine.runner.activation_dtype == torch.bfloat16
-            req = engine.add_request(
-                prompt, SamplingParams(max_new_tokens=1, ignore_eos=True, prompt_logprobs=1)
-            )
-            engine.run_until_done()
-            gaps = [
-                abs(lp.token_logprob - exact[i, prompt[i + 1]].item())
-                for i, lp in enumerate(req.prompt_logprobs)
-            ]
-            errors[forward] = sum(gaps) / len(gaps)
+            errors[forward] = prompt_logprob_error(engine, prompt, exact)
+    assert 0 < errors["triton"] <= 1.5 * errors["transformers"], errors
+
+
+@cuda_only
+def test_on_cuda_auto_runs_this_forward_and_graphs_replay_it(
+    monkeypatch: pytest.MonkeyPatch, tiny_models: Callable[[str], Path]
+) -> None:
+    """The default on a GPU: this forward and the Triton attention, compiled, decode steps replayed
+    from real CUDA graphs: float32 tokens equal `generate` on the device; bfloat16 log-probabilities
+    no further from float32's than transformers' bfloat16 layers are."""
+    monkeypatch.delenv(layer_forward.SWITCH, raising=False)
+    monkeypatch.delenv(attention_kernels.SWITCH, raising=False)
+    model_dir = tiny_models("llama")
+    together, after = prompts(seed=5)
+    expected = generate_reference(model_dir, [*together, after], NEW_TOKENS, "cuda")
+    cb = GRAPHED | {"use_cuda_graph": True}
+    with Engine.from_pretrained(model_dir, device="cuda", **cb) as engine:
+        runner = engine.runner
+        assert (runner.describe()["forward"], runner.attention.name) == ("triton", "triton")
+        assert runner.graphs is not None and runner.graphs.count == 2
+        outputs, _ = run(engine, together, after)
+        assert outputs == expected
+        assert runner.graphs.replays > 0 and engine.stats()["prefix_hit_tokens"] == 16
+    rng = random.Random(9)
+    prompt = [rng.randint(3, 255) for _ in range(40)]
+    exact = reference_prompt_logprobs(model_dir, prompt)
+    errors = {}
+    for forward in ("triton", "transformers"):
+        monkeypatch.setenv(layer_forward.SWITCH, forward)
+        with Engine.from_pretrained(model_dir, device="cuda", dtype="bfloat16", num_blocks=64) as engine:
+            assert engine.runner.describe()["forward"] == forward
+            errors[forward] = prompt_logprob_error(engine, prompt, exact)
     assert 0 < errors["triton"] <= 1.5 * errors["transformers"], errors

@@ -30,6 +30,7 @@ Triton's interpreter on the CPU).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -90,8 +91,13 @@ class _Layer:
 
 def refusal(model: nn.Module, kv_dtype: torch.dtype, quantization: str) -> str | None:
     """Why this forward cannot run `model` over a pool of `kv_dtype`; None where it can."""
-    dtype = next(model.parameters()).dtype
+    first = next(model.parameters())
+    dtype, device = first.dtype, first.device
     config: Any = model.config
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return (
+            f"a model on the {device.type}: Triton runs there only under its interpreter, TRITON_INTERPRET=1"
+        )
     if not llama_shaped(model):
         return (
             f"{config.model_type} is not a Llama-shaped decoder with a static rotary embedding, "
