@@ -941,6 +941,8 @@ def tests_section(check: Check) -> Entry:
         "no:cacheprovider",
         "tests/test_cuda_graphs.py",
         "tests/test_swap_copies.py",
+        "tests/test_gpu_llama.py",  # the GPU's own forward, compiled, under real graphs
+        "tests/test_triton_fused.py",  # its passes captured in a graph
     ]
     if check.device != "cuda":
         argv.append("--collect-only")  # nothing of it runs without a device: just that it collects
