@@ -25,7 +25,8 @@ recorded as skipped. Within a section each system or phase is tried on its own t
   capture could add; capture time, graph count and memory.
 - serve: the throughput load (prompts of one length) through `cbserve up --device cuda` on the same
   model, its defaults (graphs and async), by `cbserve bench serve` over gRPC: output tok/s, TTFT and
-  inter-token latency, and what the three processes keep of the in-process rate.
+  inter-token latency, what the three processes keep of the in-process rate, and which forward and
+  attention the worker ran (its start-up line).
 - stack: `cbserve up --device cuda` on the tiny Llama: the worker maps the KV pool by CUDA IPC handle
   and registers the swap pool as pinned memory, a swap-out/in round trip, and a worker SIGKILL
   mid-stream whose streams finish identical to `generate`, after the restarted worker attached again.
@@ -690,7 +691,17 @@ def serve_section(check: Check) -> Entry:
         }
     finally:
         entry["exit_code"] = stack.stop()
+    attempt(entry, "paths", worker_paths, stack.log_path)
     return entry
+
+
+def worker_paths(log_path: Path) -> Entry | None:
+    """Which forward and attention kernels a stack's worker ran, from its JSON start-up line."""
+    for line in log_path.read_text(errors="replace").splitlines():
+        if line.startswith("{") and '"worker ready"' in line:
+            fields = json.loads(line)
+            return {key: fields.get(key) for key in ("forward", "attention")}
+    return None
 
 
 # -------------------------------------------------------------------------------------------- profile
