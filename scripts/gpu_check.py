@@ -14,15 +14,19 @@ recorded as skipped. Within a section each system or phase is tried on its own t
 - env: versions, the device and its memory.
 - parity: tiny models (tests/tiny_models.py), fp32: greedy tokens with graphs on and off against
   transformers `generate` on the same device, with chunked prefill, prefix hits and a swap round trip
-  in the mix (and the counts that show each happened); async batching on, or why it is refused.
+  in the mix (and the counts that show each happened); async batching on, or why it is refused. Each
+  run says which forward and attention ran (on a GPU the Llama runs ours, gpu_llama.py, and once more
+  with transformers' layers, the fallback: `CBSERVE_FORWARD=transformers`).
 - throughput: a Llama-shaped model of about 1B parameters (random, seeded, bf16) on a decode-heavy
   workload (256 requests, 64 running): output tokens/s with graphs on and off and async on and off,
-  and transformers' own continuous batching with its CUDA graphs; decode steps/s at 64 running
+  the default again with transformers' layers in place of ours (what the fused forward adds), and
+  transformers' own continuous batching with its CUDA graphs; decode steps/s at 64 running
   requests; the share of step time left in eager (uncaptured) steps, which bounds what piecewise
   capture could add; capture time, graph count and memory.
 - serve: the throughput load (prompts of one length) through `cbserve up --device cuda` on the same
   model, its defaults (graphs and async), by `cbserve bench serve` over gRPC: output tok/s, TTFT and
-  inter-token latency, and what the three processes keep of the in-process rate.
+  inter-token latency, what the three processes keep of the in-process rate, and which forward and
+  attention the worker ran (its start-up line).
 - stack: `cbserve up --device cuda` on the tiny Llama: the worker maps the KV pool by CUDA IPC handle
   and registers the swap pool as pinned memory, a swap-out/in round trip, and a worker SIGKILL
   mid-stream whose streams finish identical to `generate`, after the restarted worker attached again.
@@ -71,7 +75,7 @@ from services.bench.offline.transformers_cb import hf_cb_collect, started_manage
 from services.bench.workload import Workload  # noqa: E402
 from services.common.config import CBConfig  # noqa: E402
 from services.common.sampling_params import SamplingParams  # noqa: E402
-from services.worker.attention_kernels import SWITCH  # noqa: E402
+from services.worker import attention_kernels, layer_forward  # noqa: E402
 from services.worker.cuda_graphs import eager_capture  # noqa: E402
 from services.worker.engine import Engine  # noqa: E402
 
@@ -140,8 +144,9 @@ class Check:
 
     def engine(self, model: Any, settings: dict[str, Any], graphs: bool, gpu_forward: bool = False) -> Engine:
         """An engine on `model` (a directory or a loaded model), with decode graphs or without. On a
-        CPU, `gpu_forward` runs the forward a GPU runs (transformers' modules, gather + SDPA) instead
-        of the native kernels."""
+        CPU, `gpu_forward` runs a GPU's fallback forward (transformers' modules, gather + SDPA) instead
+        of the native kernels: the Triton forward a GPU runs a Llama with would run under Triton's
+        interpreter here, too slow for a check (tests/test_gpu_llama.py runs it on the CPU)."""
         cb = settings | self.graphs_settings(graphs)
         if isinstance(model, Path):
             engine = Engine.from_pretrained(model, device=self.device, **cb)
@@ -155,6 +160,28 @@ class Check:
             if graphs:
                 engine.runner.use_graphs(eager_capture)
         return engine
+
+
+def path_facts(engine: Engine) -> Entry:
+    """Which forward and which attention kernels ran (layer_forward.py, attention_kernels.py)."""
+    return {"forward": engine.runner.describe()["forward"], "attention": engine.runner.attention.name}
+
+
+@contextlib.contextmanager
+def switched(name: str, value: str | None) -> Iterator[None]:
+    """Environment variable `name` set to `value` for what runs inside (None: as it is)."""
+    if value is None:
+        yield
+        return
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
 
 
 def graph_facts(engine: Engine) -> Entry | None:
@@ -230,19 +257,41 @@ def parity_section(check: Check) -> Entry:
         attempt(
             runs, "async", refused_or, parity_run, check, model_dir, async_settings, rounds, expected, True
         )
+        if check.device == "cuda" and family == "llama":
+            # The fallback too: transformers' layers where ours (the Triton forward on a GPU) would run.
+            attempt(
+                runs,
+                "graphs_transformers_layers",
+                parity_run,
+                check,
+                model_dir,
+                settings,
+                rounds,
+                expected,
+                True,
+                "transformers",
+            )
         entry[family] = runs
         release_memory()
     return entry
 
 
 def parity_run(
-    check: Check, model_dir: Path, settings: Entry, rounds: list[list[list[int]]], expected: Any, graphs: bool
+    check: Check,
+    model_dir: Path,
+    settings: Entry,
+    rounds: list[list[list[int]]],
+    expected: Any,
+    graphs: bool,
+    forward: str | None = None,
 ) -> Entry:
-    with check.engine(model_dir, settings, graphs, gpu_forward=True) as engine:
+    """`forward`: CBSERVE_FORWARD for the engine (None: as it is, `auto`)."""
+    with switched(layer_forward.SWITCH, forward), check.engine(model_dir, settings, graphs, True) as engine:
         outputs = [engine.generate(r, PARITY_NEW_TOKENS, ignore_eos=True) for r in rounds]
         stats = engine.stats()
         builder = engine.runner.builder
         return {
+            **path_facts(engine),
             "equal_generate": outputs == expected,
             "prompt_chunks": builder.prompt_chunks,
             "padded_queries": builder.padded_queries,
@@ -375,12 +424,20 @@ def decode_steps_per_s(engine: Engine, check: Check, vocab: int) -> Entry:
 
 
 def engine_system(
-    check: Check, model: Any, settings: Entry, load: Workload, graphs: bool, async_: bool
+    check: Check,
+    model: Any,
+    settings: Entry,
+    load: Workload,
+    graphs: bool,
+    async_: bool,
+    forward: str | None = None,
 ) -> Entry:
+    """`forward`: CBSERVE_FORWARD for the engine (None: as it is, `auto`)."""
     cb = settings | {"use_async_batching": async_}
     started = time.perf_counter()
-    engine = check.engine(model, cb, graphs)
-    entry: Entry = {"setup_s": round(time.perf_counter() - started, 2)}
+    with switched(layer_forward.SWITCH, forward):
+        engine = check.engine(model, cb, graphs)
+    entry: Entry = {"setup_s": round(time.perf_counter() - started, 2), **path_facts(engine)}
     vocab = engine.vocab_size
     with engine:
         engine.generate([load.prompts[0][:8]], 4, ignore_eos=True)  # first-use costs, untimed
@@ -497,6 +554,12 @@ def throughput_section(check: Check) -> Entry:
     runs: list[tuple[str, Callable[..., Entry], tuple[Any, ...]]] = [
         ("graphs_async", refused_or, (engine_system, check, model, settings, load, True, True)),
         ("transformers_cb", hf_continuous_batching, (check, model, settings, load)),
+        # The engine's default with transformers' layers in place of ours: what the fused forward adds.
+        (
+            "graphs_async_transformers_layers",
+            refused_or,
+            (engine_system, check, model, settings, load, True, True, "transformers"),
+        ),
         ("graphs", refused_or, (engine_system, check, model, settings, load, True, False)),
         ("eager", refused_or, (engine_system, check, model, settings, load, False, False)),
         ("eager_async", refused_or, (engine_system, check, model, settings, load, False, True)),
@@ -544,9 +607,18 @@ def throughput_ratios(systems: Entry) -> Entry:
             figure("eager", "decode_at_full_batch", "steps_per_s"),
         ),
         "async_over_sync": ratio(figure("graphs_async", "output_tok_s"), figure("graphs", "output_tok_s")),
+        "own_layers_over_transformers_layers": ratio(
+            figure("graphs_async", "output_tok_s"), figure("graphs_async_transformers_layers", "output_tok_s")
+        ),
+        "own_layers_over_transformers_layers_decode_steps": ratio(
+            figure("graphs_async", "decode_at_full_batch", "steps_per_s"),
+            figure("graphs_async_transformers_layers", "decode_at_full_batch", "steps_per_s"),
+        ),
         # bf16: graphs and eager pad differently, so a near tie may flip; async must change nothing.
         "same_tokens_graphs_eager": same("graphs", "eager"),
         "same_tokens_async_sync": same("graphs_async", "graphs"),
+        # bf16: our passes round once where transformers' layers round each op: near ties may flip.
+        "same_tokens_own_transformers_layers": same("graphs_async", "graphs_async_transformers_layers"),
         "same_tokens_engine_transformers_cb": same("graphs", "transformers_cb"),
     }
 
@@ -619,7 +691,17 @@ def serve_section(check: Check) -> Entry:
         }
     finally:
         entry["exit_code"] = stack.stop()
+    attempt(entry, "paths", worker_paths, stack.log_path)
     return entry
+
+
+def worker_paths(log_path: Path) -> Entry | None:
+    """Which forward and attention kernels a stack's worker ran, from its JSON start-up line."""
+    for line in log_path.read_text(errors="replace").splitlines():
+        if line.startswith("{") and '"worker ready"' in line:
+            fields = json.loads(line)
+            return {key: fields.get(key) for key in ("forward", "attention")}
+    return None
 
 
 # -------------------------------------------------------------------------------------------- profile
@@ -870,6 +952,8 @@ def tests_section(check: Check) -> Entry:
         "no:cacheprovider",
         "tests/test_cuda_graphs.py",
         "tests/test_swap_copies.py",
+        "tests/test_gpu_llama.py",  # the GPU's own forward, compiled, under real graphs
+        "tests/test_triton_fused.py",  # its passes captured in a graph
     ]
     if check.device != "cuda":
         argv.append("--collect-only")  # nothing of it runs without a device: just that it collects
@@ -1228,23 +1312,6 @@ def step_figures(
     }
 
 
-@contextlib.contextmanager
-def paged_attention(kernels: str | None) -> Iterator[None]:
-    """CBSERVE_PAGED_ATTENTION for what runs inside (None: as it is)."""
-    if kernels is None:
-        yield
-        return
-    before = os.environ.get(SWITCH)
-    os.environ[SWITCH] = kernels
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[SWITCH]
-        else:
-            os.environ[SWITCH] = before
-
-
 def roofline_engine(
     check: Check, model: Any, costs: StepCosts, rates: Entry, load: RooflineLoad, kernels: str | None
 ) -> Entry:
@@ -1252,13 +1319,13 @@ def roofline_engine(
     the attention kernels attention_kernels.py chooses or those `kernels` names."""
     settings = roofline_settings(check, load)
     warmup = roofline_warmup(check, load)
-    with paged_attention(kernels):
+    with switched(attention_kernels.SWITCH, kernels):
         started = time.perf_counter()
         engine = check.engine(model, settings, graphs=True)
         with engine:
             entry: Entry = {
                 "setup_s": round(time.perf_counter() - started, 2),
-                "attention": engine.runner.attention.name,
+                **path_facts(engine),
                 "settings": settings,
             }
             engine.generate(

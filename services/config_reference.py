@@ -77,6 +77,15 @@ OTHER_VARIABLES: tuple[OtherVariable, ...] = (
         "`gather` (none: each context is gathered for SDPA, the GPU check's baseline).",
     ),
     OtherVariable(
+        "CBSERVE_FORWARD",
+        "`auto`",
+        "Whose forward runs the model's layers: `auto` (ours for a Llama, Mistral or Qwen2 model: the "
+        "native one on the CPU, the Triton one on a GPU over a float pool; transformers' elsewhere), "
+        "`triton` (the Triton forward anywhere, an error where it cannot run; on a CPU only under "
+        "`TRITON_INTERPRET=1`, for tests) or `transformers` (transformers' layers everywhere: the "
+        "fallback, and the GPU check's baseline; `--quantization` then refuses to start).",
+    ),
+    OtherVariable(
         "CBSERVE_GEMM_CROSSOVER",
         "unset (measured once per machine and kept under `$CBSERVE_HOME/kernels`)",
         "Pins the number of rows from which the linears use torch's GEMM instead of the panel "

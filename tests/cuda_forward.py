@@ -1,16 +1,21 @@
-"""The forward a CUDA device runs, on a CPU engine: what the CUDA graph tests (tests/test_cuda_graphs.py)
-and the device check (scripts/gpu_check.py) run where no GPU is."""
+"""A GPU's fallback forward, on a CPU engine: what the CUDA graph tests (tests/test_cuda_graphs.py) and
+the device check (scripts/gpu_check.py) run where no GPU is."""
 
 from __future__ import annotations
 
+from services.worker.attention_kernels import AttentionKernels
 from services.worker.batch import PADDING_WASTE
 from services.worker.engine import Engine
 
 
 def cuda_like(engine: Engine) -> Engine:
-    """The forward a CUDA device runs: transformers' modules and gather + SDPA attention."""
+    """transformers' modules and gather + SDPA attention: what a CUDA device runs a model with where
+    neither our Triton forward nor the Triton attention does (`CBSERVE_FORWARD=transformers`,
+    `CBSERVE_PAGED_ATTENTION=gather`; a Llama under `auto` gets both, tests/test_gpu_llama.py runs them
+    on the CPU under Triton's interpreter, too slowly for these)."""
     runner = engine.runner
     runner.fused = None
+    runner.attention = AttentionKernels("gather")
     runner.builder.decode_kernel = runner.builder.prefill_kernel = None
     runner.builder.padding_waste = PADDING_WASTE["cuda"]
     return engine

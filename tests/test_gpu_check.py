@@ -53,6 +53,8 @@ def test_the_quick_cpu_check_runs_every_section_and_reports_json(tmp_path: Path)
         assert llama[run]["swap_restores"] > 0, llama
     assert llama["graphs"]["graphs"]["replays"] > 0 and llama["eager"]["graphs"] is None
     assert llama["async"].get("equal_generate") is True or "refused" in llama["async"]
+    # A GPU's fallback forward here (tests/cuda_forward.py); a GPU's parity runs report "triton".
+    assert (llama["graphs"]["forward"], llama["graphs"]["attention"]) == ("transformers", "gather")
 
     throughput = sections["throughput"]
     systems = throughput["systems"]
@@ -63,9 +65,13 @@ def test_the_quick_cpu_check_runs_every_section_and_reports_json(tmp_path: Path)
     ratios = throughput["ratios"]
     assert ratios["same_tokens_graphs_eager"] == 1.0  # fp32: padding changes no token
     assert ratios["engine_over_transformers_cb"] is not None
+    assert systems["graphs_async_transformers_layers"]["forward"] == "transformers"
+    assert systems["graphs"]["forward"] in ("native", "transformers")  # the CPU's own, where built
+    assert ratios["own_layers_over_transformers_layers"] is not None
 
     serve = sections["serve"]
     assert serve["requests"] == 12 and not serve["failed"] and serve["exit_code"] == 0, serve
+    assert serve["paths"]["forward"] in ("native", "transformers"), serve  # a GPU's: "triton"
     assert serve["output_tok_s"] > 0 and serve["ttft_ms"]["p99"] >= serve["ttft_ms"]["p50"] > 0, serve
     assert summary["served_over_in_process"] > 0
 

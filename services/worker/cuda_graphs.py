@@ -3,11 +3,13 @@
 What is captured. A decode step (every request computes one token) runs its whole forward as one
 graph, embedding to logits, paged attention included: vLLM's FULL_DECODE_ONLY. A step with a prompt
 chunk runs eagerly. Piecewise capture (attention left outside the graphs, vLLM's default) would
-serve those steps too, but the forward here is transformers' own module code, which has no seam
-between a layer's attention and the rest short of splitting it with torch.compile; and decode steps
-are where launches dominate: one token per request and some forty small kernels per layer, where a
-prefill step's matrix products amortise theirs. The device check (scripts/gpu_check.py) reports the
-share of a decode-heavy run's step time left in eager steps: all that piecewise capture could win.
+serve those steps too. transformers' module code has no seam between a layer's attention and the
+rest short of splitting it with torch.compile; our GPU forward for the Llama family (gpu_llama.py)
+has one, its call to `attend_stored`, with eight launches a layer besides it (four products, four
+passes) where transformers' layers have some forty. Decode steps are where launches dominate, one
+token per request, where a prefill step's matrix products amortise theirs. The device check
+(scripts/gpu_check.py) reports the share of a decode-heavy run's step time left in eager steps: all
+that piecewise capture could win.
 
 Shapes. `Buckets` (buckets.py) on `q_padding_interval_size` and `kv_padding_interval_size`
 (`DEFAULT_Q_INTERVAL` and `DEFAULT_KV_INTERVAL` where they are 0), `MAX_GRAPHS` at most; the builder

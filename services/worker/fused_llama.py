@@ -61,7 +61,9 @@ class _Layer:
     down: PackedWeight
 
 
-def _supported(model: nn.Module) -> bool:
+def llama_shaped(model: nn.Module) -> bool:
+    """Whether `model`'s layers are the ones this forward computes (the GPU's forward, gpu_llama.py,
+    computes the same ones)."""
     config: Any = model.config
     head = cast(nn.Linear, model.lm_head)
     inner = getattr(model, "model", None)
@@ -73,12 +75,21 @@ def _supported(model: nn.Module) -> bool:
         and getattr(config, "hidden_act", "silu") == "silu"
         and not getattr(config, "mlp_bias", False)
         and head.bias is None
+    )
+
+
+def _supported(model: nn.Module) -> bool:
+    return (
+        llama_shaped(model)
         and next(model.parameters()).device.type == "cpu"
         and next(model.parameters()).dtype in WEIGHT_DTYPES
     )
 
 
 class FusedLlama:
+    name = "native"  # what the runner's start-up log calls this forward
+    activation_dtype = torch.float32  # whatever the weights' (see the top)
+
     def __init__(self, model: nn.Module, ops: Any, linear_ops: Any, head_ops: Any) -> None:
         """`linear_ops`: the layers' linears' `PanelLinear`; `head_ops`: the LM head's."""
         # transformers' modules: their attributes are the architecture's, unknown to nn.Module's types

@@ -12,12 +12,11 @@ from transformers import PreTrainedModel
 from services.common.config import CBConfig
 from services.common.kv_geometry import KVGeometry
 from services.common.precision import dtype_name
-from services.worker import attention_kernels
+from services.worker import attention_kernels, layer_forward
 from services.worker.attention import ATTENTION_NAME
 from services.worker.batch import BatchBuilder, BatchItem, ForwardBatch
-from services.worker.buckets import Shape
-from services.worker.cuda_graphs import Capture, CudaGraphs
-from services.worker.fused_llama import FusedLlama
+from services.worker.buckets import Shape, round_up
+from services.worker.cuda_graphs import DEFAULT_KV_INTERVAL, Capture, CudaGraphs
 from services.worker.kernels import int8_path
 from services.worker.kernels import paths as kernel_paths
 from services.worker.packed_linear import PackedLinear, pack_linears
@@ -55,8 +54,15 @@ class ModelRunner:
         self.swap_pool = swap_pool
         self.device = kv_pool.device
         model.set_attn_implementation(ATTENTION_NAME)
-        self.fused = FusedLlama.build(model, config.quantization)
-        if self.fused is None and config.quantization != "none":
+        text = getattr(model.config, "text_config", None) or model.config
+        num_chunks, page = kv_pool.shape[2], geometry.page_size
+        # A request reads at most the model's positions or the whole pool, whichever are fewer.
+        self.max_keys = min(getattr(text, "max_position_embeddings", num_chunks * page), num_chunks * page)
+        # The decode graphs' captures put a step at its bucket's last key, up to a KV interval past
+        # `max_keys` (buckets.py): the Triton forward's rotary table covers those positions too.
+        positions = round_up(self.max_keys, config.kv_padding_interval_size or DEFAULT_KV_INTERVAL)
+        self.fused = layer_forward.choose(model, config.quantization, kv_pool.dtype, positions)
+        if config.quantization != "none" and (self.fused is None or self.fused.name != "native"):
             raise ValueError(
                 f"--quantization {config.quantization} needs our own forward on the CPU's native kernels: "
                 f"a Llama-family model on the CPU with the kernels built; this one is "
@@ -64,15 +70,16 @@ class ModelRunner:
             )
         if self.fused is None:
             pack_linears(model)
-        text = getattr(model.config, "text_config", None) or model.config
-        num_chunks, page = kv_pool.shape[2], geometry.page_size
         flat = (num_chunks * page, geometry.num_kv_heads, geometry.row_elems)
         kv_of_layer = [
             (kv_pool[p.slot, 0].view(flat), kv_pool[p.slot, 1].view(flat)) for p in geometry.placements
         ]
-        # Our own forward keeps its activations in float32 whatever the weights' dtype; the native
-        # attention kernels take float32 queries over float32, bfloat16 or int8 pages.
-        self.activation_dtype = torch.float32 if self.fused is not None else next(model.parameters()).dtype
+        # The CPU's own forward keeps its activations in float32 whatever the weights' dtype (the native
+        # attention kernels take float32 queries over float32, bfloat16 or int8 pages); the GPU's and
+        # transformers' keep the weights' dtype.
+        self.activation_dtype = (
+            self.fused.activation_dtype if self.fused is not None else next(model.parameters()).dtype
+        )
         self.attention = attention_kernels.choose(
             self.device, kv_pool.dtype, self.activation_dtype, geometry.head_dim
         )
@@ -94,8 +101,6 @@ class ModelRunner:
         # its stream, and the forward's is busy with the step before (async batching).
         self.build_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.config = config
-        # A request reads at most the model's positions or the whole pool, whichever is fewer.
-        self.max_keys = min(getattr(text, "max_position_embeddings", num_chunks * page), num_chunks * page)
         self.graphs: CudaGraphs | None = None
         if config.cuda_graph_enabled(self.device.type):
             try:
@@ -110,7 +115,7 @@ class ModelRunner:
     def describe(self) -> dict[str, object]:
         """What runs, for the start-up log: whose forward, its dtypes, the native kernels' vector paths."""
         return {
-            "forward": "native" if self.fused is not None else "transformers",
+            "forward": self.fused.name if self.fused is not None else "transformers",
             "weights": dtype_name(next(self.model.parameters()).dtype),
             "activations": dtype_name(self.activation_dtype),
             "kv_dtype": dtype_name(self.kv_pool.dtype),

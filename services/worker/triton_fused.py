@@ -1,4 +1,5 @@
-"""The Llama layer's element-wise passes on GPUs, in Triton: the `ops` object that FusedLlama calls.
+"""The Llama layer's element-wise passes on GPUs, in Triton: the `ops` object of the GPU's forward
+(gpu_llama.py).
 
 The CPU forward (fused_llama.py) runs its norms, rotary and K/V writes as the fused passes of
 csrc/fused_ops.cpp; on a GPU, transformers' eager layers run them as some forty small kernels a layer
