@@ -19,8 +19,8 @@ KV pool may be either dtype apart from the weights'.
 instead, over either dtype: each output channel's weights in groups of 32 inputs, each on a scale of
 its own, each linear's input rounded to int8 per token in the same groups as it is multiplied, each
 group's exact int32 sum scaled back to float32; `int8-weight-only` the same panels with the inputs
-multiplied in float32. `int8` packs the LM head as int8 panels too; under `int8-weight-only` it,
-and under both the embedding and the norms, stay in the model's dtype (`HEAD_QUANTIZED`).
+multiplied in float32. The LM head, the embedding and the norms stay in the model's dtype
+(`HEAD_QUANTIZED`).
 
 In float32, results equal transformers' up to fp32 summation order; `FusedLlama.build` returns None (the model
 then runs transformers' forward) for anything else: another architecture, a rotary embedding that
@@ -45,13 +45,10 @@ WEIGHT_DTYPES = frozenset({torch.float32, torch.bfloat16})
 STATIC_ROPE = frozenset({"default", "linear", "llama3"})  # inv_freq fixed at load time
 # `--quantization` -> the layers' panels: their dtype, and whether each input row is rounded to it too.
 QUANTIZED = {"int8": (torch.int8, True), "int8-weight-only": (torch.int8, False)}
-# The `--quantization` modes that take the LM head too. `int8` does: with groups of 32 rotated (the
-# int8 panels' format) its agreement with float32 stays above issue 48's 0.97 (tests/test_precision.py),
-# and the head, the largest linear (576 x 49152 in SmolLM2-135M), was about a sixth of an int8 + int8
-# KV decode step in bf16 (W1, one thread). `int8-weight-only` does not: its products are FMAs on
-# widened weights, no faster than bf16's at a decode step's rows. (Before groups and the rotation,
-# int8 in the head alone lost about half the agreement that int8 in every layer lost.)
-HEAD_QUANTIZED = frozenset({"int8"})
+# Whether `--quantization` takes the LM head too. It does not: the head's products pick each token,
+# and int8 there alone lost SmolLM2-135M about half the top-1 agreement with float32 that int8 in every
+# layer loses; `--dtype bfloat16` halves the head's bytes instead.
+HEAD_QUANTIZED = False
 
 
 @dataclass
@@ -144,7 +141,7 @@ class FusedLlama:
         linear_ops = own_ops if quantization == "none" else packed_linear_ops(*QUANTIZED[quantization])
         if ops is None or own_ops is None or linear_ops is None:
             return None
-        return cls(model, ops, linear_ops, linear_ops if quantization in HEAD_QUANTIZED else own_ops)
+        return cls(model, ops, linear_ops, linear_ops if HEAD_QUANTIZED else own_ops)
 
     @torch.inference_mode()
     def __call__(
