@@ -35,7 +35,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 
 from services.common.model_source import prepare_default_model
 from tests.stack import REPO, Stack
-from tests.tiny_models import tiny_model_dir
+from tests.tiny_models import tiny_model_dir, tiny_text_model_dir
 
 # `pytest` replays the same examples on every machine and every run, so a red run is never luck.
 settings.register_profile("fixed", derandomize=True, database=None)
@@ -62,6 +62,13 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Pat
 def smollm2_dir() -> Path:
     """The converted default model (converted on first use into $CBSERVE_HOME, then reused)."""
     return prepare_default_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_text_model(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama over SmolLM2's whole vocabulary, saved with its tokenizer and chat template
+    (`tiny_text_model_dir`): text in and out at a tiny model's speed. Built once; no test writes to it."""
+    return tiny_text_model_dir("llama", tmp_path_factory.mktemp("tiny_text"), smollm2_dir)
 
 
 # Stacks are session-scoped: three processes take tens of seconds to start on two cores.

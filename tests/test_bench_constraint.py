@@ -17,7 +17,6 @@ from services.bench.serve.backends import generate_request
 from services.bench.serve.workloads import BenchRequest
 from services.cli import main
 from services.common.sampling_params import Constraint
-from tests.tiny_models import tiny_text_model_dir
 
 # Complete within 26 tokens (at most 4 characters, an escaped one taking 6 tokens), so that every
 # request's grammar ends before its length and every output is a whole document to validate. A random
@@ -27,9 +26,9 @@ SCHEMA = {"type": "string", "maxLength": 4}
 
 
 def test_the_constrained_engine_beside_the_free_one_gives_valid_json_and_the_ratio(
-    smollm2_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny_text_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    model = tiny_text_model_dir("llama", tmp_path / "model", smollm2_dir)
+    model = tiny_text_model
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps(SCHEMA))
     workload = tmp_path / "workload.jsonl"

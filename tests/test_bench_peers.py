@@ -20,7 +20,6 @@ from services.bench.offline.systems import parse_systems
 from services.bench.peer_runners import protocol
 from services.bench.peer_runners.protocol import closed_loop
 from services.cli import main
-from tests.tiny_models import tiny_text_model_dir
 
 STANDIN = Path(__file__).parent / "peers" / "standin.py"
 
@@ -430,10 +429,10 @@ def test_each_peer_runs_at_both_precisions_and_the_engine_at_two_dtypes(
 
 
 @pytest.fixture(scope="module")
-def text_model(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def text_model(tiny_text_model: Path) -> Path:
     """A tiny model with SmolLM2's tokenizer and chat template: the prose needs both, and a tiny
     geometry keeps a scoring pass per system to seconds."""
-    return tiny_text_model_dir("llama", tmp_path_factory.mktemp("text_model"), smollm2_dir)
+    return tiny_text_model
 
 
 def _table_row(printed: str, name: str) -> str:

@@ -27,7 +27,6 @@ from services.common.gateway_messages import Load
 from services.gateway.metrics import GatewayMetrics
 from services.supervisor import free_port
 from tests.stack import Stack
-from tests.tiny_models import tiny_text_model_dir
 
 # ------------------------------------------------------------------------------- a tokenizer of ours
 
@@ -560,12 +559,11 @@ def test_a_comparison_needs_two_servers_of_one_model(
 
 
 @pytest.fixture(scope="module")
-def routed(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, int]]:
+def routed(tiny_text_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, int]]:
     """`cbserve up --http-port` on the tiny Llama over SmolLM2's tokenizer: (the stack, smg's port)."""
     from tests.smg_router import routed_stack
 
-    model = tiny_text_model_dir("llama", tmp_path_factory.mktemp("text_model"), smollm2_dir)
-    with routed_stack(model, tmp_path_factory.mktemp("routed")) as started:
+    with routed_stack(tiny_text_model, tmp_path_factory.mktemp("routed")) as started:
         yield started
 
 

@@ -33,7 +33,6 @@ from services.supervisor import die_with_parent, free_port, stop_process
 from tests.conftest import TINY_STACK_SETTINGS
 from tests.smg_router import client, wait_router
 from tests.stack import Stack
-from tests.tiny_models import tiny_text_model_dir
 
 # An odd number of groups: round robin over two replicas then sends each group's requests to both
 # in turn (with an even number, every group would stay on one replica by accident).
@@ -72,8 +71,8 @@ class RunResult:
 
 
 @pytest.fixture(scope="module")
-def text_model(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_text_model_dir("llama", tmp_path_factory.mktemp("text_model"), smollm2_dir)
+def text_model(tiny_text_model: Path) -> Path:
+    return tiny_text_model
 
 
 @pytest.fixture(scope="module")

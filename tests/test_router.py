@@ -30,14 +30,13 @@ from tests.conftest import TINY_STACK_SETTINGS
 from tests.interop.node_runner import needs_node, node_openai_stream
 from tests.smg_router import ROUTER_START_S, client, routed_stack, wait_router
 from tests.stack import CALL_TIMEOUT_S, CHAT, Stack, chat_request
-from tests.tiny_models import tiny_text_model_dir
 
 PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def text_model(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_text_model_dir("llama", tmp_path_factory.mktemp("text_model"), smollm2_dir)
+def text_model(tiny_text_model: Path) -> Path:
+    return tiny_text_model
 
 
 @pytest.fixture(scope="module")

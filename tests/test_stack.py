@@ -70,7 +70,12 @@ def assert_step_total_is_wall_time(stack: Stack, async_batching: bool) -> None:
     assert steps["wait"] <= overlapped or not async_batching, steps
 
 
-@pytest.fixture(scope="module", params=["swap", "soft_reset", "swap_async"])
+# "swap" (sync) in the slow run: "swap_async" offloads to the same swap pool through the same cachemgr,
+# scripts/gpu_check.py's stack section (tests/test_gpu_check.py) round-trips a sync stack's streams
+# through it, and tests/test_engine_parity.py swaps in sync engines of every family.
+@pytest.fixture(
+    scope="module", params=[pytest.param("swap", marks=pytest.mark.slow), "soft_reset", "swap_async"]
+)
 def pressure_stack(
     request: pytest.FixtureRequest,
     tiny_models: Callable[[str], Path],

@@ -22,7 +22,6 @@ from services.common.sampling_params import Constraint, SamplingParams
 from services.worker.engine import Engine
 from services.worker.request import FinishReason
 from services.worker.sampler import Sampler, SamplingRow
-from tests.tiny_models import tiny_text_model_dir
 
 SCHEMA = {
     "type": "object",
@@ -78,12 +77,16 @@ ASYNC = pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "a
 
 
 @pytest.fixture(scope="module")
-def tiny_text(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_text(tiny_text_model: Path) -> Path:
     """A tiny random Llama over SmolLM2's tokenizer: constrained text at a tiny model's speed."""
-    return tiny_text_model_dir("llama", tmp_path_factory.mktemp("tiny_text"), smollm2_dir)
+    return tiny_text_model
 
 
-@pytest.fixture(scope="module", params=["tiny", "smollm2"])
+# SmolLM2 itself runs this module's whole matrix in the slow run. The default run has every test on
+# the tiny model over SmolLM2's tokenizer (the same vocabulary, so the same grammars and bitmasks), one
+# greedy case on SmolLM2 (test_smollm2_json_schema_matches_generate below) and SmolLM2's constrained
+# answers through the stack (tests/test_structured_output_stack.py: they parse, validate and end).
+@pytest.fixture(scope="module", params=["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
 def model_dir(request: pytest.FixtureRequest, tiny_text: Path, smollm2_dir: Path) -> Path:
     return tiny_text if request.param == "tiny" else smollm2_dir
 
@@ -179,6 +182,19 @@ def test_constrained_greedy_matches_generate(
     outs = engine.generate(prompt_ids(model_dir), NEW_TOKENS, constraint=CONSTRAINTS[kind])
     assert outs == reference(model_dir, kind)
     assert_no_leak(engine)
+
+
+@pytest.fixture(scope="module")
+def smol_engine(smollm2_dir: Path) -> Iterator[Engine]:
+    with Engine.from_pretrained(smollm2_dir, num_blocks=256, use_async_batching=True) as engine:
+        yield engine
+
+
+def test_smollm2_json_schema_matches_generate(smol_engine: Engine, smollm2_dir: Path) -> None:
+    """The default run's case on SmolLM2 itself (its matrix is in the slow run): a JSON schema, async."""
+    outs = smol_engine.generate(prompt_ids(smollm2_dir), NEW_TOKENS, constraint=CONSTRAINTS["json_schema"])
+    assert outs == reference(smollm2_dir, "json_schema")
+    assert_no_leak(smol_engine)
 
 
 def test_json_schema_output_validates(engines: dict[bool, Engine], model_dir: Path) -> None:

@@ -22,16 +22,15 @@ from transformers import AutoTokenizer
 from services.common.sampling_params import Constraint, SamplingParams
 from services.worker.engine import Engine
 from services.worker.request import FinishReason
-from tests.tiny_models import tiny_text_model_dir
 
 ASYNC = pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
 PROMPT = "Is the sky blue? Answer:"
 
 
 @pytest.fixture(scope="module")
-def tiny_text(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_text(tiny_text_model: Path) -> Path:
     """A tiny random Llama over SmolLM2's tokenizer: constrained text at a tiny model's speed."""
-    return tiny_text_model_dir("llama", tmp_path_factory.mktemp("tiny_text"), smollm2_dir)
+    return tiny_text_model
 
 
 @pytest.fixture(scope="module")
