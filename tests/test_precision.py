@@ -278,6 +278,7 @@ def test_int8_is_refused_where_our_forward_does_not_run(tiny_models: Any) -> Non
         Engine.from_pretrained(tiny_models("llama"), quantization="int4", num_blocks=8)
 
 
+@pytest.mark.slow  # one flag each; the default run starts the stack with all three
 def test_an_int8_stack_streams_the_int8_engines_tokens(
     smollm2_dir: Path, smol_chat_prompts: list[list[int]], tmp_path: Path
 ) -> None:
@@ -348,6 +349,7 @@ def test_a_cpu_without_avx512_bf16_runs_bf16_on_the_widened_path(
     assert same / total >= 0.99, (same, total)
 
 
+@pytest.mark.slow  # one flag each; the default run starts the stack with all three
 def test_a_bf16_stack_streams_the_bf16_engines_tokens(
     smollm2_dir: Path, smol_chat_prompts: list[list[int]], tmp_path: Path
 ) -> None:
@@ -365,6 +367,7 @@ def test_a_bf16_stack_streams_the_bf16_engines_tokens(
         assert len(serving) == 1 and " in bfloat16 on " in serving[0] and "bfloat16)" in serving[0], serving
 
 
+@pytest.mark.slow  # one flag each; the default run starts the stack with all three
 def test_an_int8_kv_stack_streams_the_int8_engines_tokens(
     smollm2_dir: Path, smol_chat_prompts: list[list[int]], tmp_path: Path
 ) -> None:
@@ -376,5 +379,33 @@ def test_an_int8_kv_stack_streams_the_int8_engines_tokens(
     with _stack_streaming(smollm2_dir, tmp_path, up_args, smol_chat_prompts, expected) as stack:
         (ready,) = stack.events("worker ready")
         assert (ready["weights"], ready["kv_dtype"]) == ("float32", "int8"), ready
+        (sized,) = stack.events("kv cache sized")
+        assert sized["kv_dtype"] == "int8" and sized["kv_bytes_per_token"] == 30 * 2 * 3 * (64 + 4), sized
+
+
+def test_a_stack_with_every_precision_flag_streams_its_engines_tokens(
+    smollm2_dir: Path, smol_chat_prompts: list[list[int]], tmp_path: Path
+) -> None:
+    """`cbserve up --dtype bfloat16 --quantization int8 --kv-cache-dtype int8` (the bench's fastest
+    engine): each flag reaches its process (the worker's start-up line names the weights, the int8
+    products' path and the weight bytes; the cachemgr's sizes rows of 64 + 4 bytes) and the stack
+    streams the in-process engine's tokens."""
+    from services.worker import kernels
+    from tests.kernel_modules import built
+
+    built(kernels.packed_linear_ops(torch.int8), "int8 panel linears")
+    prompts = smol_chat_prompts[:2]
+    settings: dict[str, Any] = {"dtype": torch.bfloat16, "quantization": "int8", "kv_cache_dtype": "int8"}
+    with Engine.from_pretrained(smollm2_dir, **settings, num_blocks=64, page_size=16) as engine:
+        expected = engine.generate(prompts, NEW_TOKENS, ignore_eos=True)
+        weight_bytes = engine.runner.weight_bytes()
+    up_args = ["--dtype", "bfloat16", "--quantization", "int8", "--kv-cache-dtype", "int8"]
+    with _stack_streaming(smollm2_dir, tmp_path, up_args, prompts, expected) as stack:
+        (ready,) = stack.events("worker ready")
+        assert (ready["forward"], ready["weights"], ready["kv_dtype"]) == ("native", "bfloat16", "int8"), (
+            ready
+        )
+        assert (ready["quantization"], ready["int8_path"]) == ("int8", kernels.int8_path()), ready
+        assert ready["weight_bytes"] == weight_bytes, ready
         (sized,) = stack.events("kv cache sized")
         assert sized["kv_dtype"] == "int8" and sized["kv_bytes_per_token"] == 30 * 2 * 3 * (64 + 4), sized
