@@ -10,12 +10,12 @@ baseline the GPU check measures the kernels against).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import structlog
 import torch
 
+from services.common.switches import switch
 from services.worker.kernels import PagedDecode, PagedPrefill, paged_decode_kernel, paged_prefill_kernel
 
 log = structlog.get_logger(__name__)
@@ -36,10 +36,7 @@ class AttentionKernels:
 
 
 def choice() -> str:
-    value = os.environ.get(SWITCH, "auto") or "auto"
-    if value not in CHOICES:
-        raise ValueError(f"{SWITCH} must be one of {list(CHOICES)}, got {value!r}")
-    return value
+    return switch(SWITCH, CHOICES)
 
 
 def choose(

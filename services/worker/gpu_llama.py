@@ -40,7 +40,7 @@ from torch import nn
 
 from services.worker.attention import AttentionBatch, attend_stored
 from services.worker.fused_llama import llama_shaped
-from services.worker.packed_linear import PackedWeight
+from services.worker.packed_linear import PackedWeight, joined_weight
 from services.worker.triton_fused import DTYPES, TritonFusedOps
 
 
@@ -56,14 +56,7 @@ class _Linear:
         """Each linear's parameter becomes a view of its rows of the concatenation: the concatenated
         copy is the only one kept (transformers' modules and a tied head still read theirs)."""
         with torch.no_grad():
-            if len(linears) == 1:
-                weight = linears[0].weight.detach()
-            else:
-                weight = torch.cat([lin.weight.detach() for lin in linears])
-                first = 0
-                for lin in linears:
-                    lin.weight = nn.Parameter(weight[first : first + lin.out_features], requires_grad=False)
-                    first += lin.out_features
+            weight = joined_weight(linears)
             biases = [lin.bias for lin in linears]
             bias = None
             if any(b is not None for b in biases):

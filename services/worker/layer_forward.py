@@ -15,13 +15,13 @@ kernels attend is attention_kernels.py's choice, apart from this one.
 
 from __future__ import annotations
 
-import os
 from typing import Protocol
 
 import structlog
 import torch
 from torch import nn
 
+from services.common.switches import switch
 from services.worker.attention import AttentionBatch
 from services.worker.fused_llama import FusedLlama
 from services.worker.packed_linear import PackedWeight
@@ -46,10 +46,7 @@ class OwnForward(Protocol):
 
 
 def choice() -> str:
-    value = os.environ.get(SWITCH, "auto") or "auto"
-    if value not in CHOICES:
-        raise ValueError(f"{SWITCH} must be one of {list(CHOICES)}, got {value!r}")
-    return value
+    return switch(SWITCH, CHOICES)
 
 
 def choose(

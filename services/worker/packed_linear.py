@@ -20,6 +20,7 @@ float32's: a quarter, plus each group's line of scales and line of offsets.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,20 @@ from torch import nn
 from services.worker import torch_gemm
 from services.worker.gemm_crossover import NEVER
 from services.worker.kernels import packed_linear_ops
+
+
+def joined_weight(linears: Sequence[nn.Linear]) -> torch.Tensor:
+    """The linears' weights concatenated once, each linear's parameter becoming a view of its rows:
+    one copy stays, which transformers' modules and a tied head still read."""
+    if len(linears) == 1:
+        return linears[0].weight.detach()
+    with torch.no_grad():
+        weight = torch.cat([lin.weight.detach() for lin in linears])
+        first = 0
+        for lin in linears:
+            lin.weight = nn.Parameter(weight[first : first + lin.out_features], requires_grad=False)
+            first += lin.out_features
+    return weight
 
 
 @dataclass
@@ -61,14 +76,7 @@ class PackedWeight:
         ):
             raise ValueError(f"a gated product takes a gate and an up linear, one width, no bias: {linears}")
         with torch.no_grad():
-            if len(linears) == 1:
-                weight = linears[0].weight.detach()
-            else:
-                weight = torch.cat([lin.weight.detach() for lin in linears])
-                first = 0
-                for lin in linears:
-                    lin.weight = nn.Parameter(weight[first : first + lin.out_features], requires_grad=False)
-                    first += lin.out_features
+            weight = joined_weight(linears)
             biases = [lin.bias for lin in linears]
             bias = (
                 None
