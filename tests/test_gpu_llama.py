@@ -237,18 +237,24 @@ def test_bfloat16_is_as_close_to_float32_as_transformers_layers(
     """16-bit activations with float32 inside each pass: a 40-token prompt's log-probabilities are on
     average no further from float32's than with transformers' own bfloat16 layers (over the same
     Triton attention), give or take a half: the interpreter truncates to bfloat16 where a GPU rounds."""
-    model_dir = tiny_models("llama")
+    errors = _bfloat16_errors(monkeypatch, tiny_models("llama"), page_size=8)
+    assert 0 < errors["triton"] <= 1.5 * errors["transformers"], errors
+
+
+def _bfloat16_errors(monkeypatch: pytest.MonkeyPatch, model_dir: Path, **settings: Any) -> dict[str, float]:
+    """A 40-token prompt's log-probabilities' error against float32's, in bfloat16, with this forward
+    and with transformers' layers."""
     rng = random.Random(9)
     prompt = [rng.randint(3, 255) for _ in range(40)]
     exact = reference_prompt_logprobs(model_dir, prompt)
     errors = {}
     for forward in ("triton", "transformers"):
         monkeypatch.setenv(layer_forward.SWITCH, forward)
-        with Engine.from_pretrained(model_dir, dtype="bfloat16", num_blocks=64, page_size=8) as engine:
+        with Engine.from_pretrained(model_dir, dtype="bfloat16", num_blocks=64, **settings) as engine:
             assert engine.runner.describe()["forward"] == forward
             assert engine.runner.activation_dtype == torch.bfloat16
             errors[forward] = prompt_logprob_error(engine, prompt, exact)
-    assert 0 < errors["triton"] <= 1.5 * errors["transformers"], errors
+    return errors
 
 
 @cuda_only
@@ -271,13 +277,5 @@ def test_on_cuda_auto_runs_this_forward_and_graphs_replay_it(
         outputs, _ = run(engine, together, after)
         assert outputs == expected
         assert runner.graphs.replays > 0 and engine.stats()["prefix_hit_tokens"] == 16
-    rng = random.Random(9)
-    prompt = [rng.randint(3, 255) for _ in range(40)]
-    exact = reference_prompt_logprobs(model_dir, prompt)
-    errors = {}
-    for forward in ("triton", "transformers"):
-        monkeypatch.setenv(layer_forward.SWITCH, forward)
-        with Engine.from_pretrained(model_dir, device="cuda", dtype="bfloat16", num_blocks=64) as engine:
-            assert engine.runner.describe()["forward"] == forward
-            errors[forward] = prompt_logprob_error(engine, prompt, exact)
+    errors = _bfloat16_errors(monkeypatch, model_dir, device="cuda")
     assert 0 < errors["triton"] <= 1.5 * errors["transformers"], errors
