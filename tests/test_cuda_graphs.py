@@ -16,15 +16,15 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from services.common.config import CBConfig
 from services.common.kv_geometry import PADDING_SLOT
 from services.worker import cuda_graphs
 from services.worker.batch import BatchItem
 from services.worker.buckets import Shape
-from services.worker.cuda_graphs import CudaGraphs, Step, eager_capture
+from services.worker.cuda_graphs import CudaGraphs, eager_capture
 from services.worker.engine import Engine
+from tests.capture_guard import guarded_capture
 from tests.cuda_forward import cuda_like
 from tests.cuda_marks import CUDA_MARKS, cuda_only
 from tests.parity import (
@@ -43,39 +43,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "chunked": {"num_blocks": 256, "max_batch_tokens": 16, "long_prefill_token_threshold": 7},
     "swap": {"page_size": 8, "cpu_offload_space": 0.01, "kv_padding_interval_size": 16},
 }
-
-# What a CUDA graph cannot hold: a value read on the host (a sync, and frozen into the graph) or an
-# output whose size depends on values.
-HOST_READS = {
-    "aten._local_scalar_dense.default",
-    "aten.nonzero.default",
-    "aten.masked_select.default",
-    "aten.equal.default",
-    "aten.is_nonzero.default",
-    "aten.unique_dim.default",
-    "aten._unique2.default",
-    "aten.repeat_interleave.Tensor",
-}
-
-
-class CaptureGuard(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.violations: list[str] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        name = str(func)
-        indices = args[1] if name.startswith("aten.index") and isinstance(args[1], list | tuple) else ()
-        if name in HOST_READS or any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices):
-            self.violations.append(name)
-        return func(*args, **(kwargs or {}))
-
-
-def guarded_capture(step: Step) -> Step:
-    with CaptureGuard() as guard:
-        step()
-    assert not guard.violations, f"not capturable: {guard.violations}"
-    return step
 
 
 def engine_for(model_dir: Path, family: str, config_name: str, device: str, **overrides: Any) -> Engine:

@@ -24,15 +24,14 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 pytest.importorskip("triton", reason="the Triton kernels need triton (xgrammar brings it on Linux x86-64)")
 
 from services.worker import attention_kernels, layer_forward
-from services.worker.cuda_graphs import Step
 from services.worker.engine import Engine
 from services.worker.request import SamplingParams
+from tests.capture_guard import guarded_capture
 from tests.cuda_marks import cuda_only
 from tests.parity import assert_no_leak, generate_reference, reference_prompt_logprobs
 
@@ -58,42 +57,6 @@ def on_the_cpu(test: Callable[..., None]) -> Callable[..., None]:
     for mark in interpreted:
         test = mark(test)
     return test
-
-
-class CaptureGuard(TorchDispatchMode):
-    """What a CUDA graph cannot hold: a value read on the host, an output sized by values (as in
-    tests/test_cuda_graphs.py, which tests import no test module of)."""
-
-    HOST_READS = frozenset(
-        {
-            "aten._local_scalar_dense.default",
-            "aten.nonzero.default",
-            "aten.masked_select.default",
-            "aten.equal.default",
-            "aten.is_nonzero.default",
-            "aten.item.default",
-        }
-    )
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.violations: list[str] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        name = str(func)
-        indices = args[1] if name.startswith("aten.index") and isinstance(args[1], list | tuple) else ()
-        if name in self.HOST_READS or any(
-            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices
-        ):
-            self.violations.append(name)
-        return func(*args, **(kwargs or {}))
-
-
-def guarded_capture(step: Step) -> Step:
-    with CaptureGuard() as guard:
-        step()
-    assert not guard.violations, f"not capturable: {guard.violations}"
-    return step
 
 
 def prompts(seed: int) -> tuple[list[list[int]], list[int]]:
