@@ -29,7 +29,7 @@ changes with the sequence length, biases on the MLP, another activation, or no n
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Any, cast
 
 import torch
@@ -86,6 +86,35 @@ def _supported(model: nn.Module) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class LlamaGeometry:
+    """What a Llama-shaped forward reads of the model's config and its first attention module."""
+
+    eps: float
+    head_dim: int
+    num_heads: int
+    kv_heads: int
+    scale: float
+
+    @classmethod
+    def of(cls, model: nn.Module) -> LlamaGeometry:
+        # transformers' modules: their attributes are the architecture's, unknown to nn.Module's types
+        config: Any = model.config
+        attn0: Any = cast(Any, model).model.layers[0].self_attn
+        return cls(
+            float(config.rms_norm_eps),
+            int(attn0.head_dim),
+            int(config.num_attention_heads),
+            int(config.num_key_value_heads),
+            float(attn0.scaling),
+        )
+
+    def layers(self, model: nn.Module) -> list[Any]:
+        """The decoder layers the config counts (a checkpoint may carry more modules)."""
+        config: Any = model.config
+        return list(cast(Any, model).model.layers[: config.num_hidden_layers])
+
+
 class FusedLlama:
     name = "native"  # what the runner's start-up log calls this forward
     activation_dtype = torch.float32  # whatever the weights' (see the top)
@@ -97,17 +126,13 @@ class FusedLlama:
         config: Any = model.config
         head = cast(nn.Linear, model.lm_head)
         self.ops = ops
-        self.eps = float(config.rms_norm_eps)
+        geometry = LlamaGeometry.of(model)
+        self.eps, self.head_dim, self.num_heads, self.kv_heads, self.scale = astuple(geometry)
         self.embed = inner.embed_tokens.weight
         self.final_norm = inner.norm.weight.detach().float()
         self.lm_head = PackedWeight.of(head_ops, head, many_rows=False)  # sampled rows only
-        attn0 = inner.layers[0].self_attn
-        self.head_dim = int(attn0.head_dim)
-        self.num_heads = int(config.num_attention_heads)
-        self.kv_heads = int(config.num_key_value_heads)
-        self.scale = float(attn0.scaling)
         self.layers = []
-        for layer in inner.layers[: config.num_hidden_layers]:
+        for layer in geometry.layers(model):
             attn, mlp = layer.self_attn, layer.mlp
             self.layers.append(
                 _Layer(

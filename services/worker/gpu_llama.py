@@ -31,7 +31,7 @@ Triton's interpreter on the CPU).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Any, cast
 
 import torch
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.attention import AttentionBatch, attend_stored
-from services.worker.fused_llama import llama_shaped
+from services.worker.fused_llama import LlamaGeometry, llama_shaped
 from services.worker.packed_linear import PackedWeight, joined_weight
 from services.worker.triton_fused import DTYPES, TritonFusedOps
 
@@ -115,20 +115,15 @@ class GpuLlama:
         be 128 MiB of float32 cos/sin)."""
         # transformers' modules: their attributes are the architecture's, unknown to nn.Module's types
         inner: Any = model.model
-        config: Any = model.config
         self.ops = TritonFusedOps()
         self.activation_dtype = next(model.parameters()).dtype
-        self.eps = float(config.rms_norm_eps)
+        geometry = LlamaGeometry.of(model)
+        self.eps, self.head_dim, self.num_heads, self.kv_heads, self.scale = astuple(geometry)
         self.embed = inner.embed_tokens.weight.detach()
         self.final_norm = inner.norm.weight.detach()
         self.lm_head = _Linear.of(cast(nn.Linear, model.lm_head))
-        attn0 = inner.layers[0].self_attn
-        self.head_dim = int(attn0.head_dim)
-        self.num_heads = int(config.num_attention_heads)
-        self.kv_heads = int(config.num_key_value_heads)
-        self.scale = float(attn0.scaling)
         self.layers = []
-        for layer in inner.layers[: config.num_hidden_layers]:
+        for layer in geometry.layers(model):
             attn, mlp = layer.self_attn, layer.mlp
             self.layers.append(
                 _Layer(
