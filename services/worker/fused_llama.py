@@ -29,6 +29,7 @@ changes with the sequence length, biases on the MLP, another activation, or no n
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import astuple, dataclass
 from typing import Any, cast
 
@@ -173,32 +174,58 @@ class FusedLlama:
         self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, batch: AttentionBatch
     ) -> torch.Tensor:
         """`input_ids`, `positions` `[T]` -> logits `[len(rows), vocab]` of the packed rows `rows`."""
-        ops, eps = self.ops, self.eps
-        t, hd = input_ids.shape[0], self.head_dim
-        q_width = self.num_heads * hd
         residual = F.embedding(input_ids, self.embed).float()  # float32 activations whatever the weights
-        hidden = ops.rms_norm(residual, self.layers[0].input_norm, eps)
-        for i, layer in enumerate(self.layers):
-            final = i + 1 == len(self.layers)
-            qkv = layer.qkv(hidden)
-            k_cache, v_cache, slots = batch.kv_target(i)
-            ops.rotary_store_kv_(
-                qkv, self.num_heads, self.kv_heads, hd, self.cos, self.sin, positions, k_cache, v_cache, slots
-            )
-            if final and rows.numel() == 0:  # a prompt's inner chunk: its last K/V are all it leaves
-                return qkv.new_empty((0, self.lm_head.weight.shape[0]))
-            attn = attend_stored(batch, i, qkv[:, :q_width].view(t, self.num_heads, hd), self.scale)
-            attn = attn.view(t, q_width)
-            if final:
-                # Past the last layer's K/V writes only the rows whose logits are asked for matter
-                # (llama.cpp's `inp_out_ids`): a prompt's other rows skip that layer's o and MLP, ~3%
-                # of a prefill's products.
-                attn, residual = attn.index_select(0, rows), residual.index_select(0, rows)
-            out = layer.o(attn)
-            hidden = ops.add_rms_norm(out, residual, layer.post_norm, eps)
-            mlp = layer.down(layer.gate_up(hidden))  # gated: silu(gate) * up
-            if final:
-                residual += mlp
-            else:
-                hidden = ops.add_rms_norm(mlp, residual, self.layers[i + 1].input_norm, eps)
-        return self.lm_head(ops.rms_norm(residual, self.final_norm, eps))
+        gated = lambda layer, x: layer.down(layer.gate_up(x))  # noqa: E731  (the panels apply silu(gate) * up)
+        return llama_step(self, residual, positions, rows, batch, gated)
+
+
+def llama_step(
+    forward: Any,
+    residual: torch.Tensor,
+    positions: torch.Tensor,
+    rows: torch.Tensor,
+    batch: AttentionBatch,
+    mlp: Callable[[Any, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """A Llama-shaped step, pass for pass, of `forward` (FusedLlama here, GpuLlama on a GPU: its
+    `ops`, geometry, layers and head): `residual` the embedded tokens `[T, hidden]`, a new tensor
+    the passes update in place; `mlp(layer, x)` a layer's MLP product. Float32 logits
+    `[len(rows), vocab]` of the packed rows `rows`."""
+    ops, eps = forward.ops, forward.eps
+    t, hd = residual.shape[0], forward.head_dim
+    q_width = forward.num_heads * hd
+    layers = forward.layers
+    hidden = ops.rms_norm(residual, layers[0].input_norm, eps)
+    for i, layer in enumerate(layers):
+        final = i + 1 == len(layers)
+        qkv = layer.qkv(hidden)
+        k_cache, v_cache, slots = batch.kv_target(i)
+        ops.rotary_store_kv_(
+            qkv,
+            forward.num_heads,
+            forward.kv_heads,
+            hd,
+            forward.cos,
+            forward.sin,
+            positions,
+            k_cache,
+            v_cache,
+            slots,
+        )
+        if final and rows.numel() == 0:  # a prompt's inner chunk: its last K/V are all it leaves
+            return qkv.new_empty((0, forward.lm_head.weight.shape[0]), dtype=torch.float32)
+        attn = attend_stored(batch, i, qkv[:, :q_width].view(t, forward.num_heads, hd), forward.scale)
+        attn = attn.view(t, q_width)
+        if final:
+            # Past the last layer's K/V writes only the rows whose logits are asked for matter
+            # (llama.cpp's `inp_out_ids`): a prompt's other rows skip that layer's o and MLP, ~3%
+            # of a prefill's products.
+            attn, residual = attn.index_select(0, rows), residual.index_select(0, rows)
+        hidden = ops.add_rms_norm(layer.o(attn), residual, layer.post_norm, eps)
+        out = mlp(layer, hidden)
+        if final:
+            residual += out
+        else:
+            hidden = ops.add_rms_norm(out, residual, layers[i + 1].input_norm, eps)
+    logits: torch.Tensor = forward.lm_head(ops.rms_norm(residual, forward.final_norm, eps))
+    return logits.float()

@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.attention import AttentionBatch, attend_stored
-from services.worker.fused_llama import LlamaGeometry, llama_shaped
+from services.worker.attention import AttentionBatch
+from services.worker.fused_llama import LlamaGeometry, llama_shaped, llama_step
 from services.worker.packed_linear import PackedWeight, joined_weight
 from services.worker.triton_fused import DTYPES, TritonFusedOps
 
@@ -150,29 +150,15 @@ class GpuLlama:
         self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, batch: AttentionBatch
     ) -> torch.Tensor:
         """`input_ids`, `positions` `[T]` -> float32 logits `[len(rows), vocab]` of the packed rows
-        `rows`. FusedLlama's step (fused_llama.py), pass for pass, but for SiLU x up."""
-        ops, eps = self.ops, self.eps
-        t, hd = input_ids.shape[0], self.head_dim
-        q_width = self.num_heads * hd
+        `rows`: FusedLlama's step (fused_llama.llama_step), in the model's dtype, SiLU x up a pass of
+        its own."""
         residual = F.embedding(input_ids, self.embed)  # a new tensor: the passes update it in place
-        hidden = ops.rms_norm(residual, self.layers[0].input_norm, eps)
-        for i, layer in enumerate(self.layers):
-            final = i + 1 == len(self.layers)
-            qkv = layer.qkv(hidden)
-            k_cache, v_cache, slots = batch.kv_target(i)
-            ops.rotary_store_kv_(
-                qkv, self.num_heads, self.kv_heads, hd, self.cos, self.sin, positions, k_cache, v_cache, slots
-            )
-            if final and rows.numel() == 0:  # a prompt's inner chunk: its last K/V are all it leaves
-                return qkv.new_empty((0, self.lm_head.weight.shape[0]), dtype=torch.float32)
-            attn = attend_stored(batch, i, qkv[:, :q_width].view(t, self.num_heads, hd), self.scale)
-            attn = attn.view(t, q_width)
-            if final:  # only the rows whose logits are asked for matter past the last K/V writes
-                attn, residual = attn.index_select(0, rows), residual.index_select(0, rows)
-            hidden = ops.add_rms_norm(layer.o(attn), residual, layer.post_norm, eps)
-            mlp = layer.down(ops.silu_mul(layer.gate_up(hidden)))
-            if final:
-                residual += mlp
-            else:
-                hidden = ops.add_rms_norm(mlp, residual, self.layers[i + 1].input_norm, eps)
-        return self.lm_head(ops.rms_norm(residual, self.final_norm, eps)).float()
+        ops = self.ops
+        return llama_step(
+            self,
+            residual,
+            positions,
+            rows,
+            batch,
+            lambda layer, x: layer.down(ops.silu_mul(layer.gate_up(x))),
+        )
