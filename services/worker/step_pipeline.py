@@ -66,9 +66,9 @@ class StepPhases:
 
     With async batching `forward` and `sample` (and the counts) are those of the step that ended in
     this call, on the forward thread, overlapping the others; `wait` is how long the host then waited
-    for them: the part of them the overlap did not hide. `grammar` is the part of `schedule` that
-    constrained requests' matchers took: `grammar_advance` accepting the tokens sampled,
-    `grammar_fill` filling the next masks; `grammar_apply` is the part of `sample` that applied the
+    for them: the part of them the overlap did not hide. Of `schedule`, constrained requests'
+    matchers took `grammar_advance` accepting the tokens sampled and `grammar_fill` filling the next
+    masks; `grammar_apply` is the part of `sample` that applied the
     masks to the logits."""
 
     schedule: float = 0.0
@@ -109,7 +109,6 @@ class _Computed:
     prompt_logprobs: list[TokenLogprobs]
     forward_s: float
     sample_s: float
-    mask_s: float
 
 
 @dataclass
@@ -388,7 +387,6 @@ class StepPipeline:
             prompt_logprobs,
             t1 - t0,
             time.perf_counter() - t1 - waited,
-            sampled.mask_s,
         )
 
     def finish_running(self, keep: int = 0) -> list[Request]:
@@ -420,7 +418,7 @@ class StepPipeline:
         times = self.last_step_times
         times.wait += time.perf_counter() - t0
         times.forward, times.sample = computed.forward_s, computed.sample_s
-        times.grammar_apply = computed.mask_s
+        times.grammar_apply = computed.sampled.mask_s
         batch = running.built.batch
         times.num_tokens = sum(s.num_tokens for s in batch.scheduled)
         times.num_requests = len(batch.scheduled)
