@@ -174,58 +174,123 @@ class FusedLlama:
         self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, batch: AttentionBatch
     ) -> torch.Tensor:
         """`input_ids`, `positions` `[T]` -> logits `[len(rows), vocab]` of the packed rows `rows`."""
-        residual = F.embedding(input_ids, self.embed).float()  # float32 activations whatever the weights
-        gated = lambda layer, x: layer.down(layer.gate_up(x))  # noqa: E731  (the panels apply silu(gate) * up)
-        return llama_step(self, residual, positions, rows, batch, gated)
+        return llama_step(self, self.embedded(input_ids), positions, rows, batch)
+
+    def embedded(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings `[T, hidden]`, a new tensor, in float32 whatever the weights."""
+        return F.embedding(input_ids, self.embed).float()
+
+    def mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        return layer.down(layer.gate_up(x))  # the panels apply silu(gate) * up as they write
+
+
+# A Llama-shaped step, pass for pass, of `forward` (FusedLlama here, GpuLlama on a GPU: its `ops`,
+# geometry, layers, head, `embedded` and `mlp`), in pieces that meet at each layer's attention:
+# `first_qkv`, then per layer `attend` and `next_qkv`, the last layer's `attend` and `last_logits`.
+# `llama_step` runs them in order; piecewise CUDA graphs (piecewise_graphs.py) replay `first_qkv`
+# and `next_qkv` captured per token bucket through the same loop, `llama_layers`. `residual` is the
+# residual stream `[T, hidden]`, which the pieces update in place.
 
 
 def llama_step(
+    forward: Any, residual: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, batch: AttentionBatch
+) -> torch.Tensor:
+    """Float32 logits `[len(rows), vocab]` of the packed rows `rows`; `residual` the embedded tokens
+    `[T, hidden]` (`forward.embedded`), a new tensor the passes update in place."""
+    return llama_layers(
+        forward,
+        batch,
+        rows,
+        residual,
+        first_qkv(forward, residual, positions, batch),
+        lambda layer, attn: next_qkv(forward, layer, attn, residual, positions, batch),
+    )
+
+
+def llama_layers(
     forward: Any,
+    batch: AttentionBatch,
+    rows: torch.Tensor,
+    residual: torch.Tensor,
+    qkv: torch.Tensor,
+    after_attention: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """The step from the first layer's q|k|v rows `qkv` on: each layer's attention, then
+    `after_attention(layer, attn)` for the next layer's q|k|v (`next_qkv`, or its graph's replay),
+    and the last layer's `last_logits` on `rows`."""
+    last = len(forward.layers) - 1
+    for i in range(last):
+        qkv = after_attention(i, attend(forward, batch, i, qkv))
+    if rows.numel() == 0:  # a prompt's inner chunk: its last K/V are all it leaves
+        return empty_logits(forward, residual)
+    return last_logits(forward, attend(forward, batch, last, qkv), residual, rows)
+
+
+def first_qkv(
+    forward: Any, residual: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch
+) -> torch.Tensor:
+    """The first layer's q|k|v rows `[T, (H + 2 kv) D]`, rotated, their K/V written into the pool."""
+    hidden = forward.ops.rms_norm(residual, forward.layers[0].input_norm, forward.eps)
+    return _qkv(forward, 0, hidden, positions, batch)
+
+
+def attend(forward: Any, batch: AttentionBatch, layer: int, qkv: torch.Tensor) -> torch.Tensor:
+    """Layer `layer`'s attention `[T, H D]` of the q rows of `qkv` (its K/V already in the pool)."""
+    t, hd, heads = qkv.shape[0], forward.head_dim, forward.num_heads
+    q = qkv[:, : heads * hd].view(t, heads, hd)
+    return attend_stored(batch, layer, q, forward.scale).view(t, heads * hd)
+
+
+def next_qkv(
+    forward: Any,
+    layer: int,
+    attn: torch.Tensor,
     residual: torch.Tensor,
     positions: torch.Tensor,
-    rows: torch.Tensor,
     batch: AttentionBatch,
-    mlp: Callable[[Any, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
-    """A Llama-shaped step, pass for pass, of `forward` (FusedLlama here, GpuLlama on a GPU: its
-    `ops`, geometry, layers and head): `residual` the embedded tokens `[T, hidden]`, a new tensor
-    the passes update in place; `mlp(layer, x)` a layer's MLP product. Float32 logits
-    `[len(rows), vocab]` of the packed rows `rows`."""
-    ops, eps = forward.ops, forward.eps
-    t, hd = residual.shape[0], forward.head_dim
-    q_width = forward.num_heads * hd
-    layers = forward.layers
-    hidden = ops.rms_norm(residual, layers[0].input_norm, eps)
-    for i, layer in enumerate(layers):
-        final = i + 1 == len(layers)
-        qkv = layer.qkv(hidden)
-        k_cache, v_cache, slots = batch.kv_target(i)
-        ops.rotary_store_kv_(
-            qkv,
-            forward.num_heads,
-            forward.kv_heads,
-            hd,
-            forward.cos,
-            forward.sin,
-            positions,
-            k_cache,
-            v_cache,
-            slots,
-        )
-        if final and rows.numel() == 0:  # a prompt's inner chunk: its last K/V are all it leaves
-            return qkv.new_empty((0, forward.lm_head.weight.shape[0]), dtype=torch.float32)
-        attn = attend_stored(batch, i, qkv[:, :q_width].view(t, forward.num_heads, hd), forward.scale)
-        attn = attn.view(t, q_width)
-        if final:
-            # Past the last layer's K/V writes only the rows whose logits are asked for matter
-            # (llama.cpp's `inp_out_ids`): a prompt's other rows skip that layer's o and MLP, ~3%
-            # of a prefill's products.
-            attn, residual = attn.index_select(0, rows), residual.index_select(0, rows)
-        hidden = ops.add_rms_norm(layer.o(attn), residual, layer.post_norm, eps)
-        out = mlp(layer, hidden)
-        if final:
-            residual += out
-        else:
-            hidden = ops.add_rms_norm(out, residual, layers[i + 1].input_norm, eps)
+    """Layer `layer`'s o and MLP past its attention `attn` into `residual`, and the next layer's
+    q|k|v rows as `first_qkv` gives the first's."""
+    ops, eps, layers = forward.ops, forward.eps, forward.layers
+    current = layers[layer]
+    hidden = ops.add_rms_norm(current.o(attn), residual, current.post_norm, eps)
+    hidden = ops.add_rms_norm(forward.mlp(current, hidden), residual, layers[layer + 1].input_norm, eps)
+    return _qkv(forward, layer + 1, hidden, positions, batch)
+
+
+def last_logits(forward: Any, attn: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The last layer past its attention `attn`, the final norm and the LM head, on the rows `rows`:
+    float32 logits `[len(rows), vocab]`. `residual` is left as it is."""
+    # Past the last layer's K/V writes only the rows whose logits are asked for matter (llama.cpp's
+    # `inp_out_ids`): a prompt's other rows skip that layer's o and MLP, ~3% of a prefill's products.
+    ops, eps, layer = forward.ops, forward.eps, forward.layers[-1]
+    attn, residual = attn.index_select(0, rows), residual.index_select(0, rows)
+    hidden = ops.add_rms_norm(layer.o(attn), residual, layer.post_norm, eps)
+    residual += forward.mlp(layer, hidden)
     logits: torch.Tensor = forward.lm_head(ops.rms_norm(residual, forward.final_norm, eps))
     return logits.float()
+
+
+def empty_logits(forward: Any, residual: torch.Tensor) -> torch.Tensor:
+    """The logits of no row: a step whose every token is a prompt's inner chunk."""
+    return residual.new_empty((0, forward.lm_head.weight.shape[0]), dtype=torch.float32)
+
+
+def _qkv(
+    forward: Any, layer: int, hidden: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch
+) -> torch.Tensor:
+    qkv: torch.Tensor = forward.layers[layer].qkv(hidden)
+    k_cache, v_cache, slots = batch.kv_target(layer)
+    forward.ops.rotary_store_kv_(
+        qkv,
+        forward.num_heads,
+        forward.kv_heads,
+        forward.head_dim,
+        forward.cos,
+        forward.sin,
+        positions,
+        k_cache,
+        v_cache,
+        slots,
+    )
+    return qkv

@@ -22,7 +22,8 @@ float32, bfloat16 and float16 apart from the activations; int8 pools are not wri
 
 Every shape comes from the batch's tensor shapes and nothing reads a device value on the host (the
 Triton grids are shapes too), so a whole decode step is captured as one CUDA graph (cuda_graphs.py)
-as transformers' forward was; each kernel compiles on the warm-up run before its capture.
+as transformers' forward was, and another step's stretches between two attention calls as piecewise
+graphs (piecewise_graphs.py); each kernel compiles on the warm-up run before its capture.
 
 In float32, results equal transformers' up to fp32 summation order (tests/test_gpu_llama.py, under
 Triton's interpreter on the CPU).
@@ -152,13 +153,11 @@ class GpuLlama:
         """`input_ids`, `positions` `[T]` -> float32 logits `[len(rows), vocab]` of the packed rows
         `rows`: FusedLlama's step (fused_llama.llama_step), in the model's dtype, SiLU x up a pass of
         its own."""
-        residual = F.embedding(input_ids, self.embed)  # a new tensor: the passes update it in place
-        ops = self.ops
-        return llama_step(
-            self,
-            residual,
-            positions,
-            rows,
-            batch,
-            lambda layer, x: layer.down(ops.silu_mul(layer.gate_up(x))),
-        )
+        return llama_step(self, self.embedded(input_ids), positions, rows, batch)
+
+    def embedded(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings `[T, hidden]` in the model's dtype, a new tensor."""
+        return F.embedding(input_ids, self.embed)
+
+    def mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        return layer.down(self.ops.silu_mul(layer.gate_up(x)))
