@@ -11,6 +11,8 @@ are copied into static buffers sized once.
 A decode step built for a bucket `Shape` (a CUDA graph's, see cuda_graphs.py) has exactly that shape:
 its missing requests are phantom one-token rows at position 0 of the reserved padding chunk (they
 write there, read only there and never sample), and its decode row group reads `shape.keys` keys.
+Any step built for a token bucket (piecewise graphs', see piecewise_graphs.py) is padded to it as q
+padding pads: token 0 at position 0, writing the padding slot, in no row group.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor
     attention: AttentionBatch
     shape: Shape | None = None  # the bucket it was built for (a decode step whose graph replays)
+    piecewise: int | None = None  # the token bucket it was padded to (its piecewise graphs replay)
     # Placeholders filled on the device (async batching): input row `fill_rows[i]` takes the token
     # the step before sampled in its sampling row `fill_sources[i]`, when the forward starts.
     fill_rows: torch.Tensor | None = None
@@ -163,26 +166,42 @@ class BatchBuilder:
             return longest
         return min(longest, max(w for w in self.windows if w is not None))
 
-    def build(self, items: Sequence[BatchItem], shape: Shape | None = None) -> ForwardBatch:
-        """`shape`: a decode step (every item one token) padded to that bucket, phantom rows and all."""
+    def build(
+        self, items: Sequence[BatchItem], shape: Shape | None = None, tokens: int | None = None
+    ) -> ForwardBatch:
+        """`shape`: a decode step (every item one token) padded to that bucket, phantom rows and all.
+        `tokens`: any step padded to that many packed tokens (a piecewise graphs' bucket), the extra
+        ones writing the padding slot and in no row group, as q padding's are."""
+        if shape is not None and tokens is not None:
+            raise ValueError(f"a step is built for a {shape} bucket or for {tokens} tokens, not both")
         self._buffers.rotate(-1)
         self.input_buf, self.position_buf = self._buffers[0]
         self.prompt_chunks += sum(1 for it in items if not it.sample)
         if all(len(it.token_ids) == 1 and not it.logit_rows for it in items):
-            return self._build_decode(items, shape)
-        if shape is not None:
+            batch = self._build_decode(items, shape, tokens)
+        elif shape is not None:
             raise ValueError(f"a {shape} bucket takes one-token requests only")
-        return self._build_any(items)
+        else:
+            batch = self._build_any(items, tokens)
+        batch.piecewise = tokens
+        return batch
 
-    def _build_any(self, items: Sequence[BatchItem]) -> ForwardBatch:
-        dev = self.device
-        lens_list = [len(it.token_ids) for it in items]
-        num_tokens = sum(lens_list)
-        padded = round_up(num_tokens, self.q_padding)
+    def _padded(self, num_tokens: int, tokens: int | None) -> int:
+        """The packed length of a step of `num_tokens` tokens: `tokens` where given, else q padding's."""
+        padded = round_up(num_tokens, self.q_padding) if tokens is None else tokens
+        if padded < num_tokens:
+            raise ValueError(f"a batch of {num_tokens} tokens does not fit a bucket of {tokens}")
         if padded > self.input_buf.numel():
             raise ValueError(
                 f"batch of {num_tokens} tokens exceeds the static buffer {self.input_buf.numel()}"
             )
+        return padded
+
+    def _build_any(self, items: Sequence[BatchItem], tokens: int | None = None) -> ForwardBatch:
+        dev = self.device
+        lens_list = [len(it.token_ids) for it in items]
+        num_tokens = sum(lens_list)
+        padded = self._padded(num_tokens, tokens)
         self.padded_queries += padded - num_tokens
         flat_ids = [t for it in items for t in it.token_ids]
         starts = torch.tensor([it.start for it in items], dtype=torch.long)
@@ -249,7 +268,9 @@ class BatchBuilder:
             attention=attention,
         )
 
-    def _build_decode(self, items: Sequence[BatchItem], shape: Shape | None) -> ForwardBatch:
+    def _build_decode(
+        self, items: Sequence[BatchItem], shape: Shape | None, tokens: int | None
+    ) -> ForwardBatch:
         """`_build_any` for one-token items: the same batch, its per-request values computed on Python
         lists, turned into a few tensors for the device, and expanded there into the `[B, L]` slots
         (and, without the native decode kernel, the mask). A decode step builds between two forwards,
@@ -265,9 +286,7 @@ class BatchBuilder:
             phantoms = 0
         dev = self.device
         n = len(items)
-        padded = round_up(n, self.q_padding)
-        if padded > self.input_buf.numel():
-            raise ValueError(f"batch of {n} tokens exceeds the static buffer {self.input_buf.numel()}")
+        padded = self._padded(n, tokens)
         page = self.page_size
         starts = [it.start for it in items]
         tail = padded - n
