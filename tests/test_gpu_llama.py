@@ -34,6 +34,7 @@ from services.worker.request import SamplingParams
 from tests.capture_guard import guarded_capture
 from tests.cuda_marks import cuda_only
 from tests.parity import assert_no_leak, generate_reference, reference_prompt_logprobs
+from tests.step_kinds import step_kinds
 
 NEW_TOKENS = 4
 
@@ -124,11 +125,14 @@ def test_greedy_tokens_and_prompt_logprobs_equal_transformers(tiny_models: Calla
         assert runner.max_keys == 112 and runner.fused is not None and runner.fused.cos.shape[0] == 128
         runner.use_graphs(guarded_capture)
         assert runner.graphs is not None and runner.graphs.count == 2
+        assert runner.pieces is not None and runner.pieces.buckets == [8, 4]  # a graph a layer each
+        kinds = step_kinds(runner.pieces)
         outputs, req = run(engine, together, after)
         assert outputs == expected
         assert_prompt_logprobs(req, reference_prompt_logprobs(model_dir, together[-1]), 1e-4)
         assert runner.builder.prompt_chunks > 0
-        assert runner.graphs.replays > 0
+        assert runner.graphs.replays > 0  # decode steps, whole
+        assert runner.pieces.replays == len(kinds) and (True, True) in kinds  # mixed steps, piecewise
         assert engine.stats()["prefix_hit_tokens"] == 16
         assert_no_leak(engine)
 

@@ -1,25 +1,26 @@
 """CUDA graphs for decode steps: each bucket shape captured once at start, replayed by every step of it.
 
 What is captured. A decode step (every request computes one token) runs its whole forward as one
-graph, embedding to logits, paged attention included: vLLM's FULL_DECODE_ONLY. A step with a prompt
-chunk runs eagerly. Piecewise capture (attention left outside the graphs, vLLM's default) would
-serve those steps too. transformers' module code has no seam between a layer's attention and the
-rest short of splitting it with torch.compile; our GPU forward for the Llama family (gpu_llama.py)
-has one, its call to `attend_stored`, with eight launches a layer besides it (four products, four
-passes) where transformers' layers have some forty. Decode steps are where launches dominate, one
-token per request, where a prefill step's matrix products amortise theirs. The device check
-(scripts/gpu_check.py) reports the share of a decode-heavy run's step time left in eager steps: all
-that piecewise capture could win.
+graph, embedding to logits, paged attention included: vLLM's FULL_DECODE_ONLY. The other steps (a
+prompt chunk, alone or beside decode rows) replay piecewise graphs where our own forward runs the
+model (piecewise_graphs.py: the stretches between two attention calls, captured per token bucket,
+attention eager between them), and run eagerly with transformers' layers, which have no seam
+between a layer's attention and the rest short of splitting them with torch.compile. Decode steps
+are where launches dominate, one token per request, and a whole graph leaves none of them; a prompt
+chunk's attention changes shape with every step, so no graph holds it. The device check
+(scripts/gpu_check.py) reports the steps and time of each kind: whole graphs, pieces, eager.
 
 Shapes. `Buckets` (buckets.py) on `q_padding_interval_size` and `kv_padding_interval_size`
 (`DEFAULT_Q_INTERVAL` and `DEFAULT_KV_INTERVAL` where they are 0), `MAX_GRAPHS` at most; the builder
 pads a step to its bucket with phantom rows (batch.py). A decode step larger than every bucket, in
-requests or in context, runs eagerly.
+requests or in context, has no whole graph: pieces serve it where they are captured, else it runs
+eagerly.
 
 Memory. The graphs draw from one memory pool, captured largest first so that each smaller one
 reuses what the first drew; their static inputs are views of the front of one buffer per input,
 sized by the largest shape (graphs replay one at a time), and their logits land in one buffer. The
-capture's time and memory are logged once, at start.
+piecewise graphs draw from the same pool, captured after these. The capture's time and memory are
+logged once, at start.
 
 A replay copies the step's inputs into the static ones (device to device, asynchronous), replays,
 and selects the rows whose logits were asked for. The back end is a `Capture`: `cuda_capture` on a
@@ -158,12 +159,12 @@ class CudaGraphs:
     def __init__(self, builder: BatchBuilder, buckets: Buckets, vocab_size: int, capture: Capture) -> None:
         self.builder = builder
         self.buckets = buckets
-        self._capture = capture
+        self.capture = capture  # the back end, whose memory pool piecewise graphs share
         self._graphs: dict[Shape, _Graph] = {}
         self._arena = _Arena()
         self._logits = torch.empty(buckets.max_tokens, vocab_size, device=builder.device)
         self.replays = 0
-        self.eager_decodes = 0  # decode steps larger than every bucket
+        self.eager_decodes = 0  # decode steps larger than every bucket (pieces may serve them)
         self.capture_s = 0.0
         self.memory_bytes: int | None = None  # device memory the capture took (None: not a CUDA device)
 
@@ -200,7 +201,7 @@ class CudaGraphs:
         """`forward`: the eager forward (logits of `batch.logits_indices`). Only the captures hold
         it, so that CUDA graphs do not keep their runner alive (nor it them) in a reference cycle."""
         device = self.builder.device
-        free_before = _free_bytes(device)
+        free_before = free_bytes(device)
         started = time.perf_counter()
         # The builder's counters tell what real steps were padded by; the capture's builds are not steps.
         counters = (self.builder.padded_queries, self.builder.padded_keys)
@@ -208,7 +209,7 @@ class CudaGraphs:
             self._graphs[shape] = self._capture_one(shape, forward)
         self.builder.padded_queries, self.builder.padded_keys = counters
         self.capture_s = time.perf_counter() - started
-        free_after = _free_bytes(device)
+        free_after = free_bytes(device)
         if free_before is not None and free_after is not None:
             self.memory_bytes = free_before - free_after
         log.info(
@@ -235,7 +236,7 @@ class CudaGraphs:
         def step() -> None:
             logits.copy_(forward(inputs))  # every row samples in `inputs`: all its logits
 
-        return _Graph(inputs, self._capture(step))
+        return _Graph(inputs, self.capture(step))
 
     def shape_for(self, items: Sequence[BatchItem]) -> Shape | None:
         """The bucket of a decode step; None for another step or one larger than every bucket."""
@@ -258,7 +259,8 @@ class CudaGraphs:
         return self._logits[: batch.shape.tokens].index_select(0, batch.logits_indices)
 
 
-def _free_bytes(device: torch.device) -> int | None:
+def free_bytes(device: torch.device) -> int | None:
+    """The device's free memory once its work is done; None off CUDA (the capture's memory log)."""
     if device.type != "cuda":
         return None
     torch.cuda.synchronize(device)

@@ -20,6 +20,7 @@ from services.worker.cuda_graphs import DEFAULT_KV_INTERVAL, Capture, CudaGraphs
 from services.worker.kernels import int8_path
 from services.worker.kernels import paths as kernel_paths
 from services.worker.packed_linear import PackedLinear, pack_linears
+from services.worker.piecewise_graphs import PiecewiseGraphs
 from services.worker.swap_copies import SwapCopies
 
 log = structlog.get_logger(__name__)
@@ -36,8 +37,9 @@ class ModelRunner:
     """Owns the model and views of the pools; never decides which blocks to use.
 
     Swap copies run before the forward that may reuse the chunks they free, so a victim's bytes are
-    saved before any new owner writes them (swap_copies.py). Decode steps replay CUDA graphs where
-    `config.cuda_graph_enabled` (cuda_graphs.py).
+    saved before any new owner writes them (swap_copies.py). Where `config.cuda_graph_enabled`,
+    decode steps replay CUDA graphs (cuda_graphs.py) and, with our own forward, other steps replay
+    piecewise ones (piecewise_graphs.py).
     """
 
     def __init__(
@@ -102,6 +104,7 @@ class ModelRunner:
         self.build_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.config = config
         self.graphs: CudaGraphs | None = None
+        self.pieces: PiecewiseGraphs | None = None
         if config.cuda_graph_enabled(self.device.type):
             try:
                 self.use_graphs()
@@ -110,7 +113,7 @@ class ModelRunner:
                     raise
                 # Unset (automatic): serve, eagerly, and say why loudly.
                 log.exception("CUDA graph capture failed: every step runs eagerly")
-                self.graphs = None
+                self.graphs = self.pieces = None
 
     def describe(self) -> dict[str, object]:
         """What runs, for the start-up log: whose forward, its dtypes, the native kernels' vector paths."""
@@ -160,12 +163,17 @@ class ModelRunner:
         return sum(storages.values())
 
     def use_graphs(self, capture: Capture | None = None) -> None:
-        """Capture the decode graphs (again), with `capture` as the back end (default: CUDA's)."""
-        self.graphs = None  # the old graphs' memory returns before the new ones draw theirs
+        """Capture the decode graphs and, with our own forward (whose step has a seam at each
+        attention), the piecewise ones (again), with `capture` as the back end (default: CUDA's, one
+        memory pool for all)."""
+        self.graphs = self.pieces = None  # the old graphs' memory returns before the new ones draw theirs
         vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self.graphs = CudaGraphs.for_runner(
             self._forward, self.builder, self.config, self.max_keys, vocab_size, capture
         )
+        if self.fused is not None:
+            capture = self.graphs.capture  # one memory pool for both
+            self.pieces = PiecewiseGraphs.for_runner(self.fused, self.builder, self.config, capture)
 
     def copy_swap(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]]) -> None:
         self.swap_copies.copy(swap_out, swap_in)
@@ -184,18 +192,23 @@ class ModelRunner:
         """`fill`: (input row, sampling row) pairs, the placeholders `forward` takes from the tokens
         the step before sampled (ForwardBatch.fill_rows)."""
         shape = self.graphs.shape_for(items) if self.graphs is not None else None
+        tokens = self.pieces.bucket_for(items) if self.pieces is not None and shape is None else None
         if self.build_stream is None:
-            return self._build(items, shape, fill)
+            return self._build(items, shape, tokens, fill)
         with torch.cuda.stream(self.build_stream):
-            batch = self._build(items, shape, fill)
+            batch = self._build(items, shape, tokens, fill)
             batch.ready = torch.cuda.Event()
             batch.ready.record()
         return batch
 
     def _build(
-        self, items: Sequence[BatchItem], shape: Shape | None, fill: Sequence[tuple[int, int]]
+        self,
+        items: Sequence[BatchItem],
+        shape: Shape | None,
+        tokens: int | None,
+        fill: Sequence[tuple[int, int]],
     ) -> ForwardBatch:
-        batch = self.builder.build(items, shape)
+        batch = self.builder.build(items, shape, tokens)
         if fill:
             rows, sources = zip(*fill, strict=True)
             batch.fill_rows = torch.tensor(rows, device=self.device)
@@ -221,6 +234,8 @@ class ModelRunner:
             return self._forward_model(batch)
 
     def _forward_model(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.pieces is not None and batch.piecewise is not None:
+            return self.pieces.run(batch)
         if self.fused is not None:
             ids, positions = batch.input_ids[0], batch.position_ids[0]
             return self.fused(ids, positions, batch.logits_indices, batch.attention)
