@@ -34,7 +34,7 @@ CB_SETTINGS: tuple[tuple[str, Any, str], ...] = (
     ("cpu_offload_space", float, "GiB of CPU swap pool (0: offloading falls back to soft reset)"),
     ("q_padding_interval_size", int, "query length padding (CUDA graphs)"),
     ("kv_padding_interval_size", int, "KV length padding (CUDA graphs)"),
-    ("use_cuda_graph", bool, "replay CUDA graphs for decode steps (CUDA devices only)"),
+    ("use_cuda_graph", bool, "replay CUDA graphs: decode steps whole, others piecewise (CUDA devices only)"),
     ("use_async_batching", bool, "plan and build the next step while the forward runs"),
     ("arrival_gap_ms", float, "with nothing running, gather requests arriving < this many ms apart (0: off)"),
 )

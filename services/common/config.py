@@ -60,8 +60,9 @@ class CBConfig:
     cpu_offload_space: float = 0.0  # GiB of swap pool; 0 means offloading falls back to soft reset
     q_padding_interval_size: int = 0  # 0: no padding of the packed query length
     kv_padding_interval_size: int = 0  # 0: no padding of per-request KV lengths
-    # Decode steps replay CUDA graphs (worker/cuda_graphs.py). None: on for a CUDA device, off
-    # elsewhere; True on another device is refused where the device is known (`cuda_graph_enabled`).
+    # Decode steps replay whole CUDA graphs (worker/cuda_graphs.py), other steps piecewise ones with
+    # our own forward (worker/piecewise_graphs.py). None: on for a CUDA device, off elsewhere; True
+    # on another device is refused where the device is known (`cuda_graph_enabled`).
     use_cuda_graph: bool | None = None
     # While no request has started (none running), the worker takes requests that keep arriving less
     # than this many ms apart into its next step (for at most 5x this in all), so that a burst (a
