@@ -21,8 +21,8 @@ recorded as skipped. Within a section each system or phase is tried on its own t
   workload (256 requests, 64 running): output tokens/s with graphs on and off and async on and off,
   the default again with transformers' layers in place of ours (what the fused forward adds), and
   transformers' own continuous batching with its CUDA graphs; decode steps/s at 64 running
-  requests; the share of step time left in eager (uncaptured) steps, which bounds what piecewise
-  capture could add; capture time, graph count and memory.
+  requests; step time by kind: whole decode graphs, piecewise graphs (prefill and mixed steps on
+  our forward), eager steps, and the share left eager; capture time, graph count and memory of each.
 - serve: the throughput load (prompts of one length) through `cbserve up --device cuda` on the same
   model, its defaults (graphs and async), by `cbserve bench serve` over gRPC: output tok/s, TTFT and
   inter-token latency, what the three processes keep of the in-process rate, and which forward and
@@ -196,6 +196,22 @@ def graph_facts(engine: Engine) -> Entry | None:
         "max_context": graphs.buckets.max_keys,
         "replays": graphs.replays,
         "eager_decodes": graphs.eager_decodes,
+        "piecewise": piecewise_facts(engine),
+    }
+
+
+def piecewise_facts(engine: Engine) -> Entry | None:
+    """The pieces of the steps no decode graph serves (None: transformers' layers, which have none)."""
+    pieces = engine.runner.pieces
+    if pieces is None:
+        return None
+    return {
+        "graphs": pieces.count,
+        "buckets": pieces.buckets,
+        "capture_s": round(pieces.capture_s, 2),
+        "memory_mib": None if pieces.memory_bytes is None else round(pieces.memory_bytes / 2**20, 1),
+        "replays": pieces.replays,
+        "eager_steps": pieces.eager_steps,
     }
 
 
@@ -369,17 +385,18 @@ def decode_heavy(check: Check, vocab: int) -> Workload:
 
 
 class StepClock:
-    """Wall time of each engine step, by whether its forward replayed a graph (a step's time is its
-    own: its sampling reads the tokens back to the host)."""
+    """Wall time of each engine step, by whether its forward replayed a whole graph, piecewise ones or
+    none (a step's time is its own: its sampling reads the tokens back to the host)."""
 
     def __init__(self, engine: Engine) -> None:
-        self.seconds = {"graph": 0.0, "eager": 0.0, "no_forward": 0.0}
+        self.seconds = {"graph": 0.0, "piecewise": 0.0, "eager": 0.0, "no_forward": 0.0}
         self.steps = dict.fromkeys(self.seconds, 0)
         self._kind = "no_forward"
         runner, forward, step = engine.runner, engine.runner.forward, engine.step
 
         def timed_forward(batch: Any, before: torch.Tensor | None = None) -> torch.Tensor:
-            self._kind = "graph" if batch.shape is not None else "eager"
+            whole, pieces = batch.shape is not None, batch.piecewise is not None
+            self._kind = "graph" if whole else "piecewise" if pieces else "eager"
             return forward(batch, before)
 
         def timed_step(*args: Any, **kwargs: Any) -> Any:
@@ -395,7 +412,7 @@ class StepClock:
         engine.step = timed_step  # type: ignore[method-assign]
 
     def facts(self) -> Entry:
-        computed = self.seconds["graph"] + self.seconds["eager"]
+        computed = self.seconds["graph"] + self.seconds["piecewise"] + self.seconds["eager"]
         return {
             "steps": self.steps,
             "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
@@ -711,7 +728,7 @@ PROFILE_DECODES = 5  # steps profiled after every prompt is in
 
 
 def profile_section(check: Check) -> Entry:
-    """Where the time of the steps that replay no graph goes (prefills, mixed steps): the first steps
+    """Where the time of the steps that replay no whole graph goes (prefills, mixed steps): the first steps
     of the throughput workload, timed step by step on one engine and again, same shapes, on a second
     (what the second saves is a per-shape cost), then under torch's profiler on a third (its top
     operators by host and by device time); and SDPA's first and second call per shape and backend."""

@@ -61,6 +61,8 @@ def test_the_quick_cpu_check_runs_every_section_and_reports_json(tmp_path: Path)
     for name in ("graphs", "eager", "transformers_cb"):
         assert systems[name]["output_tok_s"] > 0, systems[name]
     assert systems["graphs"]["steps"]["steps"]["graph"] > 0
+    if systems["graphs"]["forward"] == "native":  # our forward: prompt chunks replay its pieces
+        assert systems["graphs"]["steps"]["steps"]["piecewise"] > 0, systems["graphs"]
     assert systems["graphs"]["decode_at_full_batch"]["steps_per_s"] > 0
     ratios = throughput["ratios"]
     assert ratios["same_tokens_graphs_eager"] == 1.0  # fp32: padding changes no token
