@@ -970,6 +970,7 @@ def tests_section(check: Check) -> Entry:
         "tests/test_cuda_graphs.py",
         "tests/test_swap_copies.py",
         "tests/test_gpu_llama.py",  # the GPU's own forward, compiled, under real graphs
+        "tests/test_piecewise_graphs.py",  # its pieces as real graphs against its eager step
         "tests/test_triton_fused.py",  # its passes captured in a graph
     ]
     if check.device != "cuda":

@@ -3,7 +3,8 @@
 On a CPU the pieces run through `eager_capture` under the capture guard (tests/capture_guard.py):
 the same buckets, phantom tokens and static buffers, each piece run eagerly. Our CPU forward
 (FusedLlama, native kernels) shares the pieces with the GPU's (GpuLlama), so it runs them here in
-milliseconds; tests/test_gpu_llama.py runs GpuLlama's under Triton's interpreter.
+milliseconds; tests/test_gpu_llama.py runs GpuLlama's under Triton's interpreter. The `cuda_only`
+test captures real graphs; `make gpu-check` runs it.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from services.common.kv_geometry import PADDING_SLOT
 from services.worker.batch import BatchItem
 from services.worker.engine import Engine
 from services.worker.piecewise_graphs import piece_buckets
 from tests.capture_guard import guarded_capture
+from tests.cuda_marks import cuda_only
 from tests.parity import NEW_TOKENS, assert_no_leak, make_prompts, reference, reference_attn
 from tests.step_kinds import step_kinds
 
@@ -74,3 +77,22 @@ def test_greedy_outputs_equal_generate_through_replayed_pieces(
         assert engine.runner.builder.prompt_chunks > 0
         assert engine.stats()["prefix_hit_tokens"] > 0
         assert_no_leak(engine)
+
+
+@cuda_only
+def test_on_cuda_a_piecewise_replay_computes_what_the_eager_forward_does(
+    tiny_models: Callable[[str], Path],
+) -> None:
+    with Engine.from_pretrained(tiny_models("llama"), device="cuda", num_blocks=64, page_size=8) as engine:
+        runner = engine.runner
+        assert runner.pieces is not None and runner.describe()["forward"] == "triton"
+        first, second = [[2, 3]], [[4, 5, 6]]
+        runner._forward(runner.builder.build([BatchItem(0, list(range(3, 20)), second, sample=True)]))
+        # A prompt chunk beside a decode row reading the 17 keys written above.
+        items = [BatchItem(0, list(range(3, 10)), first, True), BatchItem(17, [7], second, True)]
+        tokens = runner.pieces.bucket_for(items)
+        assert tokens == 8
+        batch = runner.builder.build(items, tokens=tokens)
+        replayed = runner.pieces.run(batch)
+        eager = runner._forward(runner.builder.build(items))  # the same K/V written again, no pieces
+        torch.testing.assert_close(replayed, eager, rtol=0, atol=1e-5)
