@@ -182,13 +182,14 @@ def test_native_and_torch_writers_store_the_same_bytes() -> None:
     assert torch.equal(generic_k, k_cache) and torch.equal(generic_v, v_cache)
 
 
-def test_a_zero_row_has_scale_zero_and_values_zero() -> None:
-    rows = torch.randn(2, 3, 32, generator=torch.Generator().manual_seed(1))
+@pytest.mark.parametrize("d", [32, 64])  # the writer's loops, and its AVX-512 rows of 64 in registers
+def test_a_zero_row_has_scale_zero_and_values_zero(d: int) -> None:
+    rows = torch.randn(2, 3, d, generator=torch.Generator().manual_seed(1))
     rows[1, 2] = 0.0
     stored = native_store(rows)
     assert torch.equal(stored, quantize(rows))
     assert not stored[1, 2].any()  # values and scale bytes alike
-    assert torch.equal(dequantize(stored[1, 2]), torch.zeros(32))
+    assert torch.equal(dequantize(stored[1, 2]), torch.zeros(d))
     assert (scales(stored[0]) > 0).all()
 
 
@@ -242,15 +243,16 @@ def test_the_rotation_spreads_an_outlier_over_its_block() -> None:
     assert (error < per_row_scale / 2 * 63**0.5 / 2).all()
 
 
-def test_ties_round_to_even() -> None:
+@pytest.mark.parametrize("d", [8, 64])  # blocks of B = 4, and of 64 (AVX-512's rows in registers)
+def test_ties_round_to_even(d: int) -> None:
     """A scale of exactly 1 (a row whose largest rotated value is 127): x.5 values sit on a tie. The row
     stored is H of the wanted rotated values (H is its own inverse; exact on these dyadic values)."""
-    wanted = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.0])  # blocks of B = 4
-    row = hadamard(wanted.view(1, 1, 8))
-    assert torch.equal(hadamard(row).view(8), wanted)
+    wanted = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.0]).repeat(d // 8)
+    row = hadamard(wanted.view(1, 1, d))
+    assert torch.equal(hadamard(row).view(d), wanted)
     stored = native_store(row)
     assert torch.equal(stored, quantize(row))
-    assert stored[0, 0, :8].tolist() == [127, 0, 2, 2, 0, -2, -2, 3]
+    assert stored[0, 0, :d].tolist() == [127, 0, 2, 2, 0, -2, -2, 3] * (d // 8)
 
 
 # Every test above, again on each vector path below this CPU's best (a build of its own, cached like

@@ -48,7 +48,9 @@ STATIC_ROPE = frozenset({"default", "linear", "llama3"})  # inv_freq fixed at lo
 QUANTIZED = {"int8": (torch.int8, True), "int8-weight-only": (torch.int8, False)}
 # Whether `--quantization` takes the LM head too. It does not: the head's products pick each token,
 # and int8 there alone lost SmolLM2-135M about half the top-1 agreement with float32 that int8 in every
-# layer loses; `--dtype bfloat16` halves the head's bytes instead.
+# layer loses; `--dtype bfloat16` halves the head's bytes instead. Weight-only int8 panels there (x
+# kept float32) lost as much, and are no faster: at a decode step's rows the head is bound by its
+# products, which they run as fp32 FMAs, half of bf16's products an instruction (docs/performance.md).
 HEAD_QUANTIZED = False
 
 

@@ -128,7 +128,54 @@ inline void store_kv(const float* src, int64_t heads, int64_t d, c10::BFloat16* 
 // H_B (hadamard.h), scale = max|y| * (1 / 127), values round-half-even(y * (1 / scale)) clamped to
 // [-127, 127] (0 for a zero row), then the scale. `d` is at most kMaxInt8HeadDim (checked by the caller).
 constexpr int64_t kMaxInt8HeadDim = 1024;
+
+#ifdef __AVX512F__
+// The steps below on one row of 16 NV values (NV a multiple of 4: blocks of 64), held in registers
+// from the load to the int8 store: through a buffer, each row was copied, stored rotated and read back
+// twice. The rotation is hadamard::rotate's for B = 64; max|y| is exact in any order; nearbyint is
+// vroundscale in the current rounding mode.
+template <int NV>
+inline void store_int8_row(const float* src, int8_t* row) {
+  static_assert(NV % 4 == 0, "blocks of 64");
+  __m512 y[NV];
+  const __m512 norm = _mm512_set1_ps(0.125f);
+  for (int i = 0; i < NV; i += 4) {
+    for (int c = 0; c < 4; ++c) y[i + c] = hadamard::rotate16(_mm512_loadu_ps(src + 16 * (i + c)));
+    hadamard::pair(y[i], y[i + 1]);  // h = 16
+    hadamard::pair(y[i + 2], y[i + 3]);
+    hadamard::pair(y[i], y[i + 2]);  // h = 32
+    hadamard::pair(y[i + 1], y[i + 3]);
+    for (int c = 0; c < 4; ++c) {
+      y[i + c] = _mm512_mul_ps(y[i + c], norm);
+      HADAMARD_PIN(y[i + c]);  // the rotated row as kv_int8 rounds it: not folded into 1 / scale
+    }
+  }
+  __m512 m = _mm512_setzero_ps();
+  for (int c = 0; c < NV; ++c) m = _mm512_max_ps(m, _mm512_abs_ps(y[c]));
+  float scale = _mm512_reduce_max_ps(m) * (1.0f / 127.0f);
+  asm volatile("" : "+m"(scale));
+  const __m512 inv = _mm512_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
+  const __m512 low = _mm512_set1_ps(-127.f), high = _mm512_set1_ps(127.f);
+  for (int c = 0; c < NV; ++c) {
+    const __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(y[c], inv), _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC);
+    const __m512i v = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(q, low), high));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(row + 16 * c), _mm512_cvtsepi32_epi8(v));
+  }
+  std::memcpy(row + 16 * NV, &scale, sizeof scale);
+}
+#endif
+
 inline void store_kv(const float* src, int64_t heads, int64_t d, int8_t* dst) {
+#ifdef __AVX512F__
+  if (d == 64 || d == 128) {
+    for (int64_t h = 0; h < heads; ++h) {
+      int8_t* row = dst + h * (d + kScaleBytes);
+      if (d == 64) store_int8_row<4>(src + h * d, row);
+      else store_int8_row<8>(src + h * d, row);
+    }
+    return;
+  }
+#endif
   alignas(64) float y[kMaxInt8HeadDim];
   for (int64_t h = 0; h < heads; ++h) {
     std::copy(src + h * d, src + (h + 1) * d, y);

@@ -12,7 +12,7 @@
 // unchanged on the widened integers. The values are those of the row rotated by a block Hadamard
 // matrix H (hadamard.h), which is orthonormal and its own inverse: the kernels rotate each query
 // head by H before the dots, (H q).(H k) = q.k, and each output head back by H at the end,
-// sum p (H v) = H sum p v, both through the same two helpers (rotated_queries, rotate_out_rows).
+// sum p (H v) = H sum p v, all in hadamard::rotate's steps (rotated_queries, rotate_out_rows).
 //
 // Decode rows (paged_decode): one query token per request. The context is read once per layer, from
 // memory (a step's contexts of 30 layers are far larger than the caches), which is what bounds decode
@@ -941,8 +941,12 @@ const T* pool_data(const at::Tensor& cache) {
 // An int8 pool holds each K and V row rotated by H_B block by block (common/kv_int8.py,
 // hadamard.h). The kernels read those rows as stored and rotate the queries instead, once before
 // the dots, (H q).(H k) = q.k, and each output head back once at the end, sum p (H v) = H sum p v:
-// D log B additions a head, where rotating the keys back would cost that for every key read. Both
-// kernels go through these two helpers, so a row still gets the same bits from either.
+// D log B additions a head, where rotating the keys back would cost that for every key read. The
+// decode kernel and the portable prefill go through these two helpers; the vector prefills rotate each
+// query row as they lay it out and each output row as they store it, in the same steps (query_row,
+// rotate_head), so a row still gets the same bits from either kernel. Passes of their own over the
+// chunk's queries before the tasks (a copy) and over its outputs after them (each row back from
+// memory) had made the int8 prefill slower than the bfloat16 one.
 
 // q [T, H, D] (any token stride) as a new contiguous tensor with every head rotated.
 at::Tensor rotated_queries(const at::Tensor& q) {
@@ -1060,16 +1064,36 @@ struct PrefillTask {
 };
 
 // The task's rows r = i * G + g (query token i, query head g of the kv head), padded to Rp rows (whole
-// vectors): the queries as qt [D, Rp], scaled, and each row's range [lo, hi] within the block's keys.
-// Padding rows (zero queries, finite scores) take all keys and are never stored.
+// vectors): each row's range [lo, hi] within the block's keys. Padding rows (zero queries, finite
+// scores) take all keys and are never stored.
 template <class T>
-inline void prefill_rows(const PrefillTask<T>& t, int64_t Rp, float* qt, int32_t* lo, int32_t* hi) {
+inline void prefill_ranges(const PrefillTask<T>& t, int64_t Rp, int32_t* lo, int32_t* hi) {
   const int64_t R = t.nq * t.G;
   for (int64_t r = 0; r < Rp; ++r) {
-    const float* src = t.q + (r / t.G) * t.sq + (r % t.G) * t.D;
-    for (int64_t d = 0; d < t.D; ++d) qt[d * Rp + r] = r < R ? src[d] * t.scale : 0.f;
     lo[r] = r < R ? static_cast<int32_t>(t.jlo[r / t.G] - t.j0) : 0;
     hi[r] = r < R ? static_cast<int32_t>(t.jhi[r / t.G] - t.j0) : static_cast<int32_t>(t.nk - 1);
+  }
+}
+
+// Query row r of the task, as the dots read it: where the pool is int8, copied into `buf` and rotated
+// there by rotated_queries' own steps, so that the prefill reads the bits the decode kernel reads, with
+// no pass over the whole chunk's queries before the tasks (and no copy of them).
+template <class T>
+inline const float* query_row(const PrefillTask<T>& t, int64_t r, float* buf) {
+  const float* src = t.q + (r / t.G) * t.sq + (r % t.G) * t.D;
+  if constexpr (!kScaled<T>) return src;
+  std::copy(src, src + t.D, buf);
+  hadamard::rotate(buf, t.D);
+  return buf;
+}
+
+// The rows' queries as qt [D, Rp], scaled (padding rows zero). `buf` holds D floats.
+template <class T>
+inline void prefill_queries(const PrefillTask<T>& t, int64_t Rp, float* qt, float* buf) {
+  const int64_t R = t.nq * t.G;
+  for (int64_t r = 0; r < Rp; ++r) {
+    const float* src = r < R ? query_row(t, r, buf) : nullptr;
+    for (int64_t d = 0; d < t.D; ++d) qt[d * Rp + r] = r < R ? src[d] * t.scale : 0.f;
   }
 }
 
@@ -1107,6 +1131,62 @@ inline void prefill_scores(const float* qt, int64_t Rp, const float* const* kr, 
     const __m512 s = _mm512_set1_ps(ks != nullptr ? ks[u] : 1.f);
     for (int g = 0; g < GR; ++g)
       _mm512_storeu_ps(st + u * Rp + g * kLanes, ks != nullptr ? _mm512_mul_ps(acc[u][g], s) : acc[u][g]);
+  }
+}
+
+// hadamard::rotate's steps on a head of NC vectors held in registers (D = 16 NC: blocks of 64 where
+// 4 divides NC, else of 16), so that a query or an output row is rotated where it is loaded or made,
+// with no pass through memory (a row stored and read back at once waited on the store).
+template <int NC>
+inline void rotate_head(__m512* v) {
+  if constexpr (NC % 4 == 0) {
+    const __m512 norm = _mm512_set1_ps(0.125f);
+    for (int i = 0; i < NC; i += 4) {
+      for (int c = 0; c < 4; ++c) v[i + c] = hadamard::rotate16(v[i + c]);
+      hadamard::pair(v[i], v[i + 1]);  // h = 16
+      hadamard::pair(v[i + 2], v[i + 3]);
+      hadamard::pair(v[i], v[i + 2]);  // h = 32
+      hadamard::pair(v[i + 1], v[i + 3]);
+      for (int c = 0; c < 4; ++c) v[i + c] = _mm512_mul_ps(v[i + c], norm);
+    }
+  } else {
+    for (int c = 0; c < NC; ++c) v[c] = _mm512_mul_ps(hadamard::rotate16(v[c]), _mm512_set1_ps(0.25f));
+  }
+}
+
+// prefill_queries by vectors: 16 rows' 16 dims at a time, scaled and transposed in registers (the
+// same products per element; one float at a time, this took about a tenth of the kernel). An int8
+// pool's rows are first rotated in registers and stored scaled, each once.
+template <int NC, class T>
+inline void prefill_queries16(const PrefillTask<T>& t, int64_t Rp, float* qt) {
+  constexpr int64_t D = NC * 16;
+  const int64_t R = t.nq * t.G;
+  const __m512 scale = _mm512_set1_ps(t.scale);
+  alignas(64) float rotated[kScaled<T> ? kLanes : 1][D];
+  for (int64_t r0 = 0; r0 < Rp; r0 += kLanes) {
+    const float* src[kLanes];
+    for (int64_t i = 0; i < kLanes; ++i) {
+      const int64_t r = r0 + i;
+      src[i] = r < R ? t.q + (r / t.G) * t.sq + (r % t.G) * D : nullptr;
+      if constexpr (kScaled<T>) {
+        if (src[i] == nullptr) continue;
+        __m512 v[NC];
+        for (int c = 0; c < NC; ++c) v[c] = _mm512_loadu_ps(src[i] + 16 * c);
+        rotate_head<NC>(v);
+        for (int c = 0; c < NC; ++c) _mm512_store_ps(rotated[i] + 16 * c, _mm512_mul_ps(v[c], scale));
+        src[i] = rotated[i];
+      }
+    }
+    for (int c = 0; c < NC; ++c) {
+      __m512 in[kLanes], dims[kLanes];
+      for (int64_t i = 0; i < kLanes; ++i) {
+        if (src[i] == nullptr) in[i] = _mm512_setzero_ps();
+        else if constexpr (kScaled<T>) in[i] = _mm512_load_ps(src[i] + 16 * c);
+        else in[i] = _mm512_mul_ps(_mm512_loadu_ps(src[i] + 16 * c), scale);
+      }
+      transpose16(in, dims);
+      for (int l = 0; l < 16; ++l) _mm512_storeu_ps(qt + (16 * c + l) * Rp + r0, dims[l]);
+    }
   }
 }
 
@@ -1155,7 +1235,10 @@ void prefill_values(const PrefillTask<T>& t, const float* st, int64_t Rp, int64_
   for (int r = 0; r < ROWS; ++r) {
     float* o = t.out + ((r0 + r) / t.G) * t.so + ((r0 + r) % t.G) * D;
     const __m512 s = _mm512_set1_ps(inv[r]);
-    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[r][c], s));
+    __m512 row[NC];  // a copy: rotate_head on acc[r] itself kept all of acc on the stack
+    for (int c = 0; c < NC; ++c) row[c] = _mm512_mul_ps(acc[r][c], s);
+    if constexpr (kScaled<T>) rotate_head<NC>(row);  // rotate_out_rows' steps, on the row as it is made
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + 16 * c, row[c]);
   }
 }
 
@@ -1176,7 +1259,8 @@ template <int NC, class T>
 void run_prefill(const PrefillTask<T>& t, float* qt, float* st) {
   const int64_t R = t.nq * t.G, Rp = (R + kLanes - 1) / kLanes * kLanes;
   std::vector<int32_t> lo(Rp), hi(Rp);
-  prefill_rows(t, Rp, qt, lo.data(), hi.data());
+  prefill_ranges(t, Rp, lo.data(), hi.data());
+  prefill_queries16<NC>(t, Rp, qt);
   const int64_t vectors = Rp / kLanes;
   for (int64_t j = 0; j < t.nk; j += kKeys) {
     const int64_t keys = std::min(kKeys, t.nk - j);
@@ -1361,6 +1445,7 @@ void prefill_values_avx2(const PrefillTask<T>& t, const float* st, int64_t Rp, i
   for (int64_t r = 0; r < R; ++r) {
     float* o = t.out + (r / t.G) * t.so + (r % t.G) * D;
     for (int64_t d = 0; d < D; ++d) o[d] = ot[d * Rp + r] * inv[r];
+    if constexpr (kScaled<T>) hadamard::rotate(o, D);  // rotate_out_rows' steps, while the row is in L1
   }
 }
 
@@ -1368,7 +1453,9 @@ template <int NC, class T>  // D / 8
 void run_prefill_avx2(const PrefillTask<T>& t, float* qt, float* st) {
   const int64_t R = t.nq * t.G, Rp = (R + kLanes8 - 1) / kLanes8 * kLanes8;
   std::vector<int32_t> lo(Rp), hi(Rp);
-  prefill_rows(t, Rp, qt, lo.data(), hi.data());
+  prefill_ranges(t, Rp, lo.data(), hi.data());
+  alignas(32) float rotated[8 * NC];
+  prefill_queries(t, Rp, qt, rotated);
   const int64_t vectors = Rp / kLanes8;
   for (int64_t j = 0; j < t.nk; j += kKeys8) {
     const int64_t keys = std::min(kKeys8, t.nk - j);
@@ -1501,15 +1588,8 @@ void paged_prefill(
       for (int64_t h = 0; h < KV; ++h) blocks.push_back({b, h, q0});
   }
   const bool rotated = kv_type == at::kChar;
-  const at::Tensor qk = rotated ? rotated_queries(q) : q;  // the queries the dots read
-  const auto rotate_back = [&] {
-    if (!rotated) return;
-    std::vector<int64_t> written;
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t x = 0; x < nq[b]; ++x) written.push_back(fr[b] + x);
-    rotate_out_rows(out, written);
-  };
   if constexpr (kPrefillByRows) {
+    const at::Tensor qk = rotated ? rotated_queries(q) : q;  // the queries the dots read
     TORCH_CHECK(H <= kMaxRows, "at most ", kMaxRows, " query heads, got ", H);
     int64_t tokens = 0;
     for (int64_t b = 0; b < B; ++b) tokens += nq[b];
@@ -1537,7 +1617,12 @@ void paged_prefill(
       });
     };
     for_pool_type(kv_type, run);
-    rotate_back();
+    if (rotated) {
+      std::vector<int64_t> written;
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t x = 0; x < nq[b]; ++x) written.push_back(fr[b] + x);
+      rotate_out_rows(out, written);
+    }
     return;
   }
   std::stable_sort(blocks.begin(), blocks.end(), [&](const Block& x, const Block& y) {
@@ -1560,7 +1645,7 @@ void paged_prefill(
         }
         const int64_t row = fr[blk.b] + blk.q0;
         const PrefillTask<T> t{
-            qk.data_ptr<float>() + row * qk.stride(0) + blk.h * G * D, qk.stride(0),
+            q.data_ptr<float>() + row * q.stride(0) + blk.h * G * D, q.stride(0),
             out.data_ptr<float>() + row * out.stride(0) + blk.h * G * D, out.stride(0),
             pool_data<T>(k_cache) + blk.h * hd, pool_data<T>(v_cache) + blk.h * hd,
             slots.data_ptr<int64_t>() + blk.b * L, n, G, D, KV * hd,
@@ -1571,7 +1656,6 @@ void paged_prefill(
     });
   };
   for_pool_type(kv_type, run);
-  rotate_back();
 }
 
 // The vector path this module was compiled for (the worker logs it; CBSERVE_CPU_ISA holds a build to
