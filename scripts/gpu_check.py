@@ -885,7 +885,9 @@ def stack_section(check: Check) -> Entry:
     logs.mkdir(exist_ok=True)
     started = time.monotonic()
     try:
-        up_args = ["--device", check.device]
+        # float32 as the reference: `--dtype auto` would run a float32 checkpoint in bfloat16 on a GPU
+        # or on a CPU that computes it natively.
+        up_args = ["--device", check.device, "--dtype", "float32"]
         stack = Stack(model_dir, logs, up_args=up_args, start_timeout_s=check.stack_start_s(), **settings)
     except Exception as exc:  # its log says why: keep it
         return failure(exc) | {"log": str(max(logs.glob("stack-*.log"), default=""))}
