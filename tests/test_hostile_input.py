@@ -462,7 +462,8 @@ def test_fuzzed_generate_requests_on_the_tiny_stack(tiny_stack: Stack) -> None:
     fuzz(tiny_stack, max_examples=60)
 
 
-@pytest.mark.fuzz
+# Its fixed examples only: `make fuzz`'s fresh ones go to the tiny stack above, the same cases over the
+# same gateway and worker, without a second start of SmolLM2's stack in that pass.
 def test_fuzzed_generate_requests_on_the_smol_stack(smol_stack: Stack) -> None:
     fuzz(smol_stack, max_examples=45)
 
