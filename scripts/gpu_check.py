@@ -190,8 +190,8 @@ def graph_facts(engine: Engine) -> Entry | None:
         return None
     return {
         "graphs": graphs.count,
-        "capture_s": round(graphs.capture_s, 2),
-        "memory_mib": None if graphs.memory_bytes is None else round(graphs.memory_bytes / 2**20, 1),
+        "capture_s": round(graphs.cost.seconds, 2),
+        "memory_mib": graphs.cost.memory_mib,
         "max_requests": graphs.buckets.max_tokens,
         "max_context": graphs.buckets.max_keys,
         "replays": graphs.replays,
@@ -208,8 +208,8 @@ def piecewise_facts(engine: Engine) -> Entry | None:
     return {
         "graphs": pieces.count,
         "buckets": pieces.buckets,
-        "capture_s": round(pieces.capture_s, 2),
-        "memory_mib": None if pieces.memory_bytes is None else round(pieces.memory_bytes / 2**20, 1),
+        "capture_s": round(pieces.cost.seconds, 2),
+        "memory_mib": pieces.cost.memory_mib,
         "replays": pieces.replays,
         "eager_steps": pieces.eager_steps,
     }

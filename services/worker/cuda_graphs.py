@@ -30,10 +30,11 @@ device; `eager_capture` runs the same shapes and static inputs eagerly, for test
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import structlog
@@ -165,8 +166,7 @@ class CudaGraphs:
         self._logits = torch.empty(buckets.max_tokens, vocab_size, device=builder.device)
         self.replays = 0
         self.eager_decodes = 0  # decode steps larger than every bucket (pieces may serve them)
-        self.capture_s = 0.0
-        self.memory_bytes: int | None = None  # device memory the capture took (None: not a CUDA device)
+        self.cost = CaptureCost()
 
     @classmethod
     def for_runner(
@@ -200,23 +200,17 @@ class CudaGraphs:
     def capture_all(self, forward: Callable[[ForwardBatch], torch.Tensor]) -> None:
         """`forward`: the eager forward (logits of `batch.logits_indices`). Only the captures hold
         it, so that CUDA graphs do not keep their runner alive (nor it them) in a reference cycle."""
-        device = self.builder.device
-        free_before = free_bytes(device)
-        started = time.perf_counter()
         # The builder's counters tell what real steps were padded by; the capture's builds are not steps.
         counters = (self.builder.padded_queries, self.builder.padded_keys)
-        for shape in self.buckets.shapes():
-            self._graphs[shape] = self._capture_one(shape, forward)
+        with measured(self.builder.device) as self.cost:
+            for shape in self.buckets.shapes():
+                self._graphs[shape] = self._capture_one(shape, forward)
         self.builder.padded_queries, self.builder.padded_keys = counters
-        self.capture_s = time.perf_counter() - started
-        free_after = free_bytes(device)
-        if free_before is not None and free_after is not None:
-            self.memory_bytes = free_before - free_after
         log.info(
             "cuda graphs captured",
             graphs=self.count,
-            seconds=round(self.capture_s, 2),
-            memory_mib=None if self.memory_bytes is None else round(self.memory_bytes / 2**20, 1),
+            seconds=round(self.cost.seconds, 2),
+            memory_mib=self.cost.memory_mib,
             static_input_mib=round(self._arena.nbytes / 2**20, 1),
             max_requests=self.buckets.max_tokens,
             max_context=self.buckets.max_keys,
@@ -259,8 +253,33 @@ class CudaGraphs:
         return self._logits[: batch.shape.tokens].index_select(0, batch.logits_indices)
 
 
-def free_bytes(device: torch.device) -> int | None:
-    """The device's free memory once its work is done; None off CUDA (the capture's memory log)."""
+@dataclasses.dataclass
+class CaptureCost:
+    """What capturing a set of graphs took, logged once at start and reported by the device check."""
+
+    seconds: float = 0.0
+    memory_bytes: int | None = None  # device memory the graphs hold (None: not a CUDA device)
+
+    @property
+    def memory_mib(self) -> float | None:
+        return None if self.memory_bytes is None else round(self.memory_bytes / 2**20, 1)
+
+
+@contextlib.contextmanager
+def measured(device: torch.device) -> Iterator[CaptureCost]:
+    """The cost of the captures run within the block, filled in as it ends."""
+    cost = CaptureCost()
+    before = _free_bytes(device)
+    started = time.perf_counter()
+    yield cost
+    cost.seconds = time.perf_counter() - started
+    after = _free_bytes(device)
+    if before is not None and after is not None:
+        cost.memory_bytes = before - after
+
+
+def _free_bytes(device: torch.device) -> int | None:
+    """The device's free memory once its work is done; None off CUDA."""
     if device.type != "cuda":
         return None
     torch.cuda.synchronize(device)

@@ -30,7 +30,6 @@ memory are logged once, at start.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +41,7 @@ from services.common.config import CBConfig
 from services.common.kv_geometry import PADDING_SLOT
 from services.worker.attention import AttentionBatch
 from services.worker.batch import BatchBuilder, BatchItem, ForwardBatch
-from services.worker.cuda_graphs import DEFAULT_Q_INTERVAL, Capture, Step, free_bytes
+from services.worker.cuda_graphs import DEFAULT_Q_INTERVAL, Capture, CaptureCost, Step, measured
 from services.worker.fused_llama import first_qkv, llama_layers, next_qkv
 
 log = structlog.get_logger(__name__)
@@ -91,8 +90,7 @@ class PiecewiseGraphs:
         self._pieces: dict[int, list[Step]] = {}
         self.replays = 0  # steps whose pieces replayed
         self.eager_steps = 0  # steps for no decode graph larger than every bucket
-        self.capture_s = 0.0
-        self.memory_bytes: int | None = None  # device memory the capture took (None: not a CUDA device)
+        self.cost = CaptureCost()
 
     @classmethod
     def for_runner(
@@ -111,22 +109,16 @@ class PiecewiseGraphs:
 
     @torch.inference_mode()
     def capture_all(self) -> None:
-        device = self.builder.device
-        free_before = free_bytes(device)
-        started = time.perf_counter()
-        self._statics = self._place(self.buckets)
-        for tokens in self.buckets:
-            self._pieces[tokens] = self._capture_bucket(self._statics[tokens])
-        self.capture_s = time.perf_counter() - started
-        free_after = free_bytes(device)
-        if free_before is not None and free_after is not None:
-            self.memory_bytes = free_before - free_after
+        with measured(self.builder.device) as self.cost:
+            self._statics = self._place(self.buckets)
+            for tokens in self.buckets:
+                self._pieces[tokens] = self._capture_bucket(self._statics[tokens])
         log.info(
             "piecewise cuda graphs captured",
             graphs=self.count,
             buckets=self.buckets,
-            seconds=round(self.capture_s, 2),
-            memory_mib=None if self.memory_bytes is None else round(self.memory_bytes / 2**20, 1),
+            seconds=round(self.cost.seconds, 2),
+            memory_mib=self.cost.memory_mib,
         )
 
     def _place(self, buckets: Sequence[int]) -> dict[int, _Statics]:
