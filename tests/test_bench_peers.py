@@ -131,8 +131,11 @@ def test_only_engine_systems_take_choices(tiny_models: Callable[[str], Path], tm
         _bench(tmp_path, tiny_models("llama"), "--n", "2", "--systems", "engine,standin")
 
 
-def test_the_pool_is_sized_to_the_workload_unless_a_size_is_given(
-    tiny_models: Callable[[str], Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_the_pool_is_sized_to_the_workload_unless_a_size_is_given_and_a_peer_that_disagrees_is_counted(
+    tiny_models: Callable[[str], Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Five requests of 7..20 tokens at full length: one 32-token page each, twice over.
     code, report = _bench(tmp_path, tiny_models("llama"), pool=())
@@ -140,17 +143,10 @@ def test_the_pool_is_sized_to_the_workload_unless_a_size_is_given(
     assert report["systems"]["engine"]["settings"]["num_blocks"] == 10
     assert report["systems"]["standin"]["requests_equal_to_engine"] == 5
     assert "KV pool: 10 blocks of 32 tokens, the workload twice over" in capsys.readouterr().out
+    monkeypatch.setenv("STANDIN_CORRUPT", "2")  # the stand-in changes request 2's tokens
     code, report = _bench(tmp_path, tiny_models("llama"), pool=("--kv-cache-space", "0.01"))
     assert code == 0
     assert "num_blocks" not in report["systems"]["engine"]["settings"]
-
-
-def test_a_peer_that_disagrees_is_counted(
-    tiny_models: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("STANDIN_CORRUPT", "2")
-    code, report = _bench(tmp_path, tiny_models("llama"))
-    assert code == 0
     assert report["systems"]["standin"]["requests_equal_to_engine"] == 4
 
 
