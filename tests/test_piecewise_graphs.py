@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from services.common.kv_geometry import PADDING_SLOT
+from services.worker import cuda_graphs
 from services.worker.batch import BatchItem
 from services.worker.engine import Engine
 from services.worker.piecewise_graphs import piece_buckets
@@ -76,6 +77,27 @@ def test_greedy_outputs_equal_generate_through_replayed_pieces(
         assert runner.graphs is not None and runner.graphs.replays > 0  # decode steps: whole graphs
         assert engine.runner.builder.prompt_chunks > 0
         assert engine.stats()["prefix_hit_tokens"] > 0
+        assert_no_leak(engine)
+
+
+def test_a_decode_step_beyond_every_decode_bucket_replays_the_pieces(
+    tiny_models: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cuda_graphs, "MAX_GRAPHS", 4)  # decode buckets of 8 requests reading 64 keys at most
+    model_dir = tiny_models("llama")
+    prompts = make_prompts(seed=7)
+    cb = {"num_blocks": 256, "kv_padding_interval_size": 16, "max_requests_per_batch": 8}
+    with Engine.from_pretrained(model_dir, **cb) as engine:
+        runner = engine.runner
+        if runner.fused is None:
+            pytest.skip("the native kernels are not built: transformers' layers have no pieces")
+        runner.use_graphs(guarded_capture)
+        graphs, pieces = runner.graphs, runner.pieces
+        assert graphs is not None and pieces is not None
+        assert engine.generate(prompts, NEW_TOKENS, ignore_eos=True) == reference(model_dir, "sdpa", prompts)
+        # Each decode step beyond the decode buckets replayed the pieces (their other replays are the
+        # prompts' steps), and no step was beyond every piece bucket.
+        assert pieces.replays >= graphs.eager_decodes > 0 and pieces.eager_steps == 0
         assert_no_leak(engine)
 
 
