@@ -20,6 +20,7 @@ from services.common.kv_geometry import PADDING_SLOT
 from services.worker import cuda_graphs
 from services.worker.batch import BatchItem
 from services.worker.engine import Engine
+from services.worker.model_runner import ModelRunner
 from services.worker.piecewise_graphs import piece_buckets
 from tests.capture_guard import guarded_capture
 from tests.cuda_marks import cuda_only
@@ -50,6 +51,16 @@ def test_a_step_is_padded_to_its_bucket_with_phantom_tokens(tiny_models: Callabl
     assert batch.logits_indices.tolist() == [4, 5]
 
 
+def _graphed(engine: Engine) -> ModelRunner:
+    """The engine's runner with its decode and piecewise graphs captured under the capture guard; a
+    skip where the native kernels are not built (transformers' layers have no pieces)."""
+    runner = engine.runner
+    if runner.fused is None:
+        pytest.skip("the native kernels are not built: transformers' layers have no pieces")
+    runner.use_graphs(guarded_capture)
+    return runner
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q|k|v biases
 def test_greedy_outputs_equal_generate_through_replayed_pieces(
     family: str, tiny_models: Callable[[str], Path]
@@ -61,10 +72,7 @@ def test_greedy_outputs_equal_generate_through_replayed_pieces(
     rounds = [make_prompts(11, 3, shared), make_prompts(12, 3, shared)]
     cb = {"num_blocks": 256, "max_batch_tokens": 16, "long_prefill_token_threshold": 7}
     with Engine.from_pretrained(model_dir, **cb) as engine:
-        runner = engine.runner
-        if runner.fused is None:
-            pytest.skip("the native kernels are not built: transformers' layers have no pieces")
-        runner.use_graphs(guarded_capture)
+        runner = _graphed(engine)
         pieces = runner.pieces
         assert pieces is not None and pieces.buckets == [16, 8]
         assert pieces.count == 2 * len(runner.fused.layers)  # type: ignore[attr-defined]
@@ -88,10 +96,7 @@ def test_a_decode_step_beyond_every_decode_bucket_replays_the_pieces(
     prompts = make_prompts(seed=7)
     cb = {"num_blocks": 256, "kv_padding_interval_size": 16, "max_requests_per_batch": 8}
     with Engine.from_pretrained(model_dir, **cb) as engine:
-        runner = engine.runner
-        if runner.fused is None:
-            pytest.skip("the native kernels are not built: transformers' layers have no pieces")
-        runner.use_graphs(guarded_capture)
+        runner = _graphed(engine)
         graphs, pieces = runner.graphs, runner.pieces
         assert graphs is not None and pieces is not None
         assert engine.generate(prompts, NEW_TOKENS, ignore_eos=True) == reference(model_dir, "sdpa", prompts)
