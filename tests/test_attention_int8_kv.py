@@ -1,10 +1,11 @@
 """int8 KV pages (common/kv_int8.py): the writers and the attention kernels that read them in place.
 
 A stored row is the original rotated block by block by the normalized Hadamard matrix H_B, then
-quantized per row. The kernels rotate the queries instead of the keys and the outputs back, compute
-in float32 on the widened int8 values and apply each row's scale once, so on every vector path they
-give the float32 result on the dequantized pool within float32 rounding. Against the unquantized K/V
-the error is the format's: each stored value is within half its row's scale of the rotated original,
+quantized per row. The kernels rotate the queries instead of the keys and the outputs back, round each
+rotated query row to 15 bits of its own scale (`round_queries`; with AVX512-VNNI the dots are then
+exact integer sums) and apply each row's scale once, so on every vector path they give the float32
+result of the rounded queries on the dequantized pool within float32 rounding. Against the
+unquantized K/V the error is the format's: each stored value is within half its row's scale of the rotated original,
 and `format_bound` carries that through the rotation back, the scores, the softmax and the sum of
 values.
 """
@@ -18,7 +19,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.common.kv_int8 import SCALE_BYTES, block_size, dequantize, hadamard, quantize
+from services.common.kv_int8 import (
+    QUERY_LEVELS,
+    SCALE_BYTES,
+    block_size,
+    dequantize,
+    hadamard,
+    quantize,
+    round_queries,
+)
 from services.worker import kernels
 from services.worker.attention import AttentionBatch, attend_paged
 from services.worker.engine import Engine
@@ -45,17 +54,23 @@ def scales(rows: torch.Tensor) -> torch.Tensor:
 
 def format_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """The most attention of queries `q [R, D]` over keys `k`, `v [L, D]` (one kv head, original float32)
-    can move when K and V are stored as int8 rows, per query row `[R, 1]`, plus float32 rounding.
+    can move when K and V are stored as int8 rows and the queries rounded (`round_queries`), per query
+    row `[R, 1]`, plus float32 rounding.
 
     A stored value is within s/2 of the rotated original H x (s: its row's scale, H = H_B block by
     block), so the row read back is x + H e with |e|_inf <= s/2. A score moves by q.(H e) = (H q).e, at
-    most delta = scale * |H q|_1 * max s_k / 2 (soft-capping only shrinks that), each softmax weight by
-    a factor within exp(+-2 delta), so the weights by at most exp(2 delta) - 1 in L1. An element of
-    H e is a sum of B terms of e times +-1/sqrt(B), at most sqrt(B) s/2: the output moves by at most
-    sqrt(B) max s_v / 2 (under weights summing to 1) plus the weights' shift times max |v|.
+    most scale * |H q|_1 * max s_k / 2, and by the query's rounding, each element of H q within half a
+    step m / QUERY_LEVELS (m = max |H q|) times the stored key's |.|_1 <= |H k|_1 + D max s_k / 2: delta
+    in all (soft-capping only shrinks it). Each softmax weight moves by a factor within exp(+-2 delta),
+    so the weights by at most exp(2 delta) - 1 in L1. An element of H e is a sum of B terms of e times
+    +-1/sqrt(B), at most sqrt(B) s/2: the output moves by at most sqrt(B) max s_v / 2 (under weights
+    summing to 1) plus the weights' shift times max |v|.
     """
     k8, v8 = quantize(k), quantize(v)
-    delta = scale * hadamard(q).abs().sum(-1, keepdim=True) * scales(k8).max() / 2
+    hq, s_k = hadamard(q), scales(k8).max()
+    stored = hadamard(k).abs().sum(-1).max() + q.shape[-1] * s_k / 2
+    half_step = hq.abs().amax(-1, keepdim=True) / (2 * QUERY_LEVELS)
+    delta = scale * (hq.abs().sum(-1, keepdim=True) * s_k / 2 + half_step * stored)
     root_b = block_size(q.shape[-1]) ** 0.5
     return root_b * scales(v8).max() / 2 + torch.expm1(2 * delta) * v.abs().max() + 1e-5
 
@@ -90,7 +105,10 @@ def test_int8_decode_matches_float32_on_the_dequantized_pool(
     others = torch.ones(b + 3, dtype=torch.bool).index_fill_(0, rows, False)
     assert torch.equal(out[others], torch.full_like(out[others], 7.0))  # left alone
     got, q = out[rows].view(b, kv, group, d), packed[rows].view(b, kv, group, d)
-    reference = gather_sdpa(q, dequantize(k_cache), dequantize(v_cache), slots, lengths, d**-0.5, softcap)
+    rounded = round_queries(q)  # as every path reads an int8 pool's queries
+    reference = gather_sdpa(
+        rounded, dequantize(k_cache), dequantize(v_cache), slots, lengths, d**-0.5, softcap
+    )
     torch.testing.assert_close(got, reference, **FP32_TOLERANCE)
     exact = gather_sdpa(q, k_orig, v_orig, slots, lengths, d**-0.5, softcap)
     for i in range(b):
@@ -120,7 +138,9 @@ def test_int8_prefill_matches_float32_on_the_dequantized_pool(
     for first, n, keys, s in zip(first_rows, num_queries, lengths, slots, strict=True):
         rows, keys_of = slice(first, first + n), s[:keys]
         k8, v8 = k_cache[keys_of], v_cache[keys_of]
-        reference = causal_reference(q[rows], dequantize(k8), dequantize(v8), d**-0.5, softcap, window)
+        reference = causal_reference(
+            round_queries(q[rows]), dequantize(k8), dequantize(v8), d**-0.5, softcap, window
+        )
         torch.testing.assert_close(out[rows], reference, **FP32_TOLERANCE)
         exact = causal_reference(q[rows], k_orig[keys_of], v_orig[keys_of], d**-0.5, softcap, window)
         for h in range(kv):

@@ -68,13 +68,14 @@ def _native_bf16(engine: Engine) -> None:
 
 # int8 KV (common/kv_int8.py): with each row rotated by H_64 before its per-row scale, float32 weights
 # reached 3115/3147 = 0.9898 and bfloat16 weights 3098/3147 = 0.9844 (one scale per unrotated row:
-# 3078/3147 = 0.9781 for both). The floors sit just below, so that a change that loses the rotation's
-# gain fails here.
+# 3078/3147 = 0.9781 for both); with the queries rounded to 15 bits as well (`round_queries`, for the
+# integer dots), 3109/3147 = 0.9879 and 3111/3147 = 0.9886: near ties moving either way. The floors
+# sit just below, so that a change that loses the rotation's gain fails here.
 @pytest.mark.parametrize(
     ("weights", "kv", "floor"),
     [
         pytest.param(torch.bfloat16, "auto", 0.99, id="bf16-weights-and-kv"),
-        pytest.param(torch.float32, "int8", 0.989, id="int8-kv"),
+        pytest.param(torch.float32, "int8", 0.987, id="int8-kv"),
         # Each a mix of the two above, whose bytes those already hold to their floors.
         pytest.param(torch.float32, "bfloat16", 0.99, id="bf16-kv", marks=pytest.mark.slow),
         pytest.param(torch.bfloat16, "int8", 0.984, id="bf16-weights-int8-kv", marks=pytest.mark.slow),
@@ -213,8 +214,9 @@ def test_auto_dtype_is_bfloat16_only_where_the_cpu_computes_it(
 # (unrotated: 0.9692 and 0.9765). The floors sit just below what each reached, so that a change that
 # loses more fails.
 # With int8 KV pages as well, over bfloat16 weights elsewhere (`engine:bfloat16+int8+kv-int8`, the
-# bench's fastest engine), 3071/3147 = 0.9759 (`bench offline --agreement`).
-INT8_FLOORS = {"int8": 0.975, "int8-weight-only": 0.975, "bfloat16+int8+kv-int8": 0.975}
+# bench's fastest engine), 3071/3147 = 0.9759 (`bench offline --agreement`), and 3067/3147 = 0.9746
+# with the int8 pages' queries rounded to 15 bits.
+INT8_FLOORS = {"int8": 0.975, "int8-weight-only": 0.975, "bfloat16+int8+kv-int8": 0.974}
 
 
 def _int8_layers(engine: Engine, dtype: torch.dtype = torch.float32) -> None:

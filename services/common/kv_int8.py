@@ -39,6 +39,9 @@ KV_INT8 = torch.int8
 # A Python number, not a tensor (a copy to the device would break CUDA graph capture): a float32
 # tensor times it computes in float32 with it rounded to 1.0f / 127.0f, the native writer's constant.
 INV_127 = 1.0 / 127.0
+# The integer steps of a query row's rounding (`round_queries`): 127 x 256 + 127, so that the native
+# kernels can split each into a high and a low signed byte.
+QUERY_LEVELS = 32639.0
 # The rotation's block sizes, largest first, and 1 / sqrt(B) for each (exact: powers of 4).
 HADAMARD_NORMS = {64: 0.125, 16: 0.25, 4: 0.5, 1: 1.0}
 
@@ -78,6 +81,22 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     inv = torch.where(scale > 0, scale.reciprocal(), torch.zeros_like(scale))
     values = torch.round(y * inv).clamp_(-127, 127).to(KV_INT8)
     return torch.cat([values, scale.view(KV_INT8)], dim=-1)
+
+
+def round_queries(q: torch.Tensor) -> torch.Tensor:
+    """Query rows `q [..., head_dim]` as attention over int8 rows reads them: rotated as the rows are
+    (`hadamard`), each rotated row r rounded to nearest even on QUERY_LEVELS steps of its own scale,
+    r = round(r x (QUERY_LEVELS / m)) x (m / QUERY_LEVELS) with m = max |r|, then rotated back. The
+    native kernels multiply those integer levels into the int8 values exactly (with AVX512-VNNI) and
+    compute the same float32 operations to round them; 15 bits, far finer than the keys' 8."""
+    r = hadamard(q.float())
+    m = r.abs().amax(-1, keepdim=True)
+    # Tensor by tensor: torch divides a number by a tensor as the number times the tensor's reciprocal,
+    # and may divide a tensor by a number that way too, which the kernels' one division does not match.
+    levels_t = torch.full_like(m, QUERY_LEVELS)
+    inv = torch.where(m > 0, levels_t / m, torch.zeros_like(m))
+    levels = torch.round((r * inv).clamp_(-QUERY_LEVELS, QUERY_LEVELS))
+    return hadamard(levels * (m / levels_t)).to(q.dtype)
 
 
 def dequantize(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from services.common.kv_int8 import from_pool, to_pool
+from services.common.kv_int8 import KV_INT8, from_pool, round_queries, to_pool
 from services.worker.kernels import PagedDecode, PagedPrefill
 
 ATTENTION_NAME = "cbserve_paged"
@@ -144,7 +144,13 @@ def attend_stored(
     if native and q.stride(1) != head_dim:
         q = q.contiguous()  # the native kernels want each token's heads adjacent; transformers' are not
     out = q.new_zeros(q.shape)
-    for rg in batch.groups[view[0]]:
+    groups = batch.groups[view[0]]
+    # Gathered rows read an int8 pool's queries rounded as the native kernels read them.
+    if k_cache.dtype == KV_INT8 and any(rg.bias is not None for rg in groups):
+        gathered_q = round_queries(q)
+    else:
+        gathered_q = q
+    for rg in groups:
         b, kv_len = rg.lengths.shape[0], rg.num_keys
         nq = rg.num_queries
         slots = rg.slots[view]
@@ -158,7 +164,7 @@ def attend_stored(
             continue
         # [B*Q, H, D] -> [B, kv, group*Q, D]: query head h uses kv head h // group.
         # index_select, not advanced indexing: measured 2.3x faster for a 4000-key gather.
-        qg = q.index_select(0, rg.rows).view(b, nq, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+        qg = gathered_q.index_select(0, rg.rows).view(b, nq, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
         qg = qg.reshape(b, kv_heads, group * nq, head_dim)
         kg = (
             from_pool(k_cache.index_select(0, slots), q.dtype)

@@ -168,6 +168,108 @@ inline const float* f32_row(const T* row, float* buf, int64_t n) {
   return buf;
 }
 
+// The queries of an int8 pool (common/kv_int8.py, `round_queries`): each query row, once rotated, is
+// rounded to kQueryLevels steps of its own scale, max |row| / kQueryLevels (15 bits: far finer than
+// the keys' 8), on every path (round_query, round_query16, and torch's for the generic path). With
+// AVX512-VNNI a query-key dot is then an exact int32 sum of int16 queries times int8 keys, four (or
+// two) products an instruction where the float dots widened every key element and multiplied it in
+// one FMA per query; the prefill's scores took 1.25x less time. An exact sum is the same in any order, so the
+// decode kernel (keys across the lanes, vpdpbusd) and the prefill (query rows across the lanes,
+// vpdpwssd) still give a row the same bits: each score is float(dot) * the row's scale, then * the
+// key's scale, in that order in both. Elsewhere the rounded rows go through the float dots.
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#define CBSERVE_INT_DOTS 1
+template <class T>
+constexpr bool kIntDots = kScaled<T>;
+#else
+template <class T>
+constexpr bool kIntDots = false;
+#endif
+
+// At most 127 * 256 + 127, so that the decode kernel can split each value into a high and a low signed
+// byte (q = 256 hi + lo) for vpdpbusd.
+constexpr float kQueryLevels = 32639.f;
+
+// A rotated query row r [D] rounded in place: q = round(r * (kQueryLevels / m)) to nearest even, then
+// r = q * (m / kQueryLevels), m = max |r| (a row of zeros stays zeros). Every operation is one IEEE
+// rounding, so round_query16 and torch's round_queries give the same bits.
+inline void round_query(float* r, int64_t D) {
+  float m = 0.f;
+  for (int64_t d = 0; d < D; ++d) m = std::max(m, std::fabs(r[d]));
+  if (m == 0.f) return;
+  const float inv = kQueryLevels / m, step = m / kQueryLevels;
+  for (int64_t d = 0; d < D; ++d) r[d] = std::nearbyint(std::clamp(r[d] * inv, -kQueryLevels, kQueryLevels)) * step;
+}
+
+#ifdef __AVX512F__
+// round_query on a head of NC vectors held in registers.
+template <int NC>
+inline void round_query16(__m512* v) {
+  __m512 top = _mm512_setzero_ps();
+  for (int c = 0; c < NC; ++c) top = _mm512_max_ps(top, _mm512_abs_ps(v[c]));
+  const float m = _mm512_reduce_max_ps(top);
+  if (m == 0.f) return;
+  const __m512 inv = _mm512_set1_ps(kQueryLevels / m), step = _mm512_set1_ps(m / kQueryLevels);
+  const __m512 hi = _mm512_set1_ps(kQueryLevels);
+  for (int c = 0; c < NC; ++c) {
+    const __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v[c], inv), -hi), hi);
+    v[c] = _mm512_mul_ps(_mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), step);
+  }
+}
+#endif
+
+#ifdef CBSERVE_INT_DOTS
+// r [D] (a rounded query row times the softmax scale; D a multiple of 16) -> its int16 values q [D],
+// returned with their scale: q = round(r * (kQueryLevels / max |r|)), exactly the rounded row's levels
+// (each r is level * step * scale within a few ulps, far inside half a level).
+inline float quantize_query(const float* r, int64_t D, int16_t* q) {
+  __m512 top = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(r + d)));
+  const float m = _mm512_reduce_max_ps(top);
+  const __m512 inv = _mm512_set1_ps(m == 0.f ? 0.f : kQueryLevels / m), hi = _mm512_set1_ps(kQueryLevels);
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 v = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_loadu_ps(r + d), inv), -hi), hi);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + d), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(v)));
+  }
+  return m / kQueryLevels;
+}
+#endif
+
+// A decode task's query rows for the integer dots, in its scratch after the scaled queries: each int16
+// value split into a high and a low signed byte (q = 256 hi + lo), four dims a word as a K row's words
+// hold them; 128 * the row's sum (vpdpbusd takes the keys unsigned, as k + 128, so that
+// sum (k + 128) q = k.q + 128 sum q); the row's scale.
+struct QueryWords {
+  int32_t* hi;      // [rows, D / 4]
+  int32_t* lo;      // [rows, D / 4]
+  int32_t* offset;  // [rows]
+  float* scale;     // [rows]
+  QueryWords(float* base, int64_t rows, int64_t D)
+      : hi(reinterpret_cast<int32_t*>(base)), lo(hi + rows * D / 4), offset(lo + rows * D / 4),
+        scale(reinterpret_cast<float*>(offset + rows)) {}
+  static constexpr int64_t floats(int64_t rows, int64_t D) { return rows * (D / 2 + 2); }
+
+#ifdef CBSERVE_INT_DOTS
+  // Rows qs [rows, D] (rotated and scaled) rounded and split.
+  void fill(const float* qs, int64_t rows, int64_t D) {
+    std::vector<int16_t> q(static_cast<size_t>(D));
+    for (int64_t r = 0; r < rows; ++r) {
+      scale[r] = quantize_query(qs + r * D, D, q.data());
+      int32_t sum = 0;
+      uint8_t* h = reinterpret_cast<uint8_t*>(hi + r * D / 4);
+      uint8_t* l = reinterpret_cast<uint8_t*>(lo + r * D / 4);
+      for (int64_t d = 0; d < D; ++d) {
+        const int32_t low = static_cast<int8_t>(static_cast<uint8_t>(q[d] & 0xFF));
+        l[d] = static_cast<uint8_t>(low);
+        h[d] = static_cast<uint8_t>((q[d] - low) >> 8);
+        sum += q[d];
+      }
+      offset[r] = 128 * sum;
+    }
+  }
+#endif
+};
+
 // ------------------------------------------------------------------------- shared by both kernels
 //
 // A row's softmax, computed alike by both kernels (see "One row, one result" in the header): the
@@ -372,7 +474,7 @@ inline __m512 word_dim(__m512i w, int b) {
 // are loaded and transposed (64 shuffles: the price of that order here) and meet every query at once.
 // The first pass over a block (`pump` set) moves the pump along two rows at a time as it loads them.
 template <int NC, int GB, class T>
-inline void keys_dots(const Task<T>& t, const float* qs, int64_t r0, int64_t h, int64_t j0, int64_t count,
+inline void keys_dots(const Task<T>& t, float* qs, int64_t r0, int64_t h, int64_t j0, int64_t count,
                       float* scores, Pump<T>* pump) {
   constexpr int64_t D = 16 * NC, kWords = D / kPerWord<T>;
   const T* kr[kBlock];
@@ -380,6 +482,12 @@ inline void keys_dots(const Task<T>& t, const float* qs, int64_t r0, int64_t h, 
   const float* q = qs + r0 * D;
   __m512 acc[GB];
   for (int g = 0; g < GB; ++g) acc[g] = _mm512_setzero_ps();
+#ifdef CBSERVE_INT_DOTS
+  // The integer dots' sums of the high and the low bytes.
+  const QueryWords words(qs + t.hs * t.G * D, t.hs * t.G, D);
+  __m512i hi[GB], lo[GB];
+  for (int g = 0; g < GB; ++g) hi[g] = lo[g] = _mm512_setzero_si512();
+#endif
   for (int64_t w0 = 0; w0 < kWords; w0 += 16) {
     __m512 rows[16], cols[16];
     if constexpr (std::is_same_v<T, float>) {
@@ -403,6 +511,18 @@ inline void keys_dots(const Task<T>& t, const float* qs, int64_t r0, int64_t h, 
 #pragma GCC unroll 16
     for (int l = 0; l < 16; ++l) {
       if (w0 + l >= kWords) break;
+#ifdef CBSERVE_INT_DOTS
+      if constexpr (kIntDots<T>) {
+        const __m512i k = _mm512_xor_si512(_mm512_castps_si512(cols[l]), _mm512_set1_epi32(int32_t(0x80808080)));
+#pragma GCC unroll 4
+        for (int g = 0; g < GB; ++g) {
+          const int64_t w = (r0 + g) * kWords + w0 + l;
+          hi[g] = _mm512_dpbusd_epi32(hi[g], k, _mm512_set1_epi32(words.hi[w]));
+          lo[g] = _mm512_dpbusd_epi32(lo[g], k, _mm512_set1_epi32(words.lo[w]));
+        }
+        continue;
+      }
+#endif
 #pragma GCC unroll 4
       for (int b = 0; b < kPerWord<T>; ++b) {
         const __m512 kv = word_dim<T>(_mm512_castps_si512(cols[l]), b);
@@ -413,13 +533,21 @@ inline void keys_dots(const Task<T>& t, const float* qs, int64_t r0, int64_t h, 
     }
   }
   const __mmask16 keep = __mmask16((1u << count) - 1);
+#ifdef CBSERVE_INT_DOTS
+  if constexpr (kIntDots<T>)
+    for (int g = 0; g < GB; ++g) {
+      const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi[g], 8), lo[g]),
+                                           _mm512_set1_epi32(words.offset[r0 + g]));
+      acc[g] = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(words.scale[r0 + g]));
+    }
+#endif
   for (int g = 0; g < GB; ++g) _mm512_mask_storeu_ps(scores + (r0 + g) * t.n + j0, keep, acc[g]);
 }
 
 // The dots of one head's G queries with keys [j0, j0 + count) of the slot range (keys_dots), up to
 // four queries a pass.
 template <int NC, class T>
-inline void head_dots(const Task<T>& t, const float* qs, int64_t h, int64_t j0, int64_t count, float* scores,
+inline void head_dots(const Task<T>& t, float* qs, int64_t h, int64_t j0, int64_t count, float* scores,
                       Pump<T>& pump) {
   for (int64_t r0 = h * t.G; r0 < (h + 1) * t.G; r0 += 4) {
     Pump<T>* moves = r0 == h * t.G ? &pump : nullptr;
@@ -813,7 +941,7 @@ inline void scale_by_rows(const Task<T>& t, const T* pool, int64_t j0, int64_t c
 // The dots of every (head, query) row of a task with keys [j0, j0 + count): on a vector path a head
 // at a time, else row by row on the portable loops.
 template <int NC, class T>
-inline void block_dots(const Task<T>& t, const float* qs, int64_t j0, int64_t count, float* scores, Pump<T>& pump) {
+inline void block_dots(const Task<T>& t, float* qs, int64_t j0, int64_t count, float* scores, Pump<T>& pump) {
 #ifdef __AVX512F__
   if constexpr (NC > 0) {
     for (int64_t h = 0; h < t.hs; ++h) head_dots<NC>(t, qs, h, j0, count, scores, pump);
@@ -844,6 +972,9 @@ void run_task(const Task<T>& t, float* scores) {
   float* qs = scores + rows * t.n;
   if constexpr (NC > 0)
     for (int64_t i = 0; i < rows * t.D; ++i) qs[i] = t.q[i] * t.scale;
+#ifdef CBSERVE_INT_DOTS
+  if constexpr (kIntDots<T> && NC > 0) QueryWords(qs + rows * t.D, rows, t.D).fill(qs, rows, t.D);
+#endif
   Pump<T> pump(t);
   for (int64_t j0 = 0; j0 < t.n; j0 += kBlock) {
     const int64_t count = std::min(kBlock, t.n - j0);
@@ -948,7 +1079,7 @@ const T* pool_data(const at::Tensor& cache) {
 // chunk's queries before the tasks (a copy) and over its outputs after them (each row back from
 // memory) had made the int8 prefill slower than the bfloat16 one.
 
-// q [T, H, D] (any token stride) as a new contiguous tensor with every head rotated.
+// q [T, H, D] (any token stride) as a new contiguous tensor with every head rotated and rounded.
 at::Tensor rotated_queries(const at::Tensor& q) {
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   at::Tensor r = at::empty({T, H, D}, q.options());
@@ -958,7 +1089,10 @@ at::Tensor rotated_queries(const at::Tensor& q) {
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       std::copy(src + t * sq, src + t * sq + H * D, dst + t * H * D);
-      for (int64_t h = 0; h < H; ++h) hadamard::rotate(dst + (t * H + h) * D, D);
+      for (int64_t h = 0; h < H; ++h) {
+        hadamard::rotate(dst + (t * H + h) * D, D);
+        round_query(dst + (t * H + h) * D, D);
+      }
     }
   });
   return r;
@@ -1012,7 +1146,8 @@ void paged_decode(
     const int64_t hd = D + kScaleElems<T>;
     std::atomic<int64_t> next{0};
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-      std::vector<float> scores(static_cast<size_t>(hs * G * (L + D)));  // + run_task's scaled queries
+      // + run_task's scaled queries and their integer words
+      std::vector<float> scores(static_cast<size_t>(hs * G * (L + D) + QueryWords::floats(hs * G, D)));
       for (int64_t task = next++; task < tasks; task = next++) {
         const int64_t b = task / parts, h0 = (task % parts) * hs;
         const Task<T> t{
@@ -1075,8 +1210,8 @@ inline void prefill_ranges(const PrefillTask<T>& t, int64_t Rp, int32_t* lo, int
   }
 }
 
-// Query row r of the task, as the dots read it: where the pool is int8, copied into `buf` and rotated
-// there by rotated_queries' own steps, so that the prefill reads the bits the decode kernel reads, with
+// Query row r of the task, as the dots read it: where the pool is int8, copied into `buf`, rotated and
+// rounded there by rotated_queries' own steps, so that the prefill reads the bits the decode kernel reads, with
 // no pass over the whole chunk's queries before the tasks (and no copy of them).
 template <class T>
 inline const float* query_row(const PrefillTask<T>& t, int64_t r, float* buf) {
@@ -1084,6 +1219,7 @@ inline const float* query_row(const PrefillTask<T>& t, int64_t r, float* buf) {
   if constexpr (!kScaled<T>) return src;
   std::copy(src, src + t.D, buf);
   hadamard::rotate(buf, t.D);
+  round_query(buf, t.D);
   return buf;
 }
 
@@ -1134,6 +1270,53 @@ inline void prefill_scores(const float* qt, int64_t Rp, const float* const* kr, 
   }
 }
 
+#ifdef CBSERVE_INT_DOTS
+// Keys per pass of prefill_scores_int: 4 x GR int32 sums. With 8 x 3, as the float scores take, GCC
+// kept the sums on the stack (loaded and stored around every vpdpwssd) where it keeps float ones in
+// registers.
+constexpr int kIntKeys = 4;
+static_assert(kKeys % kIntKeys == 0);
+
+// prefill_scores for the integer dots: the rows' int16 values as pairs of dims per lane (qp [D / 2, Rp]),
+// each key's as a broadcast pair (kp[u] [D / 2]), two products a lane per vpdpwssd into exact int32
+// sums; a score is float(dot) * its row's scale (sq [Rp]), then * the key's scale ks[u].
+template <int NC, int GR>
+inline void prefill_scores_int(const int32_t* qp, const float* sq, int64_t Rp, const int32_t* const* kp, float* st,
+                               int64_t keys, const float* ks) {
+  for (int u0 = 0; u0 < keys; u0 += kIntKeys) {
+    __m512i acc[kIntKeys][GR];
+    for (int u = 0; u < kIntKeys; ++u)
+      for (int g = 0; g < GR; ++g) acc[u][g] = _mm512_setzero_si512();
+    for (int64_t p = 0; p < NC * 8; ++p) {
+      __m512i qv[GR];
+      for (int g = 0; g < GR; ++g) qv[g] = _mm512_loadu_si512(qp + p * Rp + g * kLanes);
+      for (int u = 0; u < kIntKeys; ++u) {
+        const __m512i kv = _mm512_set1_epi32(kp[u0 + u][p]);
+        for (int g = 0; g < GR; ++g) acc[u][g] = _mm512_dpwssd_epi32(acc[u][g], qv[g], kv);
+      }
+    }
+    for (int64_t u = 0; u < std::min<int64_t>(kIntKeys, keys - u0); ++u) {
+      const __m512 s = _mm512_set1_ps(ks[u0 + u]);
+      for (int g = 0; g < GR; ++g) {
+        const __m512 score = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[u][g]), _mm512_loadu_ps(sq + g * kLanes));
+        _mm512_storeu_ps(st + (u0 + u) * Rp + g * kLanes, _mm512_mul_ps(score, s));
+      }
+    }
+  }
+}
+
+// An int8 K row's D values as int16 pairs, the operand layout of vpdpwssd (dims 2p, 2p + 1 in lane p).
+template <int NC>
+inline void key_pairs(const i8* row, int32_t* out) {
+  int c = 0;
+  for (; c + 2 <= NC; c += 2)
+    _mm512_storeu_si512(out + 8 * c, _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * c))));
+  if (c < NC)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 8 * c),
+                        _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c))));
+}
+#endif
+
 // hadamard::rotate's steps on a head of NC vectors held in registers (D = 16 NC: blocks of 64 where
 // 4 divides NC, else of 16), so that a query or an output row is rotated where it is loaded or made,
 // with no pass through memory (a row stored and read back at once waited on the store).
@@ -1173,10 +1356,31 @@ inline void prefill_queries16(const PrefillTask<T>& t, int64_t Rp, float* qt) {
         __m512 v[NC];
         for (int c = 0; c < NC; ++c) v[c] = _mm512_loadu_ps(src[i] + 16 * c);
         rotate_head<NC>(v);
+        round_query16<NC>(v);
         for (int c = 0; c < NC; ++c) _mm512_store_ps(rotated[i] + 16 * c, _mm512_mul_ps(v[c], scale));
         src[i] = rotated[i];
       }
     }
+#ifdef CBSERVE_INT_DOTS
+    if constexpr (kIntDots<T>) {
+      // qt as the integer dots read it: int16 pairs [D / 2, Rp], then the rows' scales [Rp].
+      int32_t* pairs = reinterpret_cast<int32_t*>(qt);
+      float* scales = reinterpret_cast<float*>(pairs + D / 2 * Rp);
+      // Each row's int16 values, as 32-bit pairs, padded to whole vectors of pairs; then 16 rows' pairs
+      // transposed in registers, as the float queries are.
+      constexpr int64_t kPairVectors = (NC + 1) / 2;
+      alignas(64) int16_t q[kLanes][32 * kPairVectors] = {};
+      for (int64_t i = 0; i < kLanes; ++i) scales[r0 + i] = src[i] == nullptr ? 0.f : quantize_query(src[i], D, q[i]);
+      for (int64_t c = 0; c < kPairVectors; ++c) {
+        __m512 in[kLanes], words[kLanes];
+        for (int64_t i = 0; i < kLanes; ++i) in[i] = _mm512_load_ps(reinterpret_cast<const float*>(q[i] + 32 * c));
+        transpose16(in, words);
+        for (int64_t l = 0; l < 16 && 16 * c + l < D / 2; ++l)
+          _mm512_storeu_si512(pairs + (16 * c + l) * Rp + r0, _mm512_castps_si512(words[l]));
+      }
+      continue;
+    }
+#endif
     for (int c = 0; c < NC; ++c) {
       __m512 in[kLanes], dims[kLanes];
       for (int64_t i = 0; i < kLanes; ++i) {
@@ -1264,9 +1468,34 @@ void run_prefill(const PrefillTask<T>& t, float* qt, float* st) {
   const int64_t vectors = Rp / kLanes;
   for (int64_t j = 0; j < t.nk; j += kKeys) {
     const int64_t keys = std::min(kKeys, t.nk - j);
+    float ks[kKeys];
+#ifdef CBSERVE_INT_DOTS
+    if constexpr (kIntDots<T>) {
+      alignas(64) int32_t pairs[kKeys][8 * NC];
+      const int32_t* kp[kKeys];
+      for (int64_t u = 0; u < kKeys; ++u) {
+        const T* row = t.k + t.slot[t.j0 + j + std::min(u, keys - 1)] * t.stride;
+        key_pairs<NC>(row, pairs[u]);
+        kp[u] = pairs[u];
+        ks[u] = row_scale(row, t.D);
+      }
+      const int32_t* qp = reinterpret_cast<const int32_t*>(qt);
+      const float* sq = reinterpret_cast<const float*>(qp + 8 * NC * Rp);
+      for (int64_t g0 = 0; g0 < vectors; g0 += 3) {
+        const int32_t* qg = qp + g0 * kLanes;
+        const float* sg = sq + g0 * kLanes;
+        float* out = st + j * Rp + g0 * kLanes;
+        switch (std::min<int64_t>(3, vectors - g0)) {
+          case 3: prefill_scores_int<NC, 3>(qg, sg, Rp, kp, out, keys, ks); break;
+          case 2: prefill_scores_int<NC, 2>(qg, sg, Rp, kp, out, keys, ks); break;
+          default: prefill_scores_int<NC, 1>(qg, sg, Rp, kp, out, keys, ks); break;
+        }
+      }
+      continue;
+    }
+#endif
     alignas(64) float widened[kKeys][16 * NC];
     const float* kr[kKeys];
-    float ks[kKeys];
     for (int64_t u = 0; u < kKeys; ++u) {
       const T* row = t.k + t.slot[t.j0 + j + std::min(u, keys - 1)] * t.stride;
       kr[u] = f32_row(row, widened[u], 16 * NC);
