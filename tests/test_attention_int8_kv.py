@@ -5,9 +5,9 @@ quantized per row. The kernels rotate the queries instead of the keys and the ou
 rotated query row to 15 bits of its own scale (`round_queries`; with AVX512-VNNI the dots are then
 exact integer sums) and apply each row's scale once, so on every vector path they give the float32
 result of the rounded queries on the dequantized pool within float32 rounding. Against the
-unquantized K/V the error is the format's: each stored value is within half its row's scale of the rotated original,
-and `format_bound` carries that through the rotation back, the scores, the softmax and the sum of
-values.
+unquantized K/V the error is the format's: each stored value is within half its row's scale of the
+rotated original, and `format_bound` carries that and the queries' rounding through the rotation
+back, the scores, the softmax and the sum of values.
 """
 
 from __future__ import annotations
