@@ -390,6 +390,9 @@ struct Task {
 // (and each K row loaded once a head) cut W1's decode attention by about 40%. Of 48-256 lines ahead,
 // 144-256 ran alike. The reads advance in elements and the pump
 // counts lines of the element type: the distance ahead is bytes in flight, whatever an element's size.
+// The lines go into L2, not L1: a prefetch into L1 holds one of the core's few L1 miss buffers until
+// memory answers, and with them all taken the reads (and the next prefetches) stalled; into L2 the
+// reads find the lines one level nearer and the pump never waits (docs/performance.md has both).
 template <class T>
 class Pump {
  public:
@@ -410,7 +413,7 @@ class Pump {
         const T* row = row_ < t_.n ? t_.k + t_.slot[row_] * t_.stride : t_.v + t_.slot[row_ - t_.n] * t_.stride;
         base_ = reinterpret_cast<const char*>(row);
       }
-      __builtin_prefetch(base_ + 64 * line_);
+      __builtin_prefetch(base_ + 64 * line_, 0, 1);  // into L2 (prefetcht2): see the class comment
       if (++line_ == lines_) {
         line_ = 0;
         pos_ = ++row_ * row_elems_;
