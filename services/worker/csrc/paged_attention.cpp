@@ -250,11 +250,12 @@ struct QueryWords {
   static constexpr int64_t floats(int64_t rows, int64_t D) { return rows * (D / 2 + 2); }
 
 #ifdef CBSERVE_INT_DOTS
-  // Rows qs [rows, D] (rotated and scaled) rounded and split.
+  // Rows qs [rows, D] (rotated and scaled; D at most 128, the vector paths' largest head) rounded and
+  // split. Once per decode task: on the stack, not a heap allocation each time.
   void fill(const float* qs, int64_t rows, int64_t D) {
-    std::vector<int16_t> q(static_cast<size_t>(D));
+    alignas(64) int16_t q[128];
     for (int64_t r = 0; r < rows; ++r) {
-      scale[r] = quantize_query(qs + r * D, D, q.data());
+      scale[r] = quantize_query(qs + r * D, D, q);
       int32_t sum = 0;
       uint8_t* h = reinterpret_cast<uint8_t*>(hi + r * D / 4);
       uint8_t* l = reinterpret_cast<uint8_t*>(lo + r * D / 4);
