@@ -173,17 +173,14 @@ inline const float* f32_row(const T* row, float* buf, int64_t n) {
 // the keys' 8), on every path (round_query, round_query16, and torch's for the generic path). With
 // AVX512-VNNI a query-key dot is then an exact int32 sum of int16 queries times int8 keys, four (or
 // two) products an instruction where the float dots widened every key element and multiplied it in
-// one FMA per query; the prefill's scores took 1.25x less time. An exact sum is the same in any order, so the
-// decode kernel (keys across the lanes, vpdpbusd) and the prefill (query rows across the lanes,
-// vpdpwssd) still give a row the same bits: each score is float(dot) * the row's scale, then * the
-// key's scale, in that order in both. Elsewhere the rounded rows go through the float dots.
+// one FMA per query (docs/performance.md has the kernels' times). An exact sum is the same in any
+// order, so the decode kernel (keys across the lanes, vpdpbusd) and the prefill (query rows across the
+// lanes, vpdpwssd) still give a row the same bits: each score is float(dot) * the row's scale, then *
+// the key's scale, in that order in both. Elsewhere the rounded rows go through the float dots.
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 #define CBSERVE_INT_DOTS 1
 template <class T>
-constexpr bool kIntDots = kScaled<T>;
-#else
-template <class T>
-constexpr bool kIntDots = false;
+constexpr bool kIntDots = kScaled<T>;  // only read under CBSERVE_INT_DOTS
 #endif
 
 // At most 127 * 256 + 127, so that the decode kernel can split each value into a high and a low signed
@@ -1215,8 +1212,8 @@ inline void prefill_ranges(const PrefillTask<T>& t, int64_t Rp, int32_t* lo, int
 }
 
 // Query row r of the task, as the dots read it: where the pool is int8, copied into `buf`, rotated and
-// rounded there by rotated_queries' own steps, so that the prefill reads the bits the decode kernel reads, with
-// no pass over the whole chunk's queries before the tasks (and no copy of them).
+// rounded there by rotated_queries' own steps, so that the prefill reads the bits the decode kernel
+// reads, with no pass over the whole chunk's queries before the tasks (and no copy of them).
 template <class T>
 inline const float* query_row(const PrefillTask<T>& t, int64_t r, float* buf) {
   const float* src = t.q + (r / t.G) * t.sq + (r % t.G) * t.D;
