@@ -381,53 +381,44 @@ struct Task {
   float scale, cap;
 };
 
-// A task reads one stream of rows, its K rows then its V rows, each `lines` cache lines (all the
-// task's heads); the pump keeps kAheadLines of it prefetched ahead of the reads, a few lines each time
-// the reads advance. Prefetching a whole block's rows at once (16 keys, 192 lines) outran what a core
-// can have in flight, and the reads waited for memory instead of overlapping the arithmetic; the pump
-// (and each K row loaded once a head) cut W1's decode attention by about 40%. Of 48-256 lines ahead,
-// 144-256 ran alike. The reads advance in elements and the pump
-// counts lines of the element type: the distance ahead is bytes in flight, whatever an element's size.
-// The lines go into L2, not L1: a prefetch into L1 holds one of the core's few L1 miss buffers until
-// memory answers, and with them all taken the reads (and the next prefetches) stalled; into L2 the
-// reads find the lines one level nearer and the pump never waits (docs/performance.md has both).
+// A task reads one stream of rows, its K rows then its V rows (each all the task's heads, one
+// contiguous read); the pump keeps kAheadLines lines of bytes prefetched ahead of the reads, a row at
+// a time as the reads advance. Pages are scattered, so the hardware prefetcher loses the stream at
+// every page boundary, and prefetching a whole block's rows at once outran what a core can have in
+// flight (the reads then waited for memory instead of overlapping the arithmetic): the pump paces
+// them. Each line is prefetched once: an int8 row (D values and a scale a head) is no whole number of
+// lines, and the next slot's row starts on the line where this one ends. The lines go into L2, not L1:
+// a prefetch into L1 holds one of the core's few L1 miss buffers until memory answers, and with them
+// all taken the reads (and the next prefetches) stalled (docs/performance.md has the measurements).
 template <class T>
 class Pump {
  public:
-  explicit Pump(const Task<T>& t)
-      : t_(t), row_elems_(t.hs * t.hd), lines_((row_elems_ * int64_t{sizeof(T)} + 63) / 64),
-        end_(2 * t.n * row_elems_) {
-    target_ = kAheadLines * kLineElems;
+  explicit Pump(const Task<T>& t) : t_(t), row_bytes_(t.hs * t.hd * int64_t{sizeof(T)}), rows_(2 * t.n) {
     advance(0);
   }
 
-  // The reads moved `elements` further along the stream: values of whole head rows (a multiple of D),
-  // which in an int8 stream are followed by their scales.
-  inline void advance(int64_t elements) {
-    if constexpr (kScaled<T>) target_ += elements / t_.D * t_.hd;
-    else target_ += elements;
-    for (const int64_t stop = std::min(target_, end_); pos_ < stop;) {
-      if (line_ == 0) {
-        const T* row = row_ < t_.n ? t_.k + t_.slot[row_] * t_.stride : t_.v + t_.slot[row_ - t_.n] * t_.stride;
-        base_ = reinterpret_cast<const char*>(row);
-      }
-      __builtin_prefetch(base_ + 64 * line_, 0, 1);  // into L2 (prefetcht2): see the class comment
-      if (++line_ == lines_) {
-        line_ = 0;
-        pos_ = ++row_ * row_elems_;
-      } else {
-        pos_ += kLineElems;
-      }
+  // The reads moved past `head_rows` more head rows of the stream (D values each, and in an int8
+  // stream their scale).
+  inline void advance(int64_t head_rows) {
+    target_ += head_rows * t_.hd * int64_t{sizeof(T)};
+    for (; pos_ < target_ && row_ < rows_; pos_ += row_bytes_, ++row_) {
+      const T* row = row_ < t_.n ? t_.k + t_.slot[row_] * t_.stride : t_.v + t_.slot[row_ - t_.n] * t_.stride;
+      const uintptr_t first = reinterpret_cast<uintptr_t>(row) / 64;
+      const uintptr_t last = (reinterpret_cast<uintptr_t>(row) + row_bytes_ - 1) / 64;
+      // A row that starts on the line where the one before it ended (the next slot of a page)
+      // takes its lines from the one after.
+      for (uintptr_t line = first == last_ ? first + 1 : first; line <= last; ++line)
+        __builtin_prefetch(reinterpret_cast<const char*>(line * 64), 0, 1);  // into L2 (prefetcht2)
+      last_ = last;
     }
   }
 
  private:
-  static constexpr int64_t kLineElems = 64 / sizeof(T);
   const Task<T>& t_;
-  const int64_t row_elems_, lines_, end_;
-  int64_t target_ = 0, pos_ = 0;  // elements of the stream: to prefetch up to, where the next line starts
-  int64_t row_ = 0, line_ = 0;    // where pos_ is: a row of the stream and a line of it
-  const char* base_ = nullptr;
+  const int64_t row_bytes_, rows_;
+  int64_t target_ = kAheadLines * 64, pos_ = 0;  // bytes of the stream: to prefetch up to, prefetched
+  int64_t row_ = 0;                               // the next row of the stream to prefetch
+  uintptr_t last_ = 0;                            // the last line prefetched
 };
 
 #ifdef __AVX512F__
@@ -494,7 +485,7 @@ inline void keys_dots(const Task<T>& t, float* qs, int64_t r0, int64_t h, int64_
     if constexpr (std::is_same_v<T, float>) {
 #pragma GCC unroll 16
       for (int i = 0; i < 16; ++i) {
-        if (pump != nullptr && w0 == 0 && i % 2 == 0) pump->advance(2 * D);
+        if (pump != nullptr && w0 == 0 && i % 2 == 0) pump->advance(2);
         rows[i] = _mm512_loadu_ps(kr[i] + w0);
       }
     } else {
@@ -503,7 +494,7 @@ inline void keys_dots(const Task<T>& t, float* qs, int64_t r0, int64_t h, int64_
       const __mmask16 words = __mmask16(kWords - w0 >= 16 ? 0xFFFF : (1u << (kWords - w0)) - 1);
 #pragma GCC unroll 16
       for (int i = 0; i < 16; ++i) {
-        if (pump != nullptr && w0 == 0 && i % 2 == 0) pump->advance(2 * D);
+        if (pump != nullptr && w0 == 0 && i % 2 == 0) pump->advance(2);
         rows[i] = _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(words, kr[i] + w0 * kPerWord<T>));
       }
     }
@@ -572,7 +563,7 @@ inline void weighted_block(const Task<T>& t, const float* w, int64_t head_off, i
     for (int c = 0; c < NC; ++c)
       acc[g][c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + g * t.D + 16 * c);
   for (int64_t j = j0; j < j1; ++j) {
-    if (pump != nullptr) pump->advance(16 * NC);
+    if (pump != nullptr) pump->advance(1);
     const T* vr = t.v + t.slot[j] * t.stride + head_off;
     __m512 v[NC];
     for (int c = 0; c < NC; ++c) v[c] = load16(vr + 16 * c);
@@ -949,7 +940,7 @@ inline void block_dots(const Task<T>& t, float* qs, int64_t j0, int64_t count, f
     return;
   }
 #endif
-  pump.advance(count * t.hs * t.D);
+  pump.advance(count * t.hs);
 #ifdef CBSERVE_AVX2
   if constexpr (NC > 0) {
     for (int64_t h = 0; h < t.hs; ++h) head_dots_avx2<NC>(t, qs, h, j0, count, scores);
@@ -996,7 +987,7 @@ void run_task(const Task<T>& t, float* scores) {
       continue;
     }
 #endif
-    pump.advance((j1 - j0) * t.hs * t.D);
+    pump.advance((j1 - j0) * t.hs);
     for (int64_t h = 0; h < t.hs; ++h) {
       const int64_t r = h * t.G;
       head_weighted<NC>(t, scores + r * t.n, h * t.hd, j0, j1, inv + r, t.out + r * t.D, j0 == 0, j1 == t.n);
