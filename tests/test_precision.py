@@ -265,7 +265,9 @@ def test_int8_teacher_forced_top1_agreement_with_float32(
 def test_int8_quarters_the_layers_weight_bytes(smollm2_dir: Path) -> None:
     """The int8 panels are a quarter of float32's plus two lines (scales, offsets) per group of G k:
     (1/4 + 2/G) of float32's where G divides K (SmolLM2's 576 and 1536), and they are the layers'
-    only copy: what the start-up line states drops by the plain weights and their float32 panels."""
+    only copy: what the start-up line states drops by the float32 panels (and the copy that many
+    rows go to, where this CPU's crossover keeps one), less the int8 ones. Neither holds the plain
+    weights: the fused forward lets them go."""
     from services.worker import kernels
     from tests.kernel_modules import built, panel_linear_module
 
@@ -280,14 +282,17 @@ def test_int8_quarters_the_layers_weight_bytes(smollm2_dir: Path) -> None:
             [w for layer in e.runner.fused.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
             for e in (fp32, int8)
         ]
-        plain = sum(w.weight.nbytes for w in layers[0])
+        many_rows = sum(
+            w.many_rows.numel() * w.many_rows.element_size() for w in layers[0] if w.many_rows is not None
+        )
         panels32, panels8 = (sum(w.packed.nbytes for w in ws) for ws in layers)
+        assert all(w.weight.device.type == "meta" for w in layers[0])
         assert all(w.weight.device.type == "meta" and w.many_rows is None for w in layers[1])
         for w32, w8 in zip(*layers, strict=True):  # [panels, lines, 4 x panel width]: a line per 4 k
             panels, k, lanes = w32.packed.shape
             assert k % group == 0 and w8.packed.shape == (panels, k // 4 + 2 * (k // group), 4 * lanes)
         assert 4 * group * panels8 == (group + 8) * panels32, (panels8, panels32)  # 1/4 + 2/group
-        assert fp32.runner.weight_bytes() - int8.runner.weight_bytes() == plain + panels32 - panels8
+        assert fp32.runner.weight_bytes() - int8.runner.weight_bytes() == many_rows + panels32 - panels8
         stated = [e.runner.describe()["weight_bytes"] for e in (int8, fp32)]
         print(f"weight_bytes: int8 {stated[0]} / float32 {stated[1]} = {stated[0] / stated[1]:.3f}")
 

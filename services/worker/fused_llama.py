@@ -131,9 +131,20 @@ class FusedLlama:
         self.ops = ops
         geometry = LlamaGeometry.of(model)
         self.eps, self.head_dim, self.num_heads, self.kv_heads, self.scale = astuple(geometry)
+        # Only the packed copies are read (transformers' forward no longer runs): the plain weights go,
+        # but for a head tied to the embedding, whose rows the embedding still reads. What stays (the
+        # embedding, the norms, biases) is first copied out of the checkpoint: a tensor loaded from
+        # safetensors is a view of the file's mapping, and one view kept would keep every page of the
+        # file that the packing reads resident.
+        linears = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+        with torch.no_grad():
+            for p in model.parameters():
+                if id(p) not in linears or p is inner.embed_tokens.weight:
+                    p.data = p.data.clone()
         self.embed = inner.embed_tokens.weight
         self.final_norm = inner.norm.weight.detach().float()
-        self.lm_head = PackedWeight.of(head_ops, head, many_rows=False)  # sampled rows only
+        tied = head.weight.data_ptr() == self.embed.data_ptr()
+        self.lm_head = PackedWeight.of(head_ops, head, many_rows=False, plain=tied)  # sampled rows only
         self.layers = []
         for layer in geometry.layers(model):
             attn, mlp = layer.self_attn, layer.mlp
@@ -141,10 +152,10 @@ class FusedLlama:
                 _Layer(
                     input_norm=layer.input_layernorm.weight.detach().float(),
                     post_norm=layer.post_attention_layernorm.weight.detach().float(),
-                    qkv=PackedWeight.of(linear_ops, attn.q_proj, attn.k_proj, attn.v_proj),
-                    o=PackedWeight.of(linear_ops, attn.o_proj),
-                    gate_up=PackedWeight.of(linear_ops, mlp.gate_proj, mlp.up_proj, gated=True),
-                    down=PackedWeight.of(linear_ops, mlp.down_proj),
+                    qkv=PackedWeight.of(linear_ops, attn.q_proj, attn.k_proj, attn.v_proj, plain=False),
+                    o=PackedWeight.of(linear_ops, attn.o_proj, plain=False),
+                    gate_up=PackedWeight.of(linear_ops, mlp.gate_proj, mlp.up_proj, gated=True, plain=False),
+                    down=PackedWeight.of(linear_ops, mlp.down_proj, plain=False),
                 )
             )
         # transformers' own cos/sin for every position, computed once (the same products per position).

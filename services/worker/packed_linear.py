@@ -6,16 +6,17 @@ the weights' reads set the pace. Products of many rows go to torch's GEMM where 
 faster (`gemm_crossover`), on weights prepared for it once (`torch_gemm`: oneDNN's reordered copy where
 torch has oneDNN, else the plain weights). `pack_linears` swaps every `nn.Linear` of a CPU float32
 model for a `PackedLinear` that keeps the original parameters (tied weights, `.weight` readers and
-checkpoints see no change) plus the packed copy. Results equal torch's GEMM up to fp32 summation
-order, as any change of batch shape does.
+checkpoints see no change: transformers' forward still runs the model) plus the packed copy. Results
+equal torch's GEMM up to fp32 summation order, as any change of batch shape does.
 
-Weights may be bfloat16 (`FusedLlama` on a bfloat16 model): the panels then hold them in bfloat16,
-the inputs and outputs stay float32, and each product is bf16(x) times the weights, summed in float32,
-on the panels and on torch's GEMM alike. Or int8 (`--quantization int8`): the panels hold the only
-copy, rounded in groups of 32 consecutive inputs of each output channel, each group on a float32
-scale of its own (llama.cpp's Q8_0), and the plain weights are let go (the linears' parameters
-become meta tensors of their shape), so that the weights' bytes drop to about (1/4 + 2/32) of
-float32's: a quarter, plus each group's line of scales and line of offsets.
+`FusedLlama` reads only its packed copies, so it lets the plain weights go (`plain=False`: the
+linears' parameters become meta tensors of their shape) and a model's weights are held once, as the
+panels (and oneDNN's copy where many rows go to it). Weights may be bfloat16 (`FusedLlama` on a
+bfloat16 model): the panels then hold them in bfloat16, the inputs and outputs stay float32, and each
+product is bf16(x) times the weights, summed in float32, on the panels and on torch's GEMM alike. Or
+int8 (`--quantization int8`): rounded in groups of 32 consecutive inputs of each output channel, each
+group on a float32 scale of its own (llama.cpp's Q8_0), so that the weights' bytes drop to about
+(1/4 + 2/32) of float32's: a quarter, plus each group's line of scales and line of offsets.
 """
 
 from __future__ import annotations
@@ -63,12 +64,17 @@ class PackedWeight:
     gated: bool = False
 
     @classmethod
-    def of(cls, ops: Any, *linears: nn.Linear, many_rows: bool = True, gated: bool = False) -> PackedWeight:
+    def of(
+        cls, ops: Any, *linears: nn.Linear, many_rows: bool = True, gated: bool = False, plain: bool = True
+    ) -> PackedWeight:
         """Several linears' weights are concatenated once, and each linear's parameter becomes a view
-        of its rows: one plain copy of the weights stays, besides the packed one and, where this
-        CPU's crossover sends many rows to torch's GEMM, its prepared one. `many_rows=False` spares
-        that copy for a product that seldom has many rows (the LM head: the panels serve it at every
-        size). `gated`: the linears are an MLP's gate and up (one width, no biases)."""
+        of its rows: one plain copy of the weights stays (`plain`), besides the packed one and, where
+        this CPU's crossover sends many rows to torch's GEMM, its prepared one. `many_rows=False`
+        spares that copy for a product that seldom has many rows (the LM head: the panels serve it at
+        every size). `gated`: the linears are an MLP's gate and up (one width, no biases).
+        `plain=False` lets the plain copy go, for a forward that reads only this one: the linears'
+        parameters become meta tensors of their shape (the prepared copy keeps the storage where it
+        is the plain weight itself). An int8 packing always lets it go: the panels are the only copy."""
         if gated and (
             len(linears) != 2
             or any(lin.bias is not None for lin in linears)
@@ -92,7 +98,7 @@ class PackedWeight:
             if many_rows and ops.torch_from_rows < NEVER:
                 prepared = torch_gemm.prepare(weight.to(ops.dtype))
             packed = ops.pack_weight_gated(weight) if gated else ops.pack_weight(weight)
-            if ops.dtype == torch.int8:
+            if not plain or ops.dtype == torch.int8:
                 weight = weight.to("meta")
                 for lin in linears:
                     lin.weight = nn.Parameter(lin.weight.to("meta"), requires_grad=False)
