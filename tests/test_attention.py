@@ -14,13 +14,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.common.model_source import cbserve_home
+from services.common.config import CBConfig
+from services.common.model_source import cbserve_home, load_model
 from services.worker import gemm_crossover, kernels
 from services.worker.engine import Engine
 from services.worker.packed_linear import PackedLinear, PackedWeight, pack_linears
 from tests.attention_cases import causal_reference, decode_batch, gather_sdpa, prefill_batch, rotary_batch
 from tests.kernel_modules import built, native_kernels_off
-from tests.parity import CONFIGS, make_prompts, reference, reference_attn
+from tests.parity import CONFIGS, NEW_TOKENS, make_prompts, reference, reference_attn
 from tests.stack import REPO
 
 
@@ -293,6 +294,24 @@ def test_llama_shaped_families_run_the_fused_forward(
             attn = engine.model.model.layers[0].self_attn
             assert attn.k_proj.weight.is_meta and engine.runner.fused.layers[0].qkv.weight.is_meta
             assert attn.k_proj.weight.shape == (attn.k_proj.out_features, attn.k_proj.in_features)
+
+
+def test_a_model_taken_by_one_engine_serves_the_next_of_its_kind(tiny_models: Callable[[str], Path]) -> None:
+    """Our own forward lets the plain weights go once packed, so an engine takes the model it is given.
+    Another engine on the same model (the worker's, attaching to a restarted cachemgr) reuses the
+    packed forward and gives the same tokens; one of another quantization is refused with the reason,
+    not run on nothing."""
+    _fused_ops()
+    model, _ = load_model(tiny_models("llama"))
+    prompts = make_prompts(seed=5)
+    outputs = []
+    for _ in range(2):
+        with Engine(model, CBConfig.from_kwargs(num_blocks=64)) as engine:
+            assert engine.runner.fused is not None
+            outputs.append(engine.generate(prompts, NEW_TOKENS, ignore_eos=True))
+    assert outputs[0] == outputs[1] == reference(tiny_models("llama"), "sdpa", prompts)
+    with pytest.raises(ValueError, match="let go by the engine that packed them before"):
+        Engine(model, CBConfig.from_kwargs(num_blocks=64, quantization="int8"))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

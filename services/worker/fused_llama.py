@@ -29,6 +29,7 @@ changes with the sequence length, biases on the MLP, another activation, or no n
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import astuple, dataclass
 from typing import Any, cast
@@ -118,6 +119,12 @@ class LlamaGeometry:
         return list(cast(Any, model).model.layers[: config.num_hidden_layers])
 
 
+# Our forward lets a model's plain weights go once packed, so an engine takes the model it is given:
+# another engine on the same model (the worker's, when it attaches to a restarted cachemgr) gets the
+# forward already built for it, per quantization.
+_BUILT: weakref.WeakKeyDictionary[nn.Module, dict[str, FusedLlama]] = weakref.WeakKeyDictionary()
+
+
 class FusedLlama:
     name = "native"  # what the runner's start-up log calls this forward
     activation_dtype = torch.float32  # whatever the weights' (see the top)
@@ -180,7 +187,10 @@ class FusedLlama:
         linear_ops = own_ops if quantization == "none" else packed_linear_ops(*QUANTIZED[quantization])
         if ops is None or own_ops is None or linear_ops is None:
             return None
-        return cls(model, ops, linear_ops, linear_ops if HEAD_QUANTIZED else own_ops)
+        built = _BUILT.setdefault(model, {})
+        if quantization not in built:
+            built[quantization] = cls(model, ops, linear_ops, linear_ops if HEAD_QUANTIZED else own_ops)
+        return built[quantization]
 
     @torch.inference_mode()
     def __call__(

@@ -72,9 +72,15 @@ class PackedWeight:
         this CPU's crossover sends many rows to torch's GEMM, its prepared one. `many_rows=False`
         spares that copy for a product that seldom has many rows (the LM head: the panels serve it at
         every size). `gated`: the linears are an MLP's gate and up (one width, no biases).
-        `plain=False` lets the plain copy go, for a forward that reads only this one: the linears'
-        parameters become meta tensors of their shape (the prepared copy keeps the storage where it
-        is the plain weight itself). An int8 packing always lets it go: the panels are the only copy."""
+        `plain=False` lets the plain copy go, for a forward that reads only this one (int8 panels are
+        then the only copy): the linears' parameters become meta tensors of their shape (the prepared
+        copy keeps the storage where it is the plain weight itself)."""
+        if any(lin.weight.is_meta for lin in linears):
+            raise ValueError(
+                f"the weights of {linears} were let go by the engine that packed them before: an engine"
+                " takes the model it is given on the CPU, so one of another quantization needs a model of"
+                " its own"
+            )
         if gated and (
             len(linears) != 2
             or any(lin.bias is not None for lin in linears)
@@ -98,7 +104,7 @@ class PackedWeight:
             if many_rows and ops.torch_from_rows < NEVER:
                 prepared = torch_gemm.prepare(weight.to(ops.dtype))
             packed = ops.pack_weight_gated(weight) if gated else ops.pack_weight(weight)
-            if not plain or ops.dtype == torch.int8:
+            if not plain:
                 weight = weight.to("meta")
                 for lin in linears:
                     lin.weight = nn.Parameter(lin.weight.to("meta"), requires_grad=False)
