@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import functools
 import gc
@@ -148,17 +149,26 @@ class Check:
         of the native kernels: the Triton forward a GPU runs a Llama with would run under Triton's
         interpreter here, too slow for a check (tests/test_gpu_llama.py runs it on the CPU)."""
         cb = settings | self.graphs_settings(graphs)
-        if isinstance(model, Path):
-            engine = Engine.from_pretrained(model, device=self.device, **cb)
-        else:
-            engine = Engine(model, CBConfig.from_kwargs(**cb))
-        if self.device != "cuda":
-            if gpu_forward:
-                from tests.cuda_forward import cuda_like
 
-                cuda_like(engine)
-            if graphs:
-                engine.runner.use_graphs(eager_capture)
+        def build() -> Engine:
+            if isinstance(model, Path):
+                return Engine.from_pretrained(model, device=self.device, **cb)
+            # On a CPU our own forward takes the model it is given (it lets the plain weights go once
+            # packed): each engine gets a copy, as every system on a GPU reads the same weights.
+            return Engine(
+                model if self.device == "cuda" else copy.deepcopy(model), CBConfig.from_kwargs(**cb)
+            )
+
+        if self.device == "cuda":
+            return build()
+        if gpu_forward:
+            from tests.cuda_forward import cuda_like
+
+            engine = cuda_like(build)
+        else:
+            engine = build()
+        if graphs:
+            engine.runner.use_graphs(eager_capture)
         return engine
 
 

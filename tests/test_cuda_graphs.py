@@ -119,7 +119,7 @@ def test_greedy_outputs_equal_generate(
     rounds = [make_prompts(11, 3, shared), make_prompts(12, 4, shared)]
     generate = reference if device == "cpu" else cuda_reference
     if device == "cpu":  # a CPU refuses use_cuda_graph: the emulated graphs come after
-        engine = cuda_like(engine_for(model_dir, family, config_name, device))
+        engine = cuda_like(lambda: engine_for(model_dir, family, config_name, device))
         engine.runner.use_graphs(guarded_capture)
     else:
         engine = engine_for(model_dir, family, config_name, device, use_cuda_graph=use_cuda_graph)
@@ -142,7 +142,9 @@ def test_greedy_outputs_equal_generate(
 
 
 def test_a_decode_step_is_padded_to_its_bucket_with_phantom_rows(tiny_models: Callable[[str], Path]) -> None:
-    with cuda_like(Engine.from_pretrained(tiny_models("gemma2"), num_blocks=64, page_size=8)) as engine:
+    with cuda_like(
+        lambda: Engine.from_pretrained(tiny_models("gemma2"), num_blocks=64, page_size=8)
+    ) as engine:
         builder = engine.runner.builder
         tables = [[5, 6, 7], [9, 10, 11]]  # pages of the full and of the sliding group
         items = [BatchItem(20, [7], tables, sample=True), BatchItem(3, [8], tables, sample=False)]
@@ -160,7 +162,7 @@ def test_a_decode_step_is_padded_to_its_bucket_with_phantom_rows(tiny_models: Ca
 
 
 def test_static_inputs_are_views_of_one_buffer_per_input(tiny_models: Callable[[str], Path]) -> None:
-    with cuda_like(Engine.from_pretrained(tiny_models("llama"), num_blocks=64)) as engine:
+    with cuda_like(lambda: Engine.from_pretrained(tiny_models("llama"), num_blocks=64)) as engine:
         engine.runner.use_graphs(eager_capture)
         graphs = engine.runner.graphs
         assert graphs is not None
@@ -182,7 +184,7 @@ def test_a_decode_step_beyond_every_bucket_runs_eagerly(
     prompts = make_prompts(seed=7)
     short = [prompts[0][:10]]  # alone, it fits a bucket throughout
     cb = {"num_blocks": 256, "kv_padding_interval_size": 16, "max_requests_per_batch": 8}
-    with cuda_like(Engine.from_pretrained(model_dir, **cb)) as engine:
+    with cuda_like(lambda: Engine.from_pretrained(model_dir, **cb)) as engine:
         engine.runner.use_graphs(guarded_capture)
         graphs = engine.runner.graphs
         assert graphs is not None and graphs.count == 4
