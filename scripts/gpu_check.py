@@ -43,7 +43,6 @@ buckets and static inputs run eagerly, so that every path but the capture itself
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import dataclasses
 import functools
@@ -60,7 +59,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -76,6 +75,7 @@ from services.bench.offline.transformers_cb import hf_cb_collect, started_manage
 from services.bench.workload import Workload  # noqa: E402
 from services.common.config import CBConfig  # noqa: E402
 from services.common.sampling_params import SamplingParams  # noqa: E402
+from services.common.switches import switched  # noqa: E402
 from services.worker import attention_kernels, layer_forward  # noqa: E402
 from services.worker.cuda_graphs import eager_capture  # noqa: E402
 from services.worker.engine import Engine  # noqa: E402
@@ -175,23 +175,6 @@ class Check:
 def path_facts(engine: Engine) -> Entry:
     """Which forward and which attention kernels ran (layer_forward.py, attention_kernels.py)."""
     return {"forward": engine.runner.describe()["forward"], "attention": engine.runner.attention.name}
-
-
-@contextlib.contextmanager
-def switched(name: str, value: str | None) -> Iterator[None]:
-    """Environment variable `name` set to `value` for what runs inside (None: as it is)."""
-    if value is None:
-        yield
-        return
-    before = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = before
 
 
 def graph_facts(engine: Engine) -> Entry | None:

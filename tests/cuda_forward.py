@@ -3,9 +3,9 @@ the device check (scripts/gpu_check.py) run where no GPU is."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
+from services.common.switches import switched
 from services.worker import layer_forward
 from services.worker.attention_kernels import AttentionKernels
 from services.worker.batch import PADDING_WASTE
@@ -19,15 +19,8 @@ def cuda_like(build: Callable[[], Engine]) -> Engine:
     tests/test_gpu_llama.py runs them on the CPU under Triton's interpreter, too slowly for these).
     It is built with transformers' forward: a CPU's own forward, once built, has let the model's
     plain weights go (its packed copies are all it reads)."""
-    before = os.environ.get(layer_forward.SWITCH)
-    os.environ[layer_forward.SWITCH] = "transformers"
-    try:
+    with switched(layer_forward.SWITCH, "transformers"):
         engine = build()
-    finally:
-        if before is None:
-            del os.environ[layer_forward.SWITCH]
-        else:
-            os.environ[layer_forward.SWITCH] = before
     runner = engine.runner
     runner.attention = AttentionKernels("gather")
     runner.builder.decode_kernel = runner.builder.prefill_kernel = None
