@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker import gemm_crossover, kernels
+from services.worker import gemm_crossover, kernels, torch_gemm
 from services.worker.gemm_crossover import NEVER, choose
 from tests.kernel_modules import built
 
@@ -27,6 +27,22 @@ def test_torch_serves_from_the_crossover_that_costs_least_in_all() -> None:
     # A win inside the margin is a tie, and a tie keeps the panels.
     assert choose({64: (1.0, 0.99), 128: (1.0, 0.97)}) == NEVER
     assert choose({64: (1.0, 2.0), 512: (1.0, 3.0)}) == NEVER
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_gemm_multiplies_weights_of_each_dtype_on_this_cpu(dtype: torch.dtype) -> None:
+    # oneDNN refuses 16-bit weights on a CPU without AVX-512 (or AVX-NE-CONVERT): they go to F.linear.
+    gen = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(96, 64, generator=gen).to(dtype), torch.randn(300, 64, generator=gen).to(dtype)
+    prepared = torch_gemm.prepare(weight)
+    assert prepared.is_mkldnn == torch_gemm.onednn_serves(dtype)
+    expected = x.double() @ weight.double().T
+    torch.testing.assert_close(torch_gemm.linear(x, prepared, None).double(), expected, **_BOUNDS[dtype])
+
+
+# Each product's inputs are the format's own values; only the float32 (or bfloat16) output rounds, and
+# 64 products' sum in float32 differs from the exact one by far less than the bound.
+_BOUNDS = {torch.float32: {"rtol": 1e-5, "atol": 1e-4}, torch.bfloat16: {"rtol": 1e-2, "atol": 5e-2}}
 
 
 def test_the_last_level_cache_is_read_from_sysfs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,7 +2,9 @@
 
 Where torch has oneDNN (its x86 builds), a weight is reordered once into oneDNN's blocked layout and
 a product calls oneDNN's matmul on it (brgemm, with AVX-512 where the CPU has it); elsewhere it is
-`F.linear` on the plain weight, with no copy. oneDNN is preferred over `F.linear` because MKL takes
+`F.linear` on the plain weight, with no copy. oneDNN multiplies 16-bit weights only on CPUs with the
+instructions for them (AVX-512 or AVX-NE-CONVERT) and refuses to reorder them elsewhere: there too a
+16-bit weight goes to `F.linear`. oneDNN is preferred over `F.linear` because MKL takes
 no AVX-512 path on AMD CPUs. `gemm_crossover` measures which of this and the panels serves from how
 many rows on each machine. Results equal the panels' up to fp32 summation order.
 """
@@ -29,13 +31,24 @@ def onednn_available() -> bool:
     )
 
 
-def describe() -> str:
-    return "oneDNN's matmul on weights reordered once" if onednn_available() else "torch's F.linear"
+def onednn_serves(dtype: torch.dtype) -> bool:
+    """Whether oneDNN multiplies weights of `dtype` on this CPU."""
+    if not onednn_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return dtype == torch.float32
+
+
+def describe(dtype: torch.dtype = torch.float32) -> str:
+    return "oneDNN's matmul on weights reordered once" if onednn_serves(dtype) else "torch's F.linear"
 
 
 def prepare(weight: torch.Tensor) -> torch.Tensor:
     """What `linear` multiplies by for `weight [N, K]`: oneDNN's reordered copy, or the weight itself."""
-    if not onednn_available():
+    if not onednn_serves(weight.dtype):
         return weight
     with torch.no_grad():
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _ROWS_HINT)
