@@ -743,6 +743,10 @@ __attribute__((always_inline)) inline void finish(const Tile& t, const __m256 (&
   }
 }
 
+// A lone tile of one row (a decode step of one request) issues no prefetches: it does two FMAs per
+// line it loads, and the prefetch instructions cost that loop more than they save; the hardware
+// prefetcher alone streams a panel faster there. With more rows, or more than one tile (which share
+// the next panel's prefetches), or bf16's widening per line, the prefetches pay (docs/performance.md).
 template <int R>
 void tile(const Tile& t) {
   __m256 lo[R], hi[R];
@@ -750,8 +754,9 @@ void tile(const Tile& t) {
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
   const float* w = t.w;
   PanelPrefetch pull(t, false);
+  const bool prefetch = R > 1 || t.every > 1;
   for (int64_t k = 0; k < t.K; ++k, w += kPanel) {
-    pull.at(k, w);
+    if (prefetch) pull.at(k, w);
     const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
     const float* xk = t.x + k * R;
 #pragma GCC unroll 16
