@@ -207,16 +207,15 @@ def test_auto_dtype_is_bfloat16_only_where_the_cpu_computes_it(
         precision.resolve_dtype("int4", smollm2_dir, "cpu")
 
 
-# int8 layers (`--quantization`), over float32 weights elsewhere: teacher-forced top-1 agreement with
-# float32. Issue 48 asks 0.97 of int8 weights. With groups of 32 k per scale (the kernel's
-# int8_group()), each group rotated by a Walsh-Hadamard matrix before rounding, rounding each linear's
-# input per token too (`int8`) reached 3077/3147 = 0.9778, the weights alone 3077/3147 = 0.9778
-# (unrotated: 0.9692 and 0.9765). The floors sit just below what each reached, so that a change that
-# loses more fails.
-# With int8 KV pages as well, over bfloat16 weights elsewhere (`engine:bfloat16+int8+kv-int8`, the
-# bench's fastest engine), 3071/3147 = 0.9759 (`bench offline --agreement`), and 3067/3147 = 0.9746
-# with the int8 pages' queries rounded to 15 bits.
-INT8_FLOORS = {"int8": 0.975, "int8-weight-only": 0.975, "bfloat16+int8+kv-int8": 0.974}
+# int8 layers (`--quantization`), over float32 weights elsewhere, and with int8 KV pages as well over
+# bfloat16 weights (`engine:bfloat16+int8+kv-int8`, the bench's fastest engine): teacher-forced top-1
+# agreement with float32. Issue 48 asks 0.97 of int8 weights. The int8 products are exact integer sums
+# on every vector path, but the float32 work around them (norms, attention, the head, the reference's
+# own GEMM) sums in each path's order, and rounding activations to int8 turns those last-bit
+# differences into a spread of several positions between CPUs (docs/performance.md has each path's
+# figures). The floors sit a few positions below the lowest path's, so that a change that loses more
+# than that spread fails.
+INT8_FLOORS = {"int8": 0.972, "int8-weight-only": 0.972, "bfloat16+int8+kv-int8": 0.972}
 
 
 def _int8_layers(engine: Engine, dtype: torch.dtype = torch.float32) -> None:
