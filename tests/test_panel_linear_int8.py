@@ -107,8 +107,9 @@ def test_bad_inputs_name_the_offending_value() -> None:
     with pytest.raises(RuntimeError, match=rf"{not_int8} \[{panels}, {lines}, {width // 2}\]"):
         ops.panel_linear(torch.randn(3, 33), packed[:, :, : width // 2].contiguous(), None, 40)
     group = ops.int8_group() // 4 + 2  # a group's lines; a panel that ends with a group of no weights:
+    short = torch.zeros(panels, group + 2, width, dtype=torch.int8)
     with pytest.raises(RuntimeError, match=rf"{not_int8} \[{panels}, {group + 2}, {width}\]"):
-        ops.panel_linear(torch.randn(3, 33), torch.zeros(panels, group + 2, width, dtype=torch.int8), None, 40)
+        ops.panel_linear(torch.randn(3, 33), short, None, 40)
     with pytest.raises(RuntimeError, match=r"float32 or bfloat16 \[N, K\] weight only, got \[40, 33\] Half"):
         ops.pack_weight_int8(w.half())
     with pytest.raises(RuntimeError, match=r"\[2I, K\] weight only, got \[41, 33\]"):
