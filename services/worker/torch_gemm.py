@@ -42,8 +42,8 @@ def onednn_serves(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def describe(dtype: torch.dtype = torch.float32) -> str:
-    return "oneDNN's matmul on weights reordered once" if onednn_serves(dtype) else "torch's F.linear"
+def describe() -> str:
+    return "oneDNN's matmul on weights reordered once" if onednn_available() else "torch's F.linear"
 
 
 def prepare(weight: torch.Tensor) -> torch.Tensor:
