@@ -724,36 +724,28 @@ inline __m256 silu_times(__m256 gate, __m256 up) {
   return _mm256_mul_ps(_mm256_div_ps(_mm256_mul_ps(gate, num), _mm256_add_ps(one, e)), up);
 }
 
+// The first n (0..8) lanes of v to p. A masked store (vmaskmovps) is many times slower than a plain
+// one on some CPUs (AMD's Zen 2), so all 8 lanes take a plain one.
+inline void store_first(float* p, __m256 v, int64_t n) {
+  if (n == 8) _mm256_storeu_ps(p, v);
+  else _mm256_maskstore_ps(p, first_lanes(n), v);
+}
+
 // How every tile ends, whatever its weights: see the AVX-512 one.
-// A masked store (vmaskmovps) is many times slower than a plain one on some CPUs (AMD's Zen 2), so
-// only a last panel's partial columns take one.
 template <int R>
 __attribute__((always_inline)) inline void finish(const Tile& t, const __m256 (&lo)[R], const __m256 (&hi)[R]) {
   if (t.gated) {
-    const __m256i m = first_lanes(t.cols);
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const __m256 y = silu_times(lo[r], hi[r]);
-      if (t.cols == kHalf) _mm256_storeu_ps(t.y + r * t.sy, y);
-      else _mm256_maskstore_ps(t.y + r * t.sy, m, y);
-    }
+    for (int r = 0; r < R; ++r) store_first(t.y + r * t.sy, silu_times(lo[r], hi[r]), t.cols);
     return;
   }
   __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
   if (t.bias != nullptr) b0 = _mm256_loadu_ps(t.bias), b1 = _mm256_loadu_ps(t.bias + 8);
-  if (t.cols == kPanel) {
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      _mm256_storeu_ps(t.y + r * t.sy, _mm256_add_ps(lo[r], b0));
-      _mm256_storeu_ps(t.y + r * t.sy + 8, _mm256_add_ps(hi[r], b1));
-    }
-    return;
-  }
-  const __m256i m0 = first_lanes(std::min<int64_t>(t.cols, 8)), m1 = first_lanes(std::max<int64_t>(t.cols - 8, 0));
+  const int64_t n0 = std::min<int64_t>(t.cols, 8), n1 = std::max<int64_t>(t.cols - 8, 0);
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
-    _mm256_maskstore_ps(t.y + r * t.sy, m0, _mm256_add_ps(lo[r], b0));
-    _mm256_maskstore_ps(t.y + r * t.sy + 8, m1, _mm256_add_ps(hi[r], b1));
+    store_first(t.y + r * t.sy, _mm256_add_ps(lo[r], b0), n0);
+    store_first(t.y + r * t.sy + 8, _mm256_add_ps(hi[r], b1), n1);
   }
 }
 
@@ -831,13 +823,11 @@ inline __m256 round_bf16(__m256 v) {
 // r's values of lines k0 .. k0 + 7: each block transposed in registers (pairs of floats, then of
 // pairs, then 128-bit halves). Returns the first line left to pack, which the caller writes after.
 // Lines are stored in order as 8 floats, the (8 - rows) past a line spilling into lines stored after
-// it: a masked store (see finish) only where 8 floats would pass the tile's `lines`.
+// it: a masked store (store_first) only where 8 floats would pass the tile's `lines`.
 template <class Block>
 inline int64_t pack_blocks(int64_t rows, int64_t lines, float* out, Block block) {
-  const __m256i m = first_lanes(rows);
   const auto store = [&](int64_t line, __m256 v) {
-    if (line * rows + 8 <= lines * rows) _mm256_storeu_ps(out + line * rows, v);
-    else _mm256_maskstore_ps(out + line * rows, m, v);
+    store_first(out + line * rows, v, line * rows + 8 <= lines * rows ? 8 : rows);
   };
   int64_t k0 = 0;
   for (; k0 + 8 <= lines; k0 += 8) {
