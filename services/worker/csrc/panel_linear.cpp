@@ -46,7 +46,10 @@
 // fp32 weights. With AVX512-BF16 a tile multiplies x's bf16 pairs into the pairs of weights, two
 // multiply-adds per lane per instruction; elsewhere it widens each lane into the two fp32 weights (by
 // shifts) and runs fp32 FMAs on x's rounded values. The bf16 instructions read denormals as
-// zero (below 2^-126, far under any weight or activation's scale).
+// zero (below 2^-126, far under any weight or activation's scale). AVX2's panels arrange a line's
+// same bytes otherwise: k = 2 k2, then 2 k2 + 1, 16 weights each, columns 0-7 in the low halves of the
+// lanes and 8-15 in the high ones, so that a k's weights widen from one load by a shift and a mask;
+// widening pairs of k took a load, a shift and two more shifts for each vector of the odd k.
 // int8 panels (pack_weight_int8) hold a quarter of the bytes of fp32 ones, plus their scales. As in
 // llama.cpp's Q8_0, each output column's weights are rounded to int8 in groups of kGroup consecutive
 // k, each (column, group) on a symmetric scale of its own (sw = max |W| / 127 over the group), four
@@ -108,6 +111,7 @@ namespace {
 // accumulators, the panel's two vectors and a broadcast), AVX2 16 of 8 (2 x 6, two, one: the 6 x 16
 // of BLAS kernels for AVX2). The portable build keeps AVX-512's layout.
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define AVX2_PANELS 1
 constexpr int64_t kPanel = 16;  // output columns per panel: one 64-byte line per k
 constexpr int kMaxRows = 6;     // rows per tile: 2 x 6 accumulators
 constexpr int kMaxRowsInt8 = 3;  // int8 tiles (x rounded): 2 x 3 int32 and 2 x 3 fp32 accumulators
@@ -775,8 +779,9 @@ void tile(const Tile& t) {
   finish<R>(t, lo, hi);
 }
 
-// bf16 panels: each lane widened into its two fp32 weights, as in AVX-512's tile_bf16 without BF16
-// (2 x 6 accumulators, a pair of weight vectors and a broadcast: 15 of the 16 registers).
+// bf16 panels (AVX2's arrangement, see the top): one load of half a line is a k's 16 weights, widened
+// into its two vectors by a shift (columns 0-7) and a mask (8-15). 2 x 6 accumulators, the two vectors
+// and a broadcast: 15 of the 16 registers. Without settle() GCC kept one accumulator on the stack.
 template <int R>
 void tile_bf16(const Tile& t) {
   __m256 lo[R], hi[R];
@@ -784,25 +789,22 @@ void tile_bf16(const Tile& t) {
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
   const float* w = t.w;
   PanelPrefetch pull(t, false);
+  const __m256 high = _mm256_castsi256_ps(_mm256_set1_epi32(int(0xFFFF0000u)));
   for (int64_t k = 0; k < t.K; ++k, w += kPanel) {
     pull.at(k, w);
     const float* xk = t.x + 2 * k * R;
-    const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), 16));
-    const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 8)), 16));
+#pragma GCC unroll 2
+    for (int j = 0; j < 2; ++j) {
+      const __m256 v = _mm256_loadu_ps(w + 8 * j);
+      const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(v), 16));
+      const __m256 w1 = _mm256_and_ps(v, high);
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_broadcast_ss(xk + r);
-      lo[r] = _mm256_fmadd_ps(xv, e0, lo[r]);
-      hi[r] = _mm256_fmadd_ps(xv, e1, hi[r]);
-    }
-    const __m256i* again = reinterpret_cast<const __m256i*>(opaque(w));
-    const __m256 o0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(_mm256_loadu_si256(again), 16), 16));
-    const __m256 o1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(_mm256_loadu_si256(again + 1), 16), 16));
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_broadcast_ss(xk + R + r);
-      lo[r] = _mm256_fmadd_ps(xv, o0, lo[r]);
-      hi[r] = _mm256_fmadd_ps(xv, o1, hi[r]);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_broadcast_ss(xk + j * R + r);
+        lo[r] = _mm256_fmadd_ps(xv, w0, lo[r]);
+        hi[r] = _mm256_fmadd_ps(xv, w1, hi[r]);
+        settle(lo[r]), settle(hi[r]);
+      }
     }
   }
   finish<R>(t, lo, hi);
@@ -1210,7 +1212,11 @@ at::Tensor pack_weight_bf16(at::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2, "[N, K] weight only, got ", weight.sizes());
   const int64_t N = weight.size(0), K2 = (weight.size(1) + 1) / 2, P = (N + kPanel - 1) / kPanel;
   auto padded = bf16_padded(weight, P * kPanel, "[N, K]");
+#ifdef AVX2_PANELS
+  return padded.view({P, 2, kHalf, K2, 2}).permute({0, 3, 4, 2, 1}).reshape({P, K2, 2 * kPanel}).contiguous();
+#else
   return padded.view({P, kPanel, K2, 2}).permute({0, 2, 1, 3}).reshape({P, K2, 2 * kPanel}).contiguous();
+#endif
 }
 
 // W [2I, K] (gate rows, then up rows) -> bf16 panels [ceil(I / kHalf), K2, 2 kPanel]: the columns of
@@ -1220,7 +1226,11 @@ at::Tensor pack_weight_gated_bf16(at::Tensor weight) {
   const int64_t I = weight.size(0) / 2, K2 = (weight.size(1) + 1) / 2, P = (I + kHalf - 1) / kHalf;
   auto halves = at::zeros({2, P * kHalf, 2 * K2}, weight.options().dtype(at::kBFloat16));
   halves.narrow(1, 0, I).copy_(bf16_padded(weight, 2 * I, "[2I, K]").view({2, I, 2 * K2}));
+#ifdef AVX2_PANELS
+  return halves.view({2, P, kHalf, K2, 2}).permute({1, 3, 4, 2, 0}).reshape({P, K2, 2 * kPanel}).contiguous();
+#else
   return halves.view({2, P, kHalf, K2, 2}).permute({1, 3, 0, 2, 4}).reshape({P, K2, 2 * kPanel}).contiguous();
+#endif
 }
 
 namespace {
