@@ -48,8 +48,7 @@
 // shifts) and runs fp32 FMAs on x's rounded values. The bf16 instructions read denormals as
 // zero (below 2^-126, far under any weight or activation's scale). AVX2's panels arrange a line's
 // same bytes otherwise: k = 2 k2, then 2 k2 + 1, 16 weights each, columns 0-7 in the low halves of the
-// lanes and 8-15 in the high ones, so that a k's weights widen from one load by a shift and a mask;
-// widening pairs of k took a load, a shift and two more shifts for each vector of the odd k.
+// lanes and 8-15 in the high ones, so that a k's weights widen from one load by a shift and a mask.
 // int8 panels (pack_weight_int8) hold a quarter of the bytes of fp32 ones, plus their scales. As in
 // llama.cpp's Q8_0, each output column's weights are rounded to int8 in groups of kGroup consecutive
 // k, each (column, group) on a symmetric scale of its own (sw = max |W| / 127 over the group), four
@@ -111,7 +110,7 @@ namespace {
 // accumulators, the panel's two vectors and a broadcast), AVX2 16 of 8 (2 x 6, two, one: the 6 x 16
 // of BLAS kernels for AVX2). The portable build keeps AVX-512's layout.
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-#define AVX2_PANELS 1
+#define CBSERVE_AVX2 1  // the 8-float variants (16 registers): panels of 16 columns
 constexpr int64_t kPanel = 16;  // output columns per panel: one 64-byte line per k
 constexpr int kMaxRows = 6;     // rows per tile: 2 x 6 accumulators
 constexpr int kMaxRowsInt8 = 3;  // int8 tiles (x rounded): 2 x 3 int32 and 2 x 3 fp32 accumulators
@@ -1212,7 +1211,7 @@ at::Tensor pack_weight_bf16(at::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2, "[N, K] weight only, got ", weight.sizes());
   const int64_t N = weight.size(0), K2 = (weight.size(1) + 1) / 2, P = (N + kPanel - 1) / kPanel;
   auto padded = bf16_padded(weight, P * kPanel, "[N, K]");
-#ifdef AVX2_PANELS
+#ifdef CBSERVE_AVX2
   return padded.view({P, 2, kHalf, K2, 2}).permute({0, 3, 4, 2, 1}).reshape({P, K2, 2 * kPanel}).contiguous();
 #else
   return padded.view({P, kPanel, K2, 2}).permute({0, 2, 1, 3}).reshape({P, K2, 2 * kPanel}).contiguous();
@@ -1226,7 +1225,7 @@ at::Tensor pack_weight_gated_bf16(at::Tensor weight) {
   const int64_t I = weight.size(0) / 2, K2 = (weight.size(1) + 1) / 2, P = (I + kHalf - 1) / kHalf;
   auto halves = at::zeros({2, P * kHalf, 2 * K2}, weight.options().dtype(at::kBFloat16));
   halves.narrow(1, 0, I).copy_(bf16_padded(weight, 2 * I, "[2I, K]").view({2, I, 2 * K2}));
-#ifdef AVX2_PANELS
+#ifdef CBSERVE_AVX2
   return halves.view({2, P, kHalf, K2, 2}).permute({1, 3, 4, 2, 0}).reshape({P, K2, 2 * kPanel}).contiguous();
 #else
   return halves.view({2, P, kHalf, K2, 2}).permute({1, 3, 0, 2, 4}).reshape({P, K2, 2 * kPanel}).contiguous();
