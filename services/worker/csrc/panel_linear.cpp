@@ -1206,7 +1206,8 @@ at::Tensor bf16_padded(const at::Tensor& weight, int64_t rows, const char* what)
 }  // namespace
 
 // W [N, K] -> bf16 panels [ceil(N / kPanel), K2, 2 kPanel]: per pair of k, each column's two weights
-// side by side (see the top); the last panel and an odd K zero-padded.
+// side by side (AVX2: the two k in turn, their columns interleaved; see the top); the last panel and
+// an odd K zero-padded.
 at::Tensor pack_weight_bf16(at::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2, "[N, K] weight only, got ", weight.sizes());
   const int64_t N = weight.size(0), K2 = (weight.size(1) + 1) / 2, P = (N + kPanel - 1) / kPanel;
