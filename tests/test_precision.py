@@ -27,7 +27,7 @@ from transformers import AutoTokenizer
 from services.bench.agreement import agreement, engine_top1, prose_conversations, reference_top1
 from services.common.model_source import load_model
 from services.worker.engine import Engine
-from tests.parity import SMOL_CONFIGS, assert_no_leak, chat_prompts
+from tests.parity import SMOL_CONFIGS, assert_no_leak, chat_prompts, make_prompts, reference
 
 NEW_TOKENS = 24
 
@@ -79,6 +79,8 @@ def _native_bf16(engine: Engine) -> None:
         # Each a mix of the two above, whose bytes those already hold to their floors.
         pytest.param(torch.float32, "bfloat16", 0.99, id="bf16-kv", marks=pytest.mark.slow),
         pytest.param(torch.bfloat16, "int8", 0.984, id="bf16-weights-int8-kv", marks=pytest.mark.slow),
+        # No native kernel reads float16 pages: transformers' layers run over them, through the gather.
+        pytest.param(torch.float32, "float16", 0.99, id="fp16-kv", marks=pytest.mark.slow),
     ],
 )
 def test_teacher_forced_top1_agreement_with_float32(
@@ -89,12 +91,28 @@ def test_teacher_forced_top1_agreement_with_float32(
         assert engine.runner.kv_pool.dtype == (weights if kv == "auto" else getattr(torch, kv))
         if weights == torch.bfloat16:
             _native_bf16(engine)
+        if kv == "float16":
+            assert engine.runner.fused is None and engine.runner.describe()["attention"] == "gather"
         same, total = agreement(expected, engine_top1(engine, prompts))
         assert_no_leak(engine)
     record_property("agreement", f"{same}/{total}")
     print(f"teacher-forced top-1 agreement ({weights}, kv {kv}): {same}/{total} = {same / total:.4f}")
     assert total > 3000
     assert same / total >= floor, (same, total)
+
+
+def test_a_float16_pool_runs_transformers_layers_over_it(tiny_models: Any) -> None:
+    """Our fused passes write only the pages the native attention reads (float32, bfloat16, int8): over
+    a float16 pool a float32 model runs transformers' layers and the gather, and greedy decoding keeps
+    transformers' tokens (float16 holds these activations' keys and values to 11 bits)."""
+    model_dir = tiny_models("llama")
+    prompts = make_prompts(seed=5)
+    with Engine.from_pretrained(model_dir, kv_cache_dtype="float16", num_blocks=64, page_size=16) as engine:
+        assert engine.runner.kv_pool.dtype == torch.float16
+        assert engine.runner.fused is None and engine.runner.describe()["attention"] == "gather"
+        got = engine.generate(prompts, len(reference(model_dir, "sdpa", prompts)[0]), ignore_eos=True)
+        assert_no_leak(engine)
+    assert got == reference(model_dir, "sdpa", prompts)
 
 
 @pytest.fixture(scope="module")

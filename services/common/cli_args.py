@@ -25,7 +25,12 @@ CB_SETTINGS: tuple[tuple[str, Any, str], ...] = (
     ("kv_cache_space", float, "GiB of KV cache (overrides max_memory_percent)"),
     ("max_memory_percent", float, "fraction of free memory for the KV cache"),
     ("prefault_kv_pool", bool, "commit a host KV pool's memory at start (off: as pages are first written)"),
-    ("kv_cache_dtype", str, "KV page dtype: auto (the weights'), float32, bfloat16, float16 or int8"),
+    (
+        "kv_cache_dtype",
+        str,
+        "KV page dtype: auto (the weights'), float32, bfloat16, float16 (on a CPU: transformers' layers, "
+        "no native kernel) or int8",
+    ),
     ("max_requests_per_batch", int, "rows of logits (sampling requests) per step"),
     ("allow_block_sharing", bool, "prefix caching"),
     ("scheduler_type", str, "fifo or prefill_first"),

@@ -1,7 +1,7 @@
 """Whose forward runs a model's layers: ours, fused, or transformers' eager modules.
 
-- `native` (fused_llama.py): a Llama-family model on the CPU, in float32 or bfloat16, with the native
-  kernels built; the only forward that runs `--quantization`.
+- `native` (fused_llama.py): a Llama-family model on the CPU, in float32 or bfloat16, over a float32,
+  bfloat16 or int8 pool, with the native kernels built; the only forward that runs `--quantization`.
 - `triton` (gpu_llama.py): a Llama-family model on a CUDA device, in float32, bfloat16 or float16, over a
   float32, bfloat16 or float16 pool, unquantized: cuBLAS products and Triton passes.
 - `transformers`: anything else, and the fallback (a model or pool the others refuse, no Triton).
@@ -23,6 +23,7 @@ from torch import nn
 
 from services.common.switches import switch
 from services.worker.attention import AttentionBatch
+from services.worker.attention_kernels import NATIVE_KV_DTYPES
 from services.worker.fused_llama import FusedLlama
 from services.worker.packed_linear import PackedWeight
 
@@ -72,5 +73,9 @@ def choose(
         if wanted == "triton":
             raise ValueError(f"{SWITCH}=triton cannot run this model: {why}")
         log.info("transformers' layers run the model", reason=why)
+        return None
+    if kv_dtype not in NATIVE_KV_DTYPES:
+        # The fused passes write only the pages the native attention reads; a float16 pool is not one.
+        log.info("transformers' layers run the model", reason=f"a KV pool of {kv_dtype}")
         return None
     return FusedLlama.build(model, quantization)
