@@ -30,10 +30,12 @@
 // prefetcher at every page boundary, so the rows ahead are prefetched by hand: a few lines at a time
 // as the reads advance (`Pump`).
 //
-// With AVX2 (and no AVX-512) and a head size of 32, 64, 96 or 128, dots are computed 8 keys at a time
-// the same way, and the values of up to three queries of a head are accumulated in 12 registers, a
-// 32-float slice of the head at a time. The portable loops that serve elsewhere leave a decode step's
-// attention well behind the rate its K/V reads allow.
+// With AVX2 (and no AVX-512) and a head size of 32, 64, 96 or 128, a block's K rows of a head are
+// transposed once into an L1 buffer, keys across the lanes, whose dots then run 16 keys (two chains)
+// per query row; the values of up to three queries of a head are accumulated in 12 registers, a
+// 32-float slice of the head at a time. These loops prefetch for themselves, a line of the row 16 keys
+// on for each line they read, instead of the pump (kPumped). The portable loops that serve elsewhere
+// leave a decode step's attention well behind the rate its K/V reads allow.
 //
 // Prefill chunks (paged_prefill; AVX-512, or AVX2 for head sizes 32-128 by 32; on the portable path
 // each query token runs as a decode row): several query tokens per request, each attending causally
@@ -96,6 +98,7 @@
 
 namespace {
 constexpr int64_t kAheadLines = 144;  // how far ahead of the reads the pump prefetches
+constexpr int64_t kAvx2Ahead = 16;    // how many keys ahead of its reads the AVX2 path prefetches
 constexpr int64_t kBlock = 16;   // keys per block of dots
 constexpr int64_t kVBlock = 32;  // keys per block of the V pass: their rows, all heads, stay in L1
 constexpr int64_t kMaxRows = 4096;  // query heads of one request
@@ -393,8 +396,9 @@ struct Task {
 template <class T>
 class Pump {
  public:
-  explicit Pump(const Task<T>& t) : t_(t), row_bytes_(t.hs * t.hd * int64_t{sizeof(T)}), rows_(2 * t.n) {
-    advance(0);
+  // `start`: prefetch the stream's first kAheadLines lines now (else the first advance does).
+  Pump(const Task<T>& t, bool start) : t_(t), row_bytes_(t.hs * t.hd * int64_t{sizeof(T)}), rows_(2 * t.n) {
+    if (start) advance(0);
   }
 
   // The reads moved past `head_rows` more head rows of the stream (D values each, and in an int8
@@ -420,6 +424,18 @@ class Pump {
   int64_t row_ = 0;                               // the next row of the stream to prefetch
   uintptr_t last_ = 0;                            // the last line prefetched
 };
+
+// Whether the pump paces a task's reads (NC: run_task's). Not on AVX2's vector path, whose loops
+// prefetch the rows kAvx2Ahead keys on a line at a time as they read theirs (transpose_keys,
+// weighted_slice): the pump's block of prefetches at a time left those loops' reads and arithmetic
+// running one after the other rather than together (docs/performance.md).
+template <int NC>
+constexpr bool kPumped =
+#ifdef CBSERVE_AVX2
+    NC == 0;
+#else
+    true;
+#endif
 
 #ifdef __AVX512F__
 // out[l], lane i: in[i]'s lane l (a 16 x 16 transpose, 64 shuffles).
@@ -628,72 +644,129 @@ inline __m256 word_dim8(__m256i w, int b) {
   else return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(w, 24 - 8 * b), 24));
 }
 
-// keys_dots for AVX2: keys [j0, j0 + count), count <= 8, 8 words of their K rows transposed at a time.
-template <int NC, int GB, class T>  // NC = D / 8
-inline void keys_dots8(const Task<T>& t, const float* qs, int64_t r0, int64_t h, int64_t j0, int64_t count,
-                       float* scores) {
-  constexpr int64_t D = 8 * NC, kWords = D / kPerWord<T>;
-  const T* kr[8];
-  for (int64_t i = 0; i < 8; ++i) kr[i] = t.k + t.slot[j0 + std::min<int64_t>(i, count - 1)] * t.stride + h * t.hd;
-  const float* q = qs + r0 * D;
-  __m256 acc[GB];
-#pragma GCC unroll 4
-  for (int g = 0; g < GB; ++g) acc[g] = _mm256_setzero_ps();
+// Head h's row of key a of the task's stream, its K rows then its V rows (past the last key, the V
+// pass's first rows, which the K pass prefetches), for the AVX2 loops' prefetches; past both, `other`.
+template <class T>
+inline const char* stream_row(const Task<T>& t, int64_t a, int64_t h, const T* other) {
+  const T* row = a < t.n ? t.k + t.slot[a] * t.stride : a < 2 * t.n ? t.v + t.slot[a - t.n] * t.stride : nullptr;
+  return reinterpret_cast<const char*>(row == nullptr ? other : row + h * t.hd);
+}
+
+// The K rows of keys [j0, j0 + count) of head h, count <= kBlock, transposed into kt [D][kBlock] as
+// float32 (int8: unscaled): dim d of key i at kt[d * kBlock + i]. 8 words of 8 rows at a time are
+// loaded and transposed (24 shuffles), then widened. Keys past count repeat the last one. As it reads a
+// line of a row it prefetches the same line of the row kAvx2Ahead keys on.
+template <int NC, class T>  // NC = D / 8
+inline void transpose_keys(const Task<T>& t, int64_t h, int64_t j0, int64_t count, float* kt) {
+  constexpr int64_t kWords = 8 * NC / kPerWord<T>;
   static_assert(kWords % 8 == 0, "AVX2's head sizes are 32 .. 128 by 32: whole words of 8");
-#pragma GCC unroll 1
-  for (int64_t w0 = 0; w0 < kWords; w0 += 8) {
-    __m256 rows[8], cols[8];
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) rows[i] = _mm256_loadu_ps(reinterpret_cast<const float*>(kr[i] + w0 * kPerWord<T>));
-    transpose8(rows, cols);
-#pragma GCC unroll 8
-    for (int l = 0; l < 8; ++l) {
-#pragma GCC unroll 4
-      for (int b = 0; b < kPerWord<T>; ++b) {
-        const __m256 kv = word_dim8<T>(_mm256_castps_si256(cols[l]), b);
-        const int64_t d = (w0 + l) * kPerWord<T> + b;
-#pragma GCC unroll 4
-        for (int g = 0; g < GB; ++g) acc[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(q + g * D + d), kv, acc[g]);
-      }
+  for (int64_t i0 = 0; i0 < count; i0 += 8) {
+    const T* kr[8];
+    const char* ahead[8];
+    for (int64_t i = 0; i < 8; ++i) {
+      kr[i] = t.k + t.slot[j0 + std::min<int64_t>(i0 + i, count - 1)] * t.stride + h * t.hd;
+      ahead[i] = stream_row(t, j0 + i0 + i + kAvx2Ahead, h, kr[i]);
     }
-  }
+#pragma GCC unroll 1
+    for (int64_t w0 = 0; w0 < kWords; w0 += 8) {
+      __m256 rows[8], cols[8];
+      if (w0 % 16 == 0)  // 16 words: a line
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) __builtin_prefetch(ahead[i] + 4 * w0, 0, 3);
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) rows[i] = _mm256_loadu_ps(reinterpret_cast<const float*>(kr[i] + w0 * kPerWord<T>));
+      transpose8(rows, cols);
+#pragma GCC unroll 8
+      for (int l = 0; l < 8; ++l)
 #pragma GCC unroll 4
-  for (int g = 0; g < GB; ++g) {
-    float* dst = scores + (r0 + g) * t.n + j0;
-    if (count == 8) {
-      _mm256_storeu_ps(dst, acc[g]);
-    } else {
-      alignas(32) float tail[8];
-      _mm256_store_ps(tail, acc[g]);
-      std::copy(tail, tail + count, dst);
+        for (int b = 0; b < kPerWord<T>; ++b)
+          _mm256_store_ps(kt + ((w0 + l) * kPerWord<T> + b) * kBlock + i0,
+                          word_dim8<T>(_mm256_castps_si256(cols[l]), b));
     }
   }
 }
 
-// head_dots for AVX2, 8 keys at a time.
+// The dots of GB queries (rows r0 .. r0 + GB of qs, D apart) with the NV x 8 keys of kt (transpose_keys),
+// in paged_prefill's order: one FMA chain over the dims in order, from zero. The NV x GB chains are
+// independent: with one vector of keys a dot's chain waits on the FMA's latency at every dim.
+template <int NC, int GB, int NV>
+inline void keys_dots8(const float* qs, int64_t r0, const float* kt, int64_t count, float* scores, int64_t n) {
+  constexpr int64_t D = 8 * NC;
+  const float* q = qs + r0 * D;
+  __m256 acc[GB][NV];
+#pragma GCC unroll 4
+  for (int g = 0; g < GB; ++g)
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) acc[g][v] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+  for (int64_t d = 0; d < D; ++d) {
+    __m256 k[NV];
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) k[v] = _mm256_load_ps(kt + d * kBlock + 8 * v);
+#pragma GCC unroll 4
+    for (int g = 0; g < GB; ++g) {
+      const __m256 qd = _mm256_broadcast_ss(q + g * D + d);
+#pragma GCC unroll 2
+      for (int v = 0; v < NV; ++v) acc[g][v] = _mm256_fmadd_ps(qd, k[v], acc[g][v]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < GB; ++g) {
+    float* dst = scores + (r0 + g) * n;
+    if (count == 8 * NV) {
+#pragma GCC unroll 2
+      for (int v = 0; v < NV; ++v) _mm256_storeu_ps(dst + 8 * v, acc[g][v]);
+    } else {
+      alignas(32) float row[8 * NV];
+#pragma GCC unroll 2
+      for (int v = 0; v < NV; ++v) _mm256_store_ps(row + 8 * v, acc[g][v]);
+      for (int64_t i = 0; i < count; ++i) dst[i] = row[i];
+    }
+  }
+}
+
+// head_dots for AVX2: the block's K rows transposed once, then up to four query rows at a time.
 template <int NC, class T>  // D / 8
 inline void head_dots_avx2(const Task<T>& t, const float* qs, int64_t h, int64_t j0, int64_t count, float* scores) {
-  for (int64_t i0 = 0; i0 < count; i0 += 8) {
-    const int64_t n = std::min<int64_t>(8, count - i0);
-    for (int64_t r0 = h * t.G; r0 < (h + 1) * t.G; r0 += 4) {
-      switch (std::min<int64_t>(4, (h + 1) * t.G - r0)) {
-        case 1: keys_dots8<NC, 1>(t, qs, r0, h, j0 + i0, n, scores); break;
-        case 2: keys_dots8<NC, 2>(t, qs, r0, h, j0 + i0, n, scores); break;
-        case 3: keys_dots8<NC, 3>(t, qs, r0, h, j0 + i0, n, scores); break;
-        default: keys_dots8<NC, 4>(t, qs, r0, h, j0 + i0, n, scores); break;
+  alignas(32) float kt[8 * NC * kBlock];
+  transpose_keys<NC>(t, h, j0, count, kt);
+  float* dst = scores + j0;
+  for (int64_t r0 = h * t.G; r0 < (h + 1) * t.G; r0 += 4) {
+    const int64_t gb = std::min<int64_t>(4, (h + 1) * t.G - r0);
+    if (count > 8) {
+      switch (gb) {
+        case 1: keys_dots8<NC, 1, 2>(qs, r0, kt, count, dst, t.n); break;
+        case 2: keys_dots8<NC, 2, 2>(qs, r0, kt, count, dst, t.n); break;
+        case 3: keys_dots8<NC, 3, 2>(qs, r0, kt, count, dst, t.n); break;
+        default: keys_dots8<NC, 4, 2>(qs, r0, kt, count, dst, t.n); break;
+      }
+    } else {
+      switch (gb) {
+        case 1: keys_dots8<NC, 1, 1>(qs, r0, kt, count, dst, t.n); break;
+        case 2: keys_dots8<NC, 2, 1>(qs, r0, kt, count, dst, t.n); break;
+        case 3: keys_dots8<NC, 3, 1>(qs, r0, kt, count, dst, t.n); break;
+        default: keys_dots8<NC, 4, 1>(qs, r0, kt, count, dst, t.n); break;
       }
     }
   }
+}
+
+// Holds v in a register at this point (an empty asm that reads and writes it): GCC otherwise parked an
+// accumulator on the stack when the loop's live vectors came near the 16 registers.
+template <class V>
+inline void settle(V& v) {
+  __asm__("" : "+v"(v));
 }
 
 // out[g] (+)= sum over keys j in [j0, j1) of w[g][j] * V[j], on one 32-float slice of a head (`v` at
 // the slice in key row 0: key j's slice is v + slot[j] * stride), for GB query heads of a decode row:
 // 4 x GB accumulators in registers, each V vector loaded once per head from L1; `first` starts from
-// zero, `last` scales by inv[g]. (Widening a bfloat16 V vector once per key for all GB heads instead
-// took GB broadcasts' registers: float32 pools ran slower that way, and bfloat16 ones no faster.)
+// zero, `last` scales by inv[g]. Each key's slice prefetches the slice kAvx2Ahead keys on (of n).
+// (Widening a bfloat16 V vector once per key for all GB heads instead took GB broadcasts' registers:
+// float32 pools ran slower that way, and bfloat16 ones no faster.)
 template <int GB, class T>
 inline void weighted_slice(const T* v, int64_t stride, const int64_t* slot, const float* const* w, int64_t j0,
-                           int64_t j1, const float* inv, float* const* out, bool first, bool last) {
+                           int64_t j1, int64_t n, const float* inv, float* const* out, bool first, bool last) {
   __m256 acc[GB][4];
 #pragma GCC unroll 4
   for (int g = 0; g < GB; ++g)
@@ -701,11 +774,18 @@ inline void weighted_slice(const T* v, int64_t stride, const int64_t* slot, cons
     for (int c = 0; c < 4; ++c) acc[g][c] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out[g] + 8 * c);
   for (int64_t j = j0; j < j1; ++j) {
     const T* vr = v + slot[j] * stride;
+    if (j + kAvx2Ahead < n) {
+      const char* ahead = reinterpret_cast<const char*>(v + slot[j + kAvx2Ahead] * stride);
+      for (int64_t b = 0; b < 32 * int64_t{sizeof(T)}; b += 64) __builtin_prefetch(ahead + b, 0, 3);
+    }
 #pragma GCC unroll 4
     for (int g = 0; g < GB; ++g) {
       const __m256 wg = _mm256_set1_ps(w[g][j]);
 #pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c) acc[g][c] = _mm256_fmadd_ps(wg, load8(vr + 8 * c), acc[g][c]);
+      for (int c = 0; c < 4; ++c) {
+        acc[g][c] = _mm256_fmadd_ps(wg, load8(vr + 8 * c), acc[g][c]);
+        settle(acc[g][c]);
+      }
     }
   }
 #pragma GCC unroll 4
@@ -731,9 +811,9 @@ inline void weighted_blocks_avx2(const Task<T>& t, const float* w, int64_t head_
         orow[i] = out + (g + i) * t.D + c0;
       }
       const T* v = t.v + head_off + c0;
-      if (gb == 3) weighted_slice<3>(v, t.stride, t.slot, wr, j0, j1, inv + g, orow, first, last);
-      if (gb == 2) weighted_slice<2>(v, t.stride, t.slot, wr, j0, j1, inv + g, orow, first, last);
-      if (gb == 1) weighted_slice<1>(v, t.stride, t.slot, wr, j0, j1, inv + g, orow, first, last);
+      if (gb == 3) weighted_slice<3>(v, t.stride, t.slot, wr, j0, j1, t.n, inv + g, orow, first, last);
+      if (gb == 2) weighted_slice<2>(v, t.stride, t.slot, wr, j0, j1, t.n, inv + g, orow, first, last);
+      if (gb == 1) weighted_slice<1>(v, t.stride, t.slot, wr, j0, j1, t.n, inv + g, orow, first, last);
     }
   }
 }
@@ -940,13 +1020,13 @@ inline void block_dots(const Task<T>& t, float* qs, int64_t j0, int64_t count, f
     return;
   }
 #endif
-  pump.advance(count * t.hs);
 #ifdef CBSERVE_AVX2
   if constexpr (NC > 0) {
     for (int64_t h = 0; h < t.hs; ++h) head_dots_avx2<NC>(t, qs, h, j0, count, scores);
     return;
   }
 #endif
+  pump.advance(count * t.hs);
   (void)qs;
   for (int64_t r = 0; r < t.hs * t.G; ++r)
     dots_generic(t, t.q + r * t.D, (r / t.G) * t.hd, j0, count, scores + r * t.n + j0);
@@ -967,7 +1047,7 @@ void run_task(const Task<T>& t, float* scores) {
 #ifdef CBSERVE_INT_DOTS
   if constexpr (kIntDots<T> && NC > 0) QueryWords(qs + rows * t.D, rows, t.D).fill(qs, rows, t.D);
 #endif
-  Pump<T> pump(t);
+  Pump<T> pump(t, kPumped<NC>);
   for (int64_t j0 = 0; j0 < t.n; j0 += kBlock) {
     const int64_t count = std::min(kBlock, t.n - j0);
     block_dots<NC>(t, qs, j0, count, scores, pump);
@@ -987,7 +1067,7 @@ void run_task(const Task<T>& t, float* scores) {
       continue;
     }
 #endif
-    pump.advance((j1 - j0) * t.hs);
+    if constexpr (kPumped<NC>) pump.advance((j1 - j0) * t.hs);
     for (int64_t h = 0; h < t.hs; ++h) {
       const int64_t r = h * t.G;
       head_weighted<NC>(t, scores + r * t.n, h * t.hd, j0, j1, inv + r, t.out + r * t.D, j0 == 0, j1 == t.n);
