@@ -90,6 +90,20 @@ def check_x_rounds_like_torch(ops: Any) -> None:
     assert torch.equal(got, x.bfloat16().float())
 
 
+def check_a_row_alone_gets_its_bits(ops: Any) -> None:
+    """A row's outputs are the same bits alone as among other rows: a lone row takes its own tile (two
+    panels at a time on AVX2), and the engine's tokens must not change with the batch around them."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(9, 96, generator=gen)
+    for n in (17, 48, 200):  # odd and even panel counts, and a partial last panel
+        w, b, w2 = (torch.randn(shape, generator=gen) for shape in ((n, 96), (n,), (2 * n, 96)))
+        packed, gated = ops.pack_weight_bf16(w), ops.pack_weight_gated_bf16(w2)
+        together = ops.panel_linear(x, packed, b, n), ops.panel_linear_gated(x, gated, n)
+        for r in range(x.shape[0]):
+            assert torch.equal(ops.panel_linear(x[r : r + 1], packed, b, n), together[0][r : r + 1]), (n, r)
+            assert torch.equal(ops.panel_linear_gated(x[r : r + 1], gated, n), together[1][r : r + 1]), (n, r)
+
+
 def check_every_case(ops: Any) -> None:
     for rows in ROWS:
         for k, n in SHAPES:
@@ -98,3 +112,4 @@ def check_every_case(ops: Any) -> None:
         for k, width in GATED_SHAPES:
             check_gated(ops, rows, k, width)
     check_x_rounds_like_torch(ops)
+    check_a_row_alone_gets_its_bits(ops)

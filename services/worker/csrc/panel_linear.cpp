@@ -809,6 +809,34 @@ void tile_bf16(const Tile& t) {
   finish<R>(t, lo, hi);
 }
 
+// tile_bf16<1> on two panels at once, a and b (a lone row's panels j and j + 1): each panel's sums as
+// tile_bf16<1> makes them, in the same order, but the two panels' FMA chains interleaved. A lone row's
+// chain takes a line's two k one after the other, and at the FMA's latency that alone came near the
+// time the line takes to arrive from memory; two chains leave the loop waiting on memory only.
+void tile_bf16_pair(const Tile& a, const Tile& b) {
+  __m256 lo[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, hi[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  const float* w[2] = {a.w, b.w};
+  PanelPrefetch pull_a(a, false), pull_b(b, false);
+  const __m256 high = _mm256_castsi256_ps(_mm256_set1_epi32(int(0xFFFF0000u)));
+  for (int64_t k = 0; k < a.K; ++k, w[0] += kPanel, w[1] += kPanel) {
+    pull_a.at(k, w[0]), pull_b.at(k, w[1]);
+    const float* xk = a.x + 2 * k;
+#pragma GCC unroll 2
+    for (int j = 0; j < 2; ++j) {
+      const __m256 xv = _mm256_broadcast_ss(xk + j);
+#pragma GCC unroll 2
+      for (int p = 0; p < 2; ++p) {
+        const __m256 v = _mm256_loadu_ps(w[p] + 8 * j);
+        lo[p] = _mm256_fmadd_ps(xv, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(v), 16)), lo[p]);
+        hi[p] = _mm256_fmadd_ps(xv, _mm256_and_ps(v, high), hi[p]);
+      }
+    }
+  }
+  const __m256 lo_a[1] = {lo[0]}, hi_a[1] = {hi[0]}, lo_b[1] = {lo[1]}, hi_b[1] = {hi[1]};
+  finish<1>(a, lo_a, hi_a);
+  finish<1>(b, lo_b, hi_b);
+}
+
 // 8 floats rounded to bf16 to nearest even, kept as fp32 (bf16_bits on a vector).
 inline __m256 round_bf16(__m256 v) {
   const __m256i u = _mm256_castps_si256(v);
@@ -1410,18 +1438,26 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const c10::
     }
   });
   const auto& tile_fns = int8_w ? kTilesInt8Weights : int8 ? kTilesInt8 : bf16 ? kTilesBf16 : kTiles;
+  // Tile i of panel j, pulling its share of panel `after` (none past the thread's `end`).
+  auto tile_of = [&](int64_t j, int64_t i, int64_t after, int64_t end) {
+    const int64_t r0 = tile_first_row(i);
+    const int64_t line0 = stride * i / tiles, line1 = stride * (i + 1) / tiles;
+    const float* next = after < end ? wp + (after * stride + line0) * kPanel : nullptr;
+    return Tile{xq + r0 * x_lines, wp + j * stride * kPanel, lines, yp + r0 * N + j * width, N,
+                bp == nullptr ? nullptr : bp + j * kPanel, std::min(width, N - j * width), gated,
+                next, next == nullptr ? 0 : line1 - line0, tiles, xs == nullptr ? nullptr : xs + r0 * groups};
+  };
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+  const bool pairs = bf16 && M == 1;  // a lone row's bf16 panels two at a time: tile_bf16_pair
+#else
+  const bool pairs = false;
+#endif
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) {
-      for (int64_t i = 0; i < tiles; ++i) {
-        const int64_t rows = tile_rows(i), r0 = tile_first_row(i);
-        const int64_t line0 = stride * i / tiles, line1 = stride * (i + 1) / tiles;
-        const float* next = j + 1 < end ? wp + ((j + 1) * stride + line0) * kPanel : nullptr;
-        const Tile t{xq + r0 * x_lines, wp + j * stride * kPanel, lines, yp + r0 * N + j * width, N,
-                     bp == nullptr ? nullptr : bp + j * kPanel, std::min(width, N - j * width), gated,
-                     next, next == nullptr ? 0 : line1 - line0, tiles, xs == nullptr ? nullptr : xs + r0 * groups};
-        tile_fns[rows](t);
-      }
-    }
+    int64_t j = begin;
+    if (pairs)
+      for (; j + 1 < end; j += 2) tile_bf16_pair(tile_of(j, 0, j + 2, end), tile_of(j + 1, 0, j + 3, end));
+    for (; j < end; ++j)
+      for (int64_t i = 0; i < tiles; ++i) tile_fns[tile_rows(i)](tile_of(j, i, j + 1, end));
   });
   return y;
 }
