@@ -13,6 +13,7 @@ rounding of x or W (off by 2^-9 relative), or a wrong column are orders of magni
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -91,13 +92,15 @@ def check_x_rounds_like_torch(ops: Any) -> None:
 
 
 def check_a_row_alone_gets_its_bits(ops: Any) -> None:
-    """A row's outputs are the same bits alone as among other rows: a lone row takes its own tile (two
-    panels at a time on AVX2), and the engine's tokens must not change with the batch around them."""
+    """A row's outputs are the same bits alone as among other rows, on bf16 and float32 panels: a lone
+    row takes its own tile (two panels at a time on AVX2), and the engine's tokens must not change with
+    the batch around them."""
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(9, 96, generator=gen)
-    for n in (17, 48, 200):  # odd and even panel counts, and a partial last panel
+    packs = ((ops.pack_weight_bf16, ops.pack_weight_gated_bf16), (ops.pack_weight, ops.pack_weight_gated))
+    for (pack, pack_gated), n in itertools.product(packs, (17, 48, 200)):  # odd, even and partial panels
         w, b, w2 = (torch.randn(shape, generator=gen) for shape in ((n, 96), (n,), (2 * n, 96)))
-        packed, gated = ops.pack_weight_bf16(w), ops.pack_weight_gated_bf16(w2)
+        packed, gated = pack(w), pack_gated(w2)
         together = ops.panel_linear(x, packed, b, n), ops.panel_linear_gated(x, gated, n)
         for r in range(x.shape[0]):
             assert torch.equal(ops.panel_linear(x[r : r + 1], packed, b, n), together[0][r : r + 1]), (n, r)

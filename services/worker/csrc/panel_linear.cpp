@@ -28,7 +28,9 @@
 // panels of 16 columns (one line per k) and tiles of up to 6 rows. There GCC kept the portable tile's
 // accumulators in memory, and the intrinsics' accumulators too unless every loop over the rows is
 // unrolled (it stored all 12 to the stack on every k), so those loops are unrolled. Blocking rows and
-// k so that a block of x stays in L2 (Goto's order) was slower at 128-512 rows.
+// k so that a block of x stays in L2 (Goto's order) was slower at 128-512 rows. A lone row (a decode
+// step of one request) runs two panels at a time (tile_pair): one panel's FMA chain alone could not
+// keep up with the reads.
 //
 // A gated product (the MLP's gate|up) interleaves the two weights by halves of a panel, gate columns
 // then the same up columns, so that a tile ends with both halves of its outputs in registers and
@@ -809,26 +811,34 @@ void tile_bf16(const Tile& t) {
   finish<R>(t, lo, hi);
 }
 
-// tile_bf16<1> on two panels at once, a and b (a lone row's panels j and j + 1): each panel's sums as
-// tile_bf16<1> makes them, in the same order, but the two panels' FMA chains interleaved. A lone row's
-// chain takes a line's two k one after the other, and at the FMA's latency that alone came near the
-// time the line takes to arrive from memory; two chains leave the loop waiting on memory only.
-void tile_bf16_pair(const Tile& a, const Tile& b) {
+// A lone row's tiles on two panels at once, a and b (panels j and j + 1): each panel's sums as tile<1>
+// (kBf16: tile_bf16<1>) makes them, in the same order, the two panels' FMA chains interleaved. One
+// panel's chain waits on the FMA's latency at every k (a bf16 line holds two k), which alone came near
+// the time a line takes to arrive from memory; two streams and two chains leave the loop waiting on
+// memory only. Only bf16 panels prefetch, as tile<1> and tile_bf16<1> do.
+template <bool kBf16>
+void tile_pair(const Tile& a, const Tile& b) {
   __m256 lo[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, hi[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   const float* w[2] = {a.w, b.w};
   PanelPrefetch pull_a(a, false), pull_b(b, false);
   const __m256 high = _mm256_castsi256_ps(_mm256_set1_epi32(int(0xFFFF0000u)));
+  constexpr int kPerLine = kBf16 ? 2 : 1;  // k a line
   for (int64_t k = 0; k < a.K; ++k, w[0] += kPanel, w[1] += kPanel) {
-    pull_a.at(k, w[0]), pull_b.at(k, w[1]);
-    const float* xk = a.x + 2 * k;
+    if constexpr (kBf16) pull_a.at(k, w[0]), pull_b.at(k, w[1]);
 #pragma GCC unroll 2
-    for (int j = 0; j < 2; ++j) {
-      const __m256 xv = _mm256_broadcast_ss(xk + j);
+    for (int j = 0; j < kPerLine; ++j) {
+      const __m256 xv = _mm256_broadcast_ss(a.x + kPerLine * k + j);
 #pragma GCC unroll 2
       for (int p = 0; p < 2; ++p) {
-        const __m256 v = _mm256_loadu_ps(w[p] + 8 * j);
-        lo[p] = _mm256_fmadd_ps(xv, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(v), 16)), lo[p]);
-        hi[p] = _mm256_fmadd_ps(xv, _mm256_and_ps(v, high), hi[p]);
+        __m256 w0, w1;
+        if constexpr (kBf16) {
+          const __m256 v = _mm256_loadu_ps(w[p] + 8 * j);
+          w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(v), 16)), w1 = _mm256_and_ps(v, high);
+        } else {
+          w0 = _mm256_loadu_ps(w[p]), w1 = _mm256_loadu_ps(w[p] + 8);
+        }
+        lo[p] = _mm256_fmadd_ps(xv, w0, lo[p]);
+        hi[p] = _mm256_fmadd_ps(xv, w1, hi[p]);
       }
     }
   }
@@ -1447,15 +1457,14 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const c10::
                 bp == nullptr ? nullptr : bp + j * kPanel, std::min(width, N - j * width), gated,
                 next, next == nullptr ? 0 : line1 - line0, tiles, xs == nullptr ? nullptr : xs + r0 * groups};
   };
+  void (*pair)(const Tile&, const Tile&) = nullptr;  // a lone row's panels two at a time, on AVX2
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-  const bool pairs = bf16 && M == 1;  // a lone row's bf16 panels two at a time: tile_bf16_pair
-#else
-  const bool pairs = false;
+  if (!int8 && M == 1) pair = bf16 ? tile_pair<true> : tile_pair<false>;
 #endif
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     int64_t j = begin;
-    if (pairs)
-      for (; j + 1 < end; j += 2) tile_bf16_pair(tile_of(j, 0, j + 2, end), tile_of(j + 1, 0, j + 3, end));
+    if (pair != nullptr)
+      for (; j + 1 < end; j += 2) pair(tile_of(j, 0, j + 2, end), tile_of(j + 1, 0, j + 3, end));
     for (; j < end; ++j)
       for (int64_t i = 0; i < tiles; ++i) tile_fns[tile_rows(i)](tile_of(j, i, j + 1, end));
   });
