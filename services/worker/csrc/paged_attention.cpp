@@ -94,6 +94,7 @@
 #include <vector>
 
 #include "hadamard.h"
+#include "settle.h"
 #include "vec_exp.h"
 
 namespace {
@@ -749,13 +750,6 @@ inline void head_dots_avx2(const Task<T>& t, const float* qs, int64_t h, int64_t
       }
     }
   }
-}
-
-// Holds v in a register at this point (an empty asm that reads and writes it): GCC otherwise parked an
-// accumulator on the stack when the loop's live vectors came near the 16 registers.
-template <class V>
-inline void settle(V& v) {
-  __asm__("" : "+v"(v));
 }
 
 // out[g] (+)= sum over keys j in [j0, j1) of w[g][j] * V[j], on one 32-float slice of a head (`v` at

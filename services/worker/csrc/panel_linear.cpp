@@ -105,6 +105,7 @@
 #include <vector>
 
 #include "hadamard.h"
+#include "settle.h"
 #include "vec_exp.h"
 
 namespace {
@@ -250,14 +251,6 @@ template <int J>
 inline const float* opaque_for(const float* p) {
   __asm__("" : "+r"(p) : "i"(J));
   return p;
-}
-
-// v, but the compiler must hold it in a register here: the widened int8 tiles add the even k's
-// products into the accumulators, then the odd k's, and GCC otherwise reassociated the integer sums
-// so that the even products of every row waited in registers (spilled) for the odd ones.
-template <class V>
-inline void settle(V& v) {
-  __asm__("" : "+v"(v));
 }
 
 // The 32-bit lane at p (a packed line of x holds lanes of u8 or int16 for the int8 tiles), as an int.
