@@ -107,12 +107,13 @@ def test_a_float16_pool_runs_transformers_layers_over_it(tiny_models: Any) -> No
     transformers' tokens (float16 holds these activations' keys and values to 11 bits)."""
     model_dir = tiny_models("llama")
     prompts = make_prompts(seed=5)
+    want = reference(model_dir, "sdpa", prompts)
     with Engine.from_pretrained(model_dir, kv_cache_dtype="float16", num_blocks=64, page_size=16) as engine:
         assert engine.runner.kv_pool.dtype == torch.float16
         assert engine.runner.fused is None and engine.runner.describe()["attention"] == "gather"
-        got = engine.generate(prompts, len(reference(model_dir, "sdpa", prompts)[0]), ignore_eos=True)
+        got = engine.generate(prompts, len(want[0]), ignore_eos=True)
         assert_no_leak(engine)
-    assert got == reference(model_dir, "sdpa", prompts)
+    assert got == want
 
 
 @pytest.fixture(scope="module")
