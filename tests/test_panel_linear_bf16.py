@@ -21,7 +21,7 @@ from tests.panel_linear_bf16_checks import (
     GATED_SHAPES,
     ROWS,
     SHAPES,
-    check_a_row_alone_gets_its_bits,
+    check_few_rows_alone_get_their_bits,
     check_gated,
     check_linear,
     check_x_rounds_like_torch,
@@ -57,8 +57,8 @@ def test_x_is_rounded_to_bf16_as_torch_rounds_it() -> None:
     check_x_rounds_like_torch(panel_linear_module())
 
 
-def test_a_row_alone_gets_its_bits() -> None:
-    check_a_row_alone_gets_its_bits(panel_linear_module())
+def test_few_rows_alone_get_their_bits() -> None:
+    check_few_rows_alone_get_their_bits(panel_linear_module())
 
 
 def test_the_module_names_the_path_this_cpu_compiles() -> None:

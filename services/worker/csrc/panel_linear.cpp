@@ -28,9 +28,9 @@
 // panels of 16 columns (one line per k) and tiles of up to 6 rows. There GCC kept the portable tile's
 // accumulators in memory, and the intrinsics' accumulators too unless every loop over the rows is
 // unrolled (it stored all 12 to the stack on every k), so those loops are unrolled. Blocking rows and
-// k so that a block of x stays in L2 (Goto's order) was slower at 128-512 rows. A lone row (a decode
-// step of one request) runs two panels at a time (tile_pair): one panel's FMA chain alone could not
-// keep up with the reads.
+// k so that a block of x stays in L2 (Goto's order) was slower at 128-512 rows. A lone tile of one to
+// three rows (a decode step of a few requests) runs two panels at a time (tile_pair): one panel at a
+// time, such a tile read its weights at well under the read rate.
 //
 // A gated product (the MLP's gate|up) interleaves the two weights by halves of a panel, gate columns
 // then the same up columns, so that a tile ends with both halves of its outputs in registers and
@@ -804,14 +804,16 @@ void tile_bf16(const Tile& t) {
   finish<R>(t, lo, hi);
 }
 
-// A lone row's tiles on two panels at once, a and b (panels j and j + 1): each panel's sums as tile<1>
-// (kBf16: tile_bf16<1>) makes them, in the same order, the two panels' FMA chains interleaved. One
-// panel's chain waits on the FMA's latency at every k (a bf16 line holds two k), which alone came near
-// the time a line takes to arrive from memory; two streams and two chains leave the loop waiting on
-// memory only. Only bf16 panels prefetch, as tile<1> and tile_bf16<1> do.
-template <bool kBf16>
+// A lone tile's rows (a decode step of a few requests) on two panels at once, a and b (panels j and
+// j + 1): each panel's sums as tile<R> (kBf16: tile_bf16<R>) makes them, in the same order, the two
+// panels' FMA chains interleaved. One panel at a time, a step of one to three rows read its weights at
+// well under the read rate: two streams and twice the chains leave the loop waiting on memory only.
+// Only bf16 panels prefetch, as tile_bf16 does.
+template <bool kBf16, int R>
 void tile_pair(const Tile& a, const Tile& b) {
-  __m256 lo[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, hi[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  __m256 lo[2][R], hi[2][R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) lo[0][r] = hi[0][r] = lo[1][r] = hi[1][r] = _mm256_setzero_ps();
   const float* w[2] = {a.w, b.w};
   PanelPrefetch pull_a(a, false), pull_b(b, false);
   const __m256 high = _mm256_castsi256_ps(_mm256_set1_epi32(int(0xFFFF0000u)));
@@ -820,7 +822,7 @@ void tile_pair(const Tile& a, const Tile& b) {
     if constexpr (kBf16) pull_a.at(k, w[0]), pull_b.at(k, w[1]);
 #pragma GCC unroll 2
     for (int j = 0; j < kPerLine; ++j) {
-      const __m256 xv = _mm256_broadcast_ss(a.x + kPerLine * k + j);
+      const float* xk = a.x + (kPerLine * k + j) * R;
 #pragma GCC unroll 2
       for (int p = 0; p < 2; ++p) {
         __m256 w0, w1;
@@ -830,14 +832,18 @@ void tile_pair(const Tile& a, const Tile& b) {
         } else {
           w0 = _mm256_loadu_ps(w[p]), w1 = _mm256_loadu_ps(w[p] + 8);
         }
-        lo[p] = _mm256_fmadd_ps(xv, w0, lo[p]);
-        hi[p] = _mm256_fmadd_ps(xv, w1, hi[p]);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          const __m256 xv = _mm256_broadcast_ss(xk + r);
+          lo[p][r] = _mm256_fmadd_ps(xv, w0, lo[p][r]);
+          hi[p][r] = _mm256_fmadd_ps(xv, w1, hi[p][r]);
+          settle(lo[p][r]), settle(hi[p][r]);
+        }
       }
     }
   }
-  const __m256 lo_a[1] = {lo[0]}, hi_a[1] = {hi[0]}, lo_b[1] = {lo[1]}, hi_b[1] = {hi[1]};
-  finish<1>(a, lo_a, hi_a);
-  finish<1>(b, lo_b, hi_b);
+  finish<R>(a, lo[0], hi[0]);
+  finish<R>(b, lo[1], hi[1]);
 }
 
 // 8 floats rounded to bf16 to nearest even, kept as fp32 (bf16_bits on a vector).
@@ -1173,6 +1179,19 @@ constexpr std::array<TileFn, kMaxRows + 1> tiles_up_to(std::index_sequence<R...>
 }
 constexpr auto kTiles = tiles_up_to<Weights::kFloat>(std::make_index_sequence<kMaxRows>{});
 constexpr auto kTilesBf16 = tiles_up_to<Weights::kBf16>(std::make_index_sequence<kMaxRows>{});
+#ifdef CBSERVE_AVX2
+// A lone tile of up to kPairRows rows runs its panels in pairs. Four float32 rows hold 16
+// accumulators, all the registers: GCC keeps four on the stack, and still the pairs ran faster; four
+// bf16 rows did not.
+using PairFn = void (*)(const Tile&, const Tile&);
+constexpr int kPairRows = 4;
+template <bool kBf16, size_t... R>
+constexpr std::array<PairFn, kPairRows + 1> pairs_up_to(std::index_sequence<R...>) {
+  return {nullptr, tile_pair<kBf16, int(R) + 1>...};
+}
+constexpr auto kPairs = pairs_up_to<false>(std::make_index_sequence<kPairRows>{});
+constexpr auto kPairsBf16 = pairs_up_to<true>(std::make_index_sequence<kPairRows - 1>{});
+#endif
 constexpr auto kTilesInt8 = tiles_up_to<Weights::kInt8>(std::make_index_sequence<kMaxRowsInt8>{});
 constexpr auto kTilesInt8Weights = tiles_up_to<Weights::kInt8Weights>(std::make_index_sequence<kMaxRows>{});
 
@@ -1450,9 +1469,9 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const c10::
                 bp == nullptr ? nullptr : bp + j * kPanel, std::min(width, N - j * width), gated,
                 next, next == nullptr ? 0 : line1 - line0, tiles, xs == nullptr ? nullptr : xs + r0 * groups};
   };
-  void (*pair)(const Tile&, const Tile&) = nullptr;  // a lone row's panels two at a time, on AVX2
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-  if (!int8 && M == 1) pair = bf16 ? tile_pair<true> : tile_pair<false>;
+  void (*pair)(const Tile&, const Tile&) = nullptr;  // a lone tile's panels two at a time, on AVX2
+#ifdef CBSERVE_AVX2
+  if (!int8 && M <= kPairRows - (bf16 ? 1 : 0)) pair = (bf16 ? kPairsBf16 : kPairs)[M];
 #endif
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     int64_t j = begin;
