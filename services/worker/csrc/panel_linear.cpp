@@ -29,8 +29,8 @@
 // accumulators in memory, and the intrinsics' accumulators too unless every loop over the rows is
 // unrolled (it stored all 12 to the stack on every k), so those loops are unrolled. Blocking rows and
 // k so that a block of x stays in L2 (Goto's order) was slower at 128-512 rows. A lone tile of one to
-// three rows (a decode step of a few requests) runs two panels at a time (tile_pair): one panel at a
-// time, such a tile read its weights at well under the read rate.
+// four rows (a decode step of a few requests) runs two to four panels at a time (tile_group): one
+// panel at a time, such a tile read its weights at well under the read rate.
 //
 // A gated product (the MLP's gate|up) interleaves the two weights by halves of a panel, gate columns
 // then the same up columns, so that a tile ends with both halves of its outputs in registers and
@@ -804,29 +804,39 @@ void tile_bf16(const Tile& t) {
   finish<R>(t, lo, hi);
 }
 
-// A lone tile's rows (a decode step of a few requests) on two panels at once, a and b (panels j and
-// j + 1): each panel's sums as tile<R> (kBf16: tile_bf16<R>) makes them, in the same order, the two
-// panels' FMA chains interleaved. One panel at a time, a step of one to three rows read its weights at
-// well under the read rate: two streams and twice the chains leave the loop waiting on memory only.
-// Only bf16 panels prefetch, as tile_bf16 does.
-template <bool kBf16, int R>
-void tile_pair(const Tile& a, const Tile& b) {
-  __m256 lo[2][R], hi[2][R];
+// A lone tile's rows (a decode step of a few requests) on NP panels at once (panels j .. j + NP - 1,
+// ts[0 .. NP - 1]): each panel's sums as tile<R> (kBf16: tile_bf16<R>) makes them, in the same order,
+// the panels' FMA chains interleaved. One panel at a time, a step of one to four rows read its weights
+// at well under the read rate, waiting on memory one stream at a time: NP streams keep NP times the
+// reads in flight. Only bf16 panels prefetch, as tile_bf16 does.
+// The prefetches of panels ts[0 .. sizeof...(P) - 1].
+template <size_t... P>
+std::array<PanelPrefetch, sizeof...(P)> pulls(const Tile* ts, std::index_sequence<P...>) {
+  return {PanelPrefetch(ts[P], false)...};
+}
+
+template <bool kBf16, int R, int NP>
+void tile_group(const Tile* ts) {
+  __m256 lo[NP][R], hi[NP][R];
+  const float* w[NP];
+  auto pull = pulls(ts, std::make_index_sequence<NP>{});
+#pragma GCC unroll 8
+  for (int p = 0; p < NP; ++p) {
+    w[p] = ts[p].w;
 #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) lo[0][r] = hi[0][r] = lo[1][r] = hi[1][r] = _mm256_setzero_ps();
-  const float* w[2] = {a.w, b.w};
-  PanelPrefetch pull_a(a, false), pull_b(b, false);
+    for (int r = 0; r < R; ++r) lo[p][r] = hi[p][r] = _mm256_setzero_ps();
+  }
   const __m256 high = _mm256_castsi256_ps(_mm256_set1_epi32(int(0xFFFF0000u)));
   constexpr int kPerLine = kBf16 ? 2 : 1;  // k a line
-  for (int64_t k = 0; k < a.K; ++k, w[0] += kPanel, w[1] += kPanel) {
-    if constexpr (kBf16) pull_a.at(k, w[0]), pull_b.at(k, w[1]);
+  for (int64_t k = 0; k < ts[0].K; ++k) {
 #pragma GCC unroll 2
     for (int j = 0; j < kPerLine; ++j) {
-      const float* xk = a.x + (kPerLine * k + j) * R;
-#pragma GCC unroll 2
-      for (int p = 0; p < 2; ++p) {
+      const float* xk = ts[0].x + (kPerLine * k + j) * R;
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p) {
         __m256 w0, w1;
         if constexpr (kBf16) {
+          if (j == 0) pull[p].at(k, w[p]);
           const __m256 v = _mm256_loadu_ps(w[p] + 8 * j);
           w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(v), 16)), w1 = _mm256_and_ps(v, high);
         } else {
@@ -841,9 +851,11 @@ void tile_pair(const Tile& a, const Tile& b) {
         }
       }
     }
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) w[p] += kPanel;
   }
-  finish<R>(a, lo[0], hi[0]);
-  finish<R>(b, lo[1], hi[1]);
+#pragma GCC unroll 8
+  for (int p = 0; p < NP; ++p) finish<R>(ts[p], lo[p], hi[p]);
 }
 
 // 8 floats rounded to bf16 to nearest even, kept as fp32 (bf16_bits on a vector).
@@ -1180,17 +1192,27 @@ constexpr std::array<TileFn, kMaxRows + 1> tiles_up_to(std::index_sequence<R...>
 constexpr auto kTiles = tiles_up_to<Weights::kFloat>(std::make_index_sequence<kMaxRows>{});
 constexpr auto kTilesBf16 = tiles_up_to<Weights::kBf16>(std::make_index_sequence<kMaxRows>{});
 #ifdef CBSERVE_AVX2
-// A lone tile of up to kPairRows rows runs its panels in pairs. Four float32 rows hold 16
-// accumulators, all the registers: GCC keeps four on the stack, and still the pairs ran faster; four
-// bf16 rows did not.
-using PairFn = void (*)(const Tile&, const Tile&);
-constexpr int kPairRows = 4;
+// A lone tile of up to kGroupRows rows runs its panels in groups (tile_group), kGroupPanels[R] at a
+// time for R rows: the most that measured faster, as far as their accumulators leave registers (four
+// float32 rows in a pair hold 16 accumulators, all the registers: GCC keeps four on the stack, and
+// still the pair ran faster; four bf16 rows did not). A thread's panels short of a whole group run in
+// pairs, then alone.
+using GroupFn = void (*)(const Tile*);
+constexpr int kGroupRows = 4;
+constexpr std::array<int, kGroupRows + 1> kGroupPanels = {0, 4, 3, 2, 2};
+constexpr int kMaxGroup = 4;
+static_assert(*std::max_element(kGroupPanels.begin(), kGroupPanels.end()) <= kMaxGroup);
+struct Groups {
+  int panels;  // a group's
+  GroupFn group, pair;
+};
 template <bool kBf16, size_t... R>
-constexpr std::array<PairFn, kPairRows + 1> pairs_up_to(std::index_sequence<R...>) {
-  return {nullptr, tile_pair<kBf16, int(R) + 1>...};
+constexpr std::array<Groups, kGroupRows + 1> groups_up_to(std::index_sequence<R...>) {
+  return {Groups{}, Groups{kGroupPanels[R + 1], tile_group<kBf16, int(R) + 1, kGroupPanels[R + 1]>,
+                           tile_group<kBf16, int(R) + 1, 2>}...};
 }
-constexpr auto kPairs = pairs_up_to<false>(std::make_index_sequence<kPairRows>{});
-constexpr auto kPairsBf16 = pairs_up_to<true>(std::make_index_sequence<kPairRows - 1>{});
+constexpr auto kGroups = groups_up_to<false>(std::make_index_sequence<kGroupRows>{});
+constexpr auto kGroupsBf16 = groups_up_to<true>(std::make_index_sequence<kGroupRows - 1>{});
 #endif
 constexpr auto kTilesInt8 = tiles_up_to<Weights::kInt8>(std::make_index_sequence<kMaxRowsInt8>{});
 constexpr auto kTilesInt8Weights = tiles_up_to<Weights::kInt8Weights>(std::make_index_sequence<kMaxRows>{});
@@ -1469,14 +1491,23 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const c10::
                 bp == nullptr ? nullptr : bp + j * kPanel, std::min(width, N - j * width), gated,
                 next, next == nullptr ? 0 : line1 - line0, tiles, xs == nullptr ? nullptr : xs + r0 * groups};
   };
-  void (*pair)(const Tile&, const Tile&) = nullptr;  // a lone tile's panels two at a time, on AVX2
+  const Groups* grouped = nullptr;  // a lone tile's panels in groups, on AVX2
 #ifdef CBSERVE_AVX2
-  if (!int8 && M <= kPairRows - (bf16 ? 1 : 0)) pair = (bf16 ? kPairsBf16 : kPairs)[M];
+  if (!int8 && M <= kGroupRows - (bf16 ? 1 : 0)) grouped = &(bf16 ? kGroupsBf16 : kGroups)[M];
 #endif
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     int64_t j = begin;
-    if (pair != nullptr)
-      for (; j + 1 < end; j += 2) pair(tile_of(j, 0, j + 2, end), tile_of(j + 1, 0, j + 3, end));
+    if (grouped != nullptr) {
+      Tile ts[kMaxGroup];
+      const auto run = [&](int np, GroupFn fn) {
+        for (; j + np <= end; j += np) {
+          for (int q = 0; q < np; ++q) ts[q] = tile_of(j + q, 0, j + np + q, end);
+          fn(ts);
+        }
+      };
+      run(grouped->panels, grouped->group);
+      run(2, grouped->pair);
+    }
     for (; j < end; ++j)
       for (int64_t i = 0; i < tiles; ++i) tile_fns[tile_rows(i)](tile_of(j, i, j + 1, end));
   });
