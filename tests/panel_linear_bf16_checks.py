@@ -93,7 +93,7 @@ def check_x_rounds_like_torch(ops: Any) -> None:
 
 def check_few_rows_alone_get_their_bits(ops: Any) -> None:
     """Rows' outputs are the same bits alone (one to four rows, a decode step of a few requests) as
-    among other rows, on bf16 and float32 panels: a lone small tile runs two panels at a time on AVX2,
+    among other rows, on bf16 and float32 panels: a lone small tile runs several panels at a time on AVX2,
     and the engine's tokens must not change with the batch around them."""
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(9, 96, generator=gen)

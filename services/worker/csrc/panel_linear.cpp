@@ -804,17 +804,17 @@ void tile_bf16(const Tile& t) {
   finish<R>(t, lo, hi);
 }
 
-// A lone tile's rows (a decode step of a few requests) on NP panels at once (panels j .. j + NP - 1,
-// ts[0 .. NP - 1]): each panel's sums as tile<R> (kBf16: tile_bf16<R>) makes them, in the same order,
-// the panels' FMA chains interleaved. One panel at a time, a step of one to four rows read its weights
-// at well under the read rate, waiting on memory one stream at a time: NP streams keep NP times the
-// reads in flight. Only bf16 panels prefetch, as tile_bf16 does.
 // The prefetches of panels ts[0 .. sizeof...(P) - 1].
 template <size_t... P>
 std::array<PanelPrefetch, sizeof...(P)> pulls(const Tile* ts, std::index_sequence<P...>) {
   return {PanelPrefetch(ts[P], false)...};
 }
 
+// A lone tile's rows (a decode step of a few requests) on NP panels at once (panels j .. j + NP - 1,
+// ts[0 .. NP - 1]): each panel's sums as tile<R> (kBf16: tile_bf16<R>) makes them, in the same order,
+// the panels' FMA chains interleaved. One panel at a time, a step of one to four rows read its weights
+// at well under the read rate; reading NP panels' streams at once came near it (docs/kernels.md).
+// Only bf16 panels prefetch, as tile_bf16 does.
 template <bool kBf16, int R, int NP>
 void tile_group(const Tile* ts) {
   __m256 lo[NP][R], hi[NP][R];
@@ -1192,13 +1192,13 @@ constexpr std::array<TileFn, kMaxRows + 1> tiles_up_to(std::index_sequence<R...>
 constexpr auto kTiles = tiles_up_to<Weights::kFloat>(std::make_index_sequence<kMaxRows>{});
 constexpr auto kTilesBf16 = tiles_up_to<Weights::kBf16>(std::make_index_sequence<kMaxRows>{});
 #ifdef CBSERVE_AVX2
-// A lone tile of up to kGroupRows rows runs its panels in groups (tile_group), kGroupPanels[R] at a
-// time for R rows: the most that measured faster, as far as their accumulators leave registers (four
+// A lone tile of up to kGroupRows rows (bf16: kGroupRowsBf16) runs its panels in groups (tile_group),
+// kGroupPanels[R] at a time for R rows: the most that measured faster, as far as their accumulators leave registers (four
 // float32 rows in a pair hold 16 accumulators, all the registers: GCC keeps four on the stack, and
 // still the pair ran faster; four bf16 rows did not). A thread's panels short of a whole group run in
 // pairs, then alone.
 using GroupFn = void (*)(const Tile*);
-constexpr int kGroupRows = 4;
+constexpr int kGroupRows = 4, kGroupRowsBf16 = 3;
 constexpr std::array<int, kGroupRows + 1> kGroupPanels = {0, 4, 3, 2, 2};
 constexpr int kMaxGroup = 4;
 static_assert(*std::max_element(kGroupPanels.begin(), kGroupPanels.end()) <= kMaxGroup);
@@ -1212,7 +1212,7 @@ constexpr std::array<Groups, kGroupRows + 1> groups_up_to(std::index_sequence<R.
                            tile_group<kBf16, int(R) + 1, 2>}...};
 }
 constexpr auto kGroups = groups_up_to<false>(std::make_index_sequence<kGroupRows>{});
-constexpr auto kGroupsBf16 = groups_up_to<true>(std::make_index_sequence<kGroupRows - 1>{});
+constexpr auto kGroupsBf16 = groups_up_to<true>(std::make_index_sequence<kGroupRowsBf16>{});
 #endif
 constexpr auto kTilesInt8 = tiles_up_to<Weights::kInt8>(std::make_index_sequence<kMaxRowsInt8>{});
 constexpr auto kTilesInt8Weights = tiles_up_to<Weights::kInt8Weights>(std::make_index_sequence<kMaxRows>{});
@@ -1493,7 +1493,7 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const c10::
   };
   const Groups* grouped = nullptr;  // a lone tile's panels in groups, on AVX2
 #ifdef CBSERVE_AVX2
-  if (!int8 && M <= kGroupRows - (bf16 ? 1 : 0)) grouped = &(bf16 ? kGroupsBf16 : kGroups)[M];
+  if (!int8 && M <= (bf16 ? kGroupRowsBf16 : kGroupRows)) grouped = &(bf16 ? kGroupsBf16 : kGroups)[M];
 #endif
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     int64_t j = begin;
