@@ -1193,10 +1193,10 @@ constexpr auto kTiles = tiles_up_to<Weights::kFloat>(std::make_index_sequence<kM
 constexpr auto kTilesBf16 = tiles_up_to<Weights::kBf16>(std::make_index_sequence<kMaxRows>{});
 #ifdef CBSERVE_AVX2
 // A lone tile of up to kGroupRows rows (bf16: kGroupRowsBf16) runs its panels in groups (tile_group),
-// kGroupPanels[R] at a time for R rows: the most that measured faster, as far as their accumulators leave registers (four
-// float32 rows in a pair hold 16 accumulators, all the registers: GCC keeps four on the stack, and
-// still the pair ran faster; four bf16 rows did not). A thread's panels short of a whole group run in
-// pairs, then alone.
+// kGroupPanels[R] at a time for R rows: the most that measured faster, as far as their accumulators
+// leave registers (four float32 rows in a pair hold 16 accumulators, all the registers: GCC keeps four
+// on the stack, and still the pair ran faster; four bf16 rows did not). A thread's panels short of a
+// whole group run in pairs, then alone.
 using GroupFn = void (*)(const Tile*);
 constexpr int kGroupRows = 4, kGroupRowsBf16 = 3;
 constexpr std::array<int, kGroupRows + 1> kGroupPanels = {0, 4, 3, 2, 2};
