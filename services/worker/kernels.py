@@ -89,6 +89,13 @@ def _source_files(stem: str) -> list[Path]:
     return [source, *(_CSRC / name for name in re.findall(r'#include "([^"]+)"', source.read_text()))]
 
 
+def compile_flags(stem: str, path: str, march: str = "native") -> list[str]:
+    """The compiler flags of `stem`'s build held to `path` (`ISA_FLAGS`) for the CPU `march` names."""
+    # -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers, serial without it.
+    flags = ["-O3", f"-march={march}", *ISA_FLAGS[path], "-fopenmp", "-ffast-math"]
+    return flags + list(KERNEL_FLAGS.get(stem, ()))
+
+
 def _build(stem: str) -> Any:
     """Compile (once per CPU and source) and import `csrc/<stem>.cpp`; None when that fails."""
     if not native_kernels_enabled():
@@ -114,14 +121,11 @@ def _build(stem: str) -> Any:
             if compiling:
                 log.info("compiling native kernel, once per CPU and source (about 30 s)", kernel=stem)
             started = time.monotonic()
-            flags = ["-O3", "-march=native", *ISA_FLAGS[isa()], "-fopenmp", "-ffast-math"]
-            flags += KERNEL_FLAGS.get(stem, ())
-            # -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers, serial without it.
             # The extension's libgomp.so.1 resolves to the one torch already loaded: one pool.
             module = load(
                 name=name,
                 sources=[str(source)],
-                extra_cflags=flags,
+                extra_cflags=compile_flags(stem, isa()),
                 extra_ldflags=["-lmvec", "-fopenmp"],
                 build_directory=str(build_dir),
                 verbose=False,

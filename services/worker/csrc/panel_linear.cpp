@@ -1491,13 +1491,11 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const c10::
                 bp == nullptr ? nullptr : bp + j * kPanel, std::min(width, N - j * width), gated,
                 next, next == nullptr ? 0 : line1 - line0, tiles, xs == nullptr ? nullptr : xs + r0 * groups};
   };
-  const Groups* grouped = nullptr;  // a lone tile's panels in groups, on AVX2
-#ifdef CBSERVE_AVX2
-  if (!int8 && M <= (bf16 ? kGroupRowsBf16 : kGroupRows)) grouped = &(bf16 ? kGroupsBf16 : kGroups)[M];
-#endif
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     int64_t j = begin;
-    if (grouped != nullptr) {
+#ifdef CBSERVE_AVX2
+    if (!int8 && M <= (bf16 ? kGroupRowsBf16 : kGroupRows)) {  // a lone tile's panels in groups
+      const Groups& grouped = (bf16 ? kGroupsBf16 : kGroups)[M];
       Tile ts[kMaxGroup];
       const auto run = [&](int np, GroupFn fn) {
         for (; j + np <= end; j += np) {
@@ -1505,9 +1503,10 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const c10::
           fn(ts);
         }
       };
-      run(grouped->panels, grouped->group);
-      run(2, grouped->pair);
+      run(grouped.panels, grouped.group);
+      run(2, grouped.pair);
     }
+#endif
     for (; j < end; ++j)
       for (int64_t i = 0; i < tiles; ++i) tile_fns[tile_rows(i)](tile_of(j, i, j + 1, end));
   });
