@@ -228,10 +228,10 @@ def test_fused_norms_match_torch() -> None:
     torch.testing.assert_close(residual, summed)  # the skip connection, in place
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_fused_rotary_matches_transformers(cache_dtype: torch.dtype) -> None:
-    """Rotated keys and values land in their slots; a bfloat16 pool holds them rounded to nearest even,
-    byte for byte what torch's `.to(torch.bfloat16)` gives, whichever path wrote a page."""
+    """Rotated keys and values land in their slots; a 16-bit pool holds them rounded to nearest even,
+    byte for byte what torch's `.to(cache_dtype)` gives, whichever path wrote a page."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     ops = _fused_ops()
@@ -256,9 +256,9 @@ def test_fused_rotary_matches_transformers(cache_dtype: torch.dtype) -> None:
     past_the_end = torch.full((t,), 40)
     with pytest.raises(RuntimeError, match="slot 40 outside 40"):
         ops.rotary_store_kv_(qkv, heads, kv_heads, d, cos, sin, positions, k_cache, v_cache, past_the_end)
-    with pytest.raises(RuntimeError, match="Half"):
-        half = k_cache.half()
-        ops.rotary_store_kv_(qkv, heads, kv_heads, d, cos, sin, positions, half, half.clone(), slots)
+    with pytest.raises(RuntimeError, match=r"got \[40, 3, 64\] double"):
+        wide = k_cache.double()
+        ops.rotary_store_kv_(qkv, heads, kv_heads, d, cos, sin, positions, wide, wide.clone(), slots)
 
 
 @pytest.mark.parametrize("n", [1, 15, 16, 49_152, 49_157])

@@ -1,7 +1,7 @@
-"""The paged attention kernels read bfloat16 K/V pools in place. A bfloat16 widens to float32 exactly
-and all arithmetic stays float32 in the same order, so on every vector path the output equals, bit for
-bit, the float32 kernel's on the upcast pool (`k_cache.float()`), and so the reference within the
-float32 tests' tolerance."""
+"""The paged attention kernels read bfloat16 and float16 K/V pools in place. Either widens to float32
+exactly and all arithmetic stays float32 in the same order, so on every vector path the output equals,
+bit for bit, the float32 kernel's on the upcast pool (`k_cache.float()`), and so the reference within
+the float32 tests' tolerance."""
 
 from __future__ import annotations
 
@@ -26,16 +26,20 @@ def test_module_names_its_vector_path() -> None:
     assert attention_module().isa() == expected_path()
 
 
+POOL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@pytest.mark.parametrize("pool_dtype", POOL_DTYPES)
 @pytest.mark.parametrize("softcap", [0.0, 20.0])
 @pytest.mark.parametrize(("kv", "group", "d", "b", "length"), DECODE_SHAPES)
-def test_bf16_decode_is_fp32_decode_on_the_upcast_pool(
-    kv: int, group: int, d: int, b: int, length: int, softcap: float
+def test_16bit_decode_is_fp32_decode_on_the_upcast_pool(
+    kv: int, group: int, d: int, b: int, length: int, softcap: float, pool_dtype: torch.dtype
 ) -> None:
     kernel = attention_module().paged_decode
     k_cache, v_cache, packed, rows, slots, lengths = decode_batch(
         kv, group, d, b, length, num_slots=2 * length + 300, seed=d + length
     )
-    k_cache, v_cache = k_cache.to(torch.bfloat16), v_cache.to(torch.bfloat16)
+    k_cache, v_cache = k_cache.to(pool_dtype), v_cache.to(pool_dtype)
     got, want = torch.full(packed.shape, 7.0), torch.full(packed.shape, 7.0)
     kernel(packed, got, rows, k_cache, v_cache, slots, lengths, d**-0.5, softcap)
     kernel(packed, want, rows, k_cache.float(), v_cache.float(), slots, lengths, d**-0.5, softcap)
@@ -45,16 +49,17 @@ def test_bf16_decode_is_fp32_decode_on_the_upcast_pool(
     torch.testing.assert_close(got[rows].view(b, kv, group, d), reference, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("pool_dtype", POOL_DTYPES)
 @pytest.mark.parametrize(("softcap", "window"), [(0.0, 0), (20.0, 0), (0.0, 13)])
 @pytest.mark.parametrize(("kv", "group", "d"), [(3, 3, 64), (2, 2, 16), (1, 5, 128), (4, 1, 32), (2, 2, 48)])
-def test_bf16_prefill_is_fp32_prefill_on_the_upcast_pool(
-    kv: int, group: int, d: int, softcap: float, window: int
+def test_16bit_prefill_is_fp32_prefill_on_the_upcast_pool(
+    kv: int, group: int, d: int, softcap: float, window: int, pool_dtype: torch.dtype
 ) -> None:
     module = attention_module()
     if not module.prefill_supports(d):
         pytest.skip(f"no prefill kernel for head size {d} on the {module.isa()} path")
     k_cache, v_cache, (q, first_rows, num_queries, slots, lengths) = prefill_batch(
-        kv, group, d, window, torch.bfloat16
+        kv, group, d, window, pool_dtype
     )
     got, want = torch.full(q.shape, 7.0), torch.full(q.shape, 7.0)
     for out, k, v in ((got, k_cache, v_cache), (want, k_cache.float(), v_cache.float())):
@@ -71,8 +76,8 @@ def test_bf16_prefill_is_fp32_prefill_on_the_upcast_pool(
 @pytest.mark.parametrize(
     ("k_dtype", "v_dtype", "named"),
     [
-        (torch.float16, torch.float16, "got Half and Half"),
         (torch.float64, torch.float64, "got Double and Double"),
+        (torch.float16, torch.bfloat16, "got Half and BFloat16"),
         (torch.float32, torch.bfloat16, "got Float and BFloat16"),
         (torch.bfloat16, torch.float32, "got BFloat16 and Float"),
     ],

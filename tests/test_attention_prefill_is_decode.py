@@ -17,7 +17,7 @@ from services.common.precision import cpu_flags
 from tests.attention_cases import prefill_batch, rerun_on_lower_path, run_on_path
 from tests.kernel_modules import attention_module
 
-POOL_TYPES = ("float32", "bfloat16", "int8")
+POOL_TYPES = ("float32", "bfloat16", "float16", "int8")
 
 
 def as_pool(cache: torch.Tensor, pool_type: str) -> torch.Tensor:

@@ -22,8 +22,9 @@ log = structlog.get_logger(__name__)
 
 SWITCH = "CBSERVE_PAGED_ATTENTION"
 CHOICES = ("auto", "triton", "gather")
-NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)  # the pages the native kernels read
-TRITON_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # ... and the Triton ones
+# The pages the native kernels read, and the Triton ones.
+NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8)
+TRITON_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)

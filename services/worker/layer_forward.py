@@ -1,7 +1,8 @@
 """Whose forward runs a model's layers: ours, fused, or transformers' eager modules.
 
 - `native` (fused_llama.py): a Llama-family model on the CPU, in float32 or bfloat16, over a float32,
-  bfloat16 or int8 pool, with the native kernels built; the only forward that runs `--quantization`.
+  bfloat16, float16 or int8 pool, with the native kernels built; the only forward that runs
+  `--quantization`.
 - `triton` (gpu_llama.py): a Llama-family model on a CUDA device, in float32, bfloat16 or float16, over a
   float32, bfloat16 or float16 pool, unquantized: cuBLAS products and Triton passes.
 - `transformers`: anything else, and the fallback (a model or pool the others refuse, no Triton).
@@ -75,7 +76,7 @@ def choose(
         log.info("transformers' layers run the model", reason=why)
         return None
     if kv_dtype not in NATIVE_KV_DTYPES:
-        # The fused passes write only the pages the native attention reads; a float16 pool is not one.
+        # The fused passes write only the pages the native attention reads (a float64 model's are not).
         log.info("transformers' layers run the model", reason=f"a KV pool of {kv_dtype}")
         return None
     return FusedLlama.build(model, quantization)

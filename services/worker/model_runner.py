@@ -77,7 +77,7 @@ class ModelRunner:
             (kv_pool[p.slot, 0].view(flat), kv_pool[p.slot, 1].view(flat)) for p in geometry.placements
         ]
         # The CPU's own forward keeps its activations in float32 whatever the weights' dtype (the native
-        # attention kernels take float32 queries over float32, bfloat16 or int8 pages); the GPU's and
+        # attention kernels take float32 queries over float32, 16-bit or int8 pages); the GPU's and
         # transformers' keep the weights' dtype.
         self.activation_dtype = (
             self.fused.activation_dtype if self.fused is not None else next(model.parameters()).dtype

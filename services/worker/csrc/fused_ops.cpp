@@ -12,11 +12,13 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/csrc/utils/pybind.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -123,6 +125,33 @@ inline void store_kv(const float* src, int64_t heads, int64_t d, c10::BFloat16* 
   for (int64_t i = 0; i < heads * d; ++i) dst[i] = c10::BFloat16(src[i]);
 }
 
+// f as a float16's bits, rounded to nearest even as torch's .to(torch.float16): past 65504 infinite,
+// below 2^-14 subnormal. F16C converts in one instruction; elsewhere the bits are worked out in
+// integers, where c10::Half's float tricks for the same would be rewritten by -ffast-math (a value past
+// the range became NaN instead of infinite).
+inline uint16_t half_bits(float f) {
+#ifdef __F16C__
+  return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+  const uint32_t x = std::bit_cast<uint32_t>(f), a = x & 0x7FFFFFFFu;
+  const auto sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
+  if (a > 0x7F800000u) return sign | 0x7E00u;  // NaN
+  if (a >= 0x477FF000u) return sign | 0x7C00u;  // 65520 and past: ties 65504 (odd) and infinity (even)
+  if (a >= 0x38800000u) {  // normal: the exponent rebased, 13 bits of the mantissa rounded off
+    const uint32_t m = a - 0x38000000u;
+    return sign | static_cast<uint16_t>((m + 0x0FFFu + ((m >> 13) & 1u)) >> 13);
+  }
+  if (a <= 0x33000000u) return sign;  // at most 2^-25, half the least subnormal: zero (a tie: even)
+  const uint32_t shift = 126 - (a >> 23), mantissa = (a & 0x7FFFFFu) | 0x800000u;  // shift 14 .. 24
+  const uint32_t q = mantissa >> shift, rest = mantissa & ((1u << shift) - 1), half = 1u << (shift - 1);
+  return sign | static_cast<uint16_t>(q + (rest > half || (rest == half && (q & 1u))));
+#endif
+}
+
+inline void store_kv(const float* src, int64_t heads, int64_t d, c10::Half* dst) {
+  for (int64_t i = 0; i < heads * d; ++i) dst[i].x = half_bits(src[i]);
+}
+
 // The int8 format of common/kv_int8.py, in the float32 operations of its `quantize` in the same
 // order, so that both writers store the same bytes: per row, y = the row rotated block by block by
 // H_B (hadamard.h), scale = max|y| * (1 / 127), values round-half-even(y * (1 / scale)) clamped to
@@ -220,7 +249,7 @@ void rotate_and_store(at::Tensor& qkv, int64_t q_heads, int64_t kv_heads, int64_
 // Rotary embedding, in place, on the q and k heads of each row of a fused q|k|v projection
 // [rows, (q_heads + 2 kv_heads) x D], with cos/sin [max_positions, D] read at each row's position;
 // then the row's k heads (rotated) and v heads written to its KV slot `slots[t]` of k_cache/v_cache
-// [S, kv_heads, D] float32 or bfloat16, or [S, kv_heads, D + 4] int8 (values and scale, quantized
+// [S, kv_heads, D] float32, bfloat16 or float16, or [S, kv_heads, D + 4] int8 (values and scale, quantized
 // here as common/kv_int8.py does): one pass while the row is in cache, where index_copy_ after
 // the rotary took 70 us a layer for a few dozen rows. Every position and slot is checked before
 // anything is written.
@@ -235,11 +264,12 @@ void rotary_store_kv_(at::Tensor qkv, int64_t q_heads, int64_t kv_heads, int64_t
   const int64_t row = head_dim + (int8_kv ? kScaleBytes : 0);
   TORCH_CHECK(!int8_kv || head_dim <= kMaxInt8HeadDim, "int8 pools take head sizes up to ", kMaxInt8HeadDim,
               ", got ", head_dim);
-  TORCH_CHECK((k_cache.dtype() == at::kFloat || k_cache.dtype() == at::kBFloat16 || int8_kv) &&
+  const at::ScalarType kv_type = k_cache.scalar_type();
+  TORCH_CHECK((kv_type == at::kFloat || kv_type == at::kBFloat16 || kv_type == at::kHalf || int8_kv) &&
                   v_cache.dtype() == k_cache.dtype() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && k_cache.dim() == 3 && k_cache.size(1) == kv_heads &&
                   k_cache.size(2) == row,
-              "caches must be contiguous float32 or bfloat16 [slots, ", kv_heads, ", ", head_dim,
+              "caches must be contiguous float32, bfloat16 or float16 [slots, ", kv_heads, ", ", head_dim,
               "] or int8 [slots, ", kv_heads, ", ", head_dim + kScaleBytes, "], got ", k_cache.sizes(), " ",
               k_cache.dtype(), " and ", v_cache.sizes(), " ", v_cache.dtype());
   TORCH_CHECK(slots.dtype() == at::kLong && slots.is_contiguous() && slots.numel() == qkv.size(0),
@@ -249,8 +279,10 @@ void rotary_store_kv_(at::Tensor qkv, int64_t q_heads, int64_t kv_heads, int64_t
   for (int64_t t = 0; t < qkv.size(0); ++t) TORCH_CHECK(sl[t] >= 0 && sl[t] < S, "slot ", sl[t], " outside ", S);
   if (int8_kv)
     rotate_and_store<int8_t>(qkv, q_heads, kv_heads, head_dim, cos, sin, pp, k_cache, v_cache, sl);
-  else if (k_cache.dtype() == at::kBFloat16)
+  else if (kv_type == at::kBFloat16)
     rotate_and_store<c10::BFloat16>(qkv, q_heads, kv_heads, head_dim, cos, sin, pp, k_cache, v_cache, sl);
+  else if (kv_type == at::kHalf)
+    rotate_and_store<c10::Half>(qkv, q_heads, kv_heads, head_dim, cos, sin, pp, k_cache, v_cache, sl);
   else
     rotate_and_store<float>(qkv, q_heads, kv_heads, head_dim, cos, sin, pp, k_cache, v_cache, sl);
 }

@@ -1,9 +1,10 @@
 // Paged attention on CPU, reading K/V straight from the paged pool through each request's slot list:
-// no gathered copy of any context and no mask is ever built. The pool holds float32, bfloat16 or int8
-// (the element type T of every loop that reads it); queries, outputs and all arithmetic are float32. A
-// bfloat16 is the high half of a float32's bits, so it is widened exactly as it is loaded, and with the
-// same arithmetic in the same order a bfloat16 pool gives, bit for bit, the float32 kernel's output on
-// its upcast copy, from half the bytes.
+// no gathered copy of any context and no mask is ever built. The pool holds float32, bfloat16, float16
+// or int8 (the element type T of every loop that reads it); queries, outputs and all arithmetic are
+// float32. A bfloat16 is the high half of a float32's bits and a float16 converts to float32 exactly
+// (F16C's vcvtph2ps), so a 16-bit element is widened exactly as it is loaded, and with the same
+// arithmetic in the same order a 16-bit pool gives, bit for bit, the float32 kernel's output on its
+// upcast copy, from half the bytes.
 //
 // An int8 row (common/kv_int8.py) is its head's values and then their float32 scale: a head's row is
 // D + 4 elements apart from the next (`hd`). The values are widened to float32 as they are loaded, as
@@ -73,8 +74,9 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/csrc/utils/pybind.h>
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
 #define CBSERVE_AVX2 1  // the 8-float variants of the vector paths (16 registers)
 #endif
 #if defined(__AVX512F__) || defined(CBSERVE_AVX2)
@@ -105,6 +107,7 @@ constexpr int64_t kVBlock = 32;  // keys per block of the V pass: their rows, al
 constexpr int64_t kMaxRows = 4096;  // query heads of one request
 
 using bf16 = at::BFloat16;
+using f16 = at::Half;
 using i8 = int8_t;
 
 // An int8 row's values are followed by their float32 scale (common/kv_int8.py); the other types' rows
@@ -116,8 +119,13 @@ constexpr int64_t kScaleElems = kScaled<T> ? 4 : 0;
 
 // Dims of a pool row per 32-bit word: the decode dots transpose K rows as words (a word of bfloat16
 // holds two dims, of int8 four), so that a narrower pool takes fewer shuffles and widens once per word.
+// A float16 row is widened as it is loaded instead (vcvtph2ps takes whole vectors of halves, not one
+// half of each word), and its words are then float32 ones: one dim each.
 template <class T>
-constexpr int kPerWord = static_cast<int>(4 / sizeof(T));
+constexpr int kPerWord = std::is_same_v<T, f16> ? 1 : static_cast<int>(4 / sizeof(T));
+// The bytes of a pool row that one transposed word holds.
+template <class T>
+constexpr int64_t kWordBytes = kPerWord<T> * int64_t{sizeof(T)};
 
 // The scale of the int8 row whose D values start at `row`.
 inline float row_scale(const i8* row, int64_t D) {
@@ -127,9 +135,10 @@ inline float row_scale(const i8* row, int64_t D) {
 }
 
 // The pool's elements as float32, exactly: a bfloat16's 16 bits are the high half of the float32's;
-// an int8 is its integer value (its row's scale is applied apart).
+// every float16 is a float32; an int8 is its integer value (its row's scale is applied apart).
 inline float widen(float x) { return x; }
 inline float widen(bf16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x.x) << 16); }
+inline float widen(f16 x) { return static_cast<float>(x); }
 inline float widen(i8 x) { return static_cast<float>(x); }
 
 #ifdef __AVX512F__
@@ -139,6 +148,7 @@ inline __m512 load16(const bf16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+inline __m512 load16(const f16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline __m512 load16(const i8* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
@@ -150,12 +160,13 @@ inline __m256 load8(const bf16* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
+inline __m256 load8(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline __m256 load8(const i8* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 #endif
 
-// A pool row of n elements as float32: the row itself, or, from bfloat16 or int8 (its values, unscaled),
+// A pool row of n elements as float32: the row itself, or, from 16-bit or int8 (its values, unscaled),
 // widened into `buf`. For the loops that broadcast a row one element at a time (the prefill kernels; a
 // widened broadcast is three instructions where a float32 one is a load): such a row is widened once,
 // by vectors, into L1.
@@ -372,7 +383,7 @@ inline void soft_cap(float* x, int64_t n, float cap) {
 #endif
 }
 
-template <class T>  // the pool's element type: float, bf16 or i8
+template <class T>  // the pool's element type: float, bf16, f16 or i8
 struct Task {
   const float* q;      // [hs, G, D] of this row (contiguous: heads are adjacent in a packed row)
   float* out;          // [hs, G, D]
@@ -471,7 +482,7 @@ inline void transpose16(const __m512* in, __m512* out) {
 // Dim b of the kPerWord<T> dims that the 32-bit words of `w` hold, as float32 (int8: unscaled).
 template <class T>
 inline __m512 word_dim(__m512i w, int b) {
-  if constexpr (std::is_same_v<T, float>) return _mm512_castsi512_ps(w);
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, f16>) return _mm512_castsi512_ps(w);
   else if constexpr (std::is_same_v<T, bf16>)
     return _mm512_castsi512_ps(b == 0 ? _mm512_slli_epi32(w, 16) : _mm512_and_si512(w, _mm512_set1_epi32(-65536)));
   else return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w, 24 - 8 * b), 24));
@@ -504,6 +515,12 @@ inline void keys_dots(const Task<T>& t, float* qs, int64_t r0, int64_t h, int64_
       for (int i = 0; i < 16; ++i) {
         if (pump != nullptr && w0 == 0 && i % 2 == 0) pump->advance(2);
         rows[i] = _mm512_loadu_ps(kr[i] + w0);
+      }
+    } else if constexpr (std::is_same_v<T, f16>) {
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) {
+        if (pump != nullptr && w0 == 0 && i % 2 == 0) pump->advance(2);
+        rows[i] = load16(kr[i] + w0);  // D is 16 NC: whole vectors
       }
     } else {
       // Through a mask: a row of bfloat16 or int8 may end within the 16 words. (Taken for whole words
@@ -639,7 +656,7 @@ inline void transpose8(const __m256* in, __m256* out) {
 // Dim b of the kPerWord<T> dims that the 32-bit words of `w` hold, as float32 (int8: unscaled).
 template <class T>
 inline __m256 word_dim8(__m256i w, int b) {
-  if constexpr (std::is_same_v<T, float>) return _mm256_castsi256_ps(w);
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, f16>) return _mm256_castsi256_ps(w);
   else if constexpr (std::is_same_v<T, bf16>)
     return _mm256_castsi256_ps(b == 0 ? _mm256_slli_epi32(w, 16) : _mm256_and_si256(w, _mm256_set1_epi32(-65536)));
   else return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(w, 24 - 8 * b), 24));
@@ -655,7 +672,8 @@ inline const char* stream_row(const Task<T>& t, int64_t a, int64_t h, const T* o
 
 // The K rows of keys [j0, j0 + count) of head h, count <= kBlock, transposed into kt [D][kBlock] as
 // float32 (int8: unscaled): dim d of key i at kt[d * kBlock + i]. 8 words of 8 rows at a time are
-// loaded and transposed (24 shuffles), then widened. Keys past count repeat the last one. As it reads a
+// loaded and transposed (24 shuffles), then widened (float16: widened as loaded). Keys past count
+// repeat the last one. As it reads a
 // line of a row it prefetches the same line of the row kAvx2Ahead keys on.
 template <int NC, class T>  // NC = D / 8
 inline void transpose_keys(const Task<T>& t, int64_t h, int64_t j0, int64_t count, float* kt) {
@@ -671,11 +689,13 @@ inline void transpose_keys(const Task<T>& t, int64_t h, int64_t j0, int64_t coun
 #pragma GCC unroll 1
     for (int64_t w0 = 0; w0 < kWords; w0 += 8) {
       __m256 rows[8], cols[8];
-      if (w0 % 16 == 0)  // 16 words: a line
+      if (w0 * kWordBytes<T> % 64 == 0)  // a line
 #pragma GCC unroll 8
-        for (int i = 0; i < 8; ++i) __builtin_prefetch(ahead[i] + 4 * w0, 0, 3);
+        for (int i = 0; i < 8; ++i) __builtin_prefetch(ahead[i] + kWordBytes<T> * w0, 0, 3);
 #pragma GCC unroll 8
-      for (int i = 0; i < 8; ++i) rows[i] = _mm256_loadu_ps(reinterpret_cast<const float*>(kr[i] + w0 * kPerWord<T>));
+      for (int i = 0; i < 8; ++i)
+        if constexpr (std::is_same_v<T, f16>) rows[i] = load8(kr[i] + w0);
+        else rows[i] = _mm256_loadu_ps(reinterpret_cast<const float*>(kr[i] + w0 * kPerWord<T>));
       transpose8(rows, cols);
 #pragma GCC unroll 8
       for (int l = 0; l < 8; ++l)
@@ -831,6 +851,11 @@ inline Lanes lanes(const bf16* p) {
   Raw raw;
   std::memcpy(&raw, p, sizeof(raw));
   return std::bit_cast<Lanes>(__builtin_convertvector(raw, Bits) << 16);
+}
+inline Lanes lanes(const f16* p) {
+  Lanes x;
+  for (int64_t l = 0; l < kLanesGeneric; ++l) x[l] = widen(p[l]);
+  return x;
 }
 inline Lanes lanes(const i8* p) {
   using Raw = int8_t __attribute__((vector_size(8)));
@@ -1108,12 +1133,13 @@ TaskFn<T> pick(int64_t D) {
 #endif
 }
 
-// The pools' element type, checked: both float32, both bfloat16 or both int8, `[S, kv_heads, row]`
-// with rows of D values (and, in int8, their scale). Anything else is refused.
+// The pools' element type, checked: both float32, both bfloat16, both float16 or both int8,
+// `[S, kv_heads, row]` with rows of D values (and, in int8, their scale). Anything else is refused.
 at::ScalarType pool_type(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t D) {
   const at::ScalarType k = k_cache.scalar_type(), v = v_cache.scalar_type();
-  TORCH_CHECK(k == v && (k == at::kFloat || k == at::kBFloat16 || k == at::kChar),
-              "k_cache and v_cache must both be float32, both bfloat16 or both int8, got ", k, " and ", v);
+  TORCH_CHECK(k == v && (k == at::kFloat || k == at::kBFloat16 || k == at::kHalf || k == at::kChar),
+              "k_cache and v_cache must both be float32, both bfloat16, both float16 or both int8, got ", k,
+              " and ", v);
   const int64_t row = D + (k == at::kChar ? kScaleElems<i8> : 0);
   TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes() && k_cache.size(2) == row,
               "k_cache and v_cache must be [slots, kv_heads, ", row, "] for head size ", D, " in ", k, ", got ",
@@ -1125,6 +1151,7 @@ at::ScalarType pool_type(const at::Tensor& k_cache, const at::Tensor& v_cache, i
 template <class Run>
 void for_pool_type(at::ScalarType type, Run&& run) {
   if (type == at::kBFloat16) run.template operator()<bf16>();
+  else if (type == at::kHalf) run.template operator()<f16>();
   else if (type == at::kChar) run.template operator()<i8>();
   else run.template operator()<float>();
 }
@@ -1179,7 +1206,8 @@ void paged_decode(
     at::Tensor q,        // [T, H, D] float32: heads contiguous, any token stride
     at::Tensor out,      // [T, H, D]: rows[b] is written for each request, the others left alone
     at::Tensor rows,     // [B] int64: the packed row of each request's query token
-    at::Tensor k_cache,  // [S, kv_heads, D] float32 or bfloat16, or [S, kv_heads, D + 4] int8; contiguous
+    at::Tensor k_cache,  // [S, kv_heads, D] float32, bfloat16 or float16, or [S, kv_heads, D + 4] int8;
+                         // contiguous
     at::Tensor v_cache,  // k_cache's dtype and shape
     at::Tensor slots,    // [B, L] int64: the first lengths[b] entries are the keys of request b
     at::Tensor lengths,  // [B] int64
@@ -1248,7 +1276,7 @@ constexpr int64_t kQueryBlock = 16;  // query tokens per task
 constexpr int64_t kLanes = 16;
 constexpr int64_t kKeys = 8;         // keys per score block: 8 x GR accumulators (of 32 registers)
 
-template <class T>  // the pool's element type: float, bf16 or i8
+template <class T>  // the pool's element type: float, bf16, f16 or i8
 struct PrefillTask {
   const float* q;        // the block's first query token at its kv head's first query head
   int64_t sq;            // q's token stride (heads are D apart)
@@ -1848,7 +1876,8 @@ bool prefill_supports(int64_t head_dim) { return kPrefillByRows || pick_prefill<
 void paged_prefill(
     at::Tensor q,           // [T, H, D] float32: heads contiguous, any token stride
     at::Tensor out,         // [T, H, D]: the requests' rows are written, the others left alone
-    at::Tensor k_cache,     // [S, kv_heads, D] float32 or bfloat16, or [S, kv_heads, D + 4] int8; contiguous
+    at::Tensor k_cache,     // [S, kv_heads, D] float32, bfloat16 or float16, or [S, kv_heads, D + 4] int8;
+                            // contiguous
     at::Tensor v_cache,     // k_cache's dtype and shape
     at::Tensor first_rows,  // [B] int64: packed row of each request's first query token
     at::Tensor num_queries, // [B]
@@ -1968,9 +1997,10 @@ std::string isa() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Without the GIL: the host plans the next step while a forward runs (async batching).
   using nogil = pybind11::call_guard<pybind11::gil_scoped_release>;
-  m.def("paged_decode", &paged_decode, "paged decode attention (CPU; float32, bfloat16 or int8 K/V)", nogil{});
+  m.def("paged_decode", &paged_decode, "paged decode attention (CPU; float32, bfloat16, float16 or int8 K/V)",
+        nogil{});
   m.def("paged_prefill", &paged_prefill,
-        "paged causal attention of prefill chunks (CPU, AVX-512 or AVX2; float32, bfloat16 or int8 K/V)", nogil{});
+        "paged causal attention of prefill chunks (CPU, AVX-512 or AVX2; float32, 16-bit or int8 K/V)", nogil{});
   m.def("prefill_supports", &prefill_supports, "whether paged_prefill runs this head size here");
   m.def("isa", &isa, "the vector path this module was compiled for: avx512, avx2 or portable");
 }
