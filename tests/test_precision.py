@@ -1,4 +1,4 @@
-"""Lower precisions: bfloat16 weights (our own forward with float32 activations), bfloat16 KV pages and
+"""Lower precisions: bfloat16 weights (our own forward with float32 activations), bfloat16, float16 and
 int8 KV pages (common/kv_int8.py).
 
 Measured, not assumed exact: teacher-forced top-1 agreement with the float32 model over a fixed text
@@ -58,6 +58,13 @@ def _prose(model_dir: Path) -> tuple[list[list[int]], list[list[int]]]:
     return prompts, reference_top1(model, prompts)
 
 
+def _native_attention(engine: Engine) -> None:
+    """The engine runs our own forward, and the native attention kernels read its pool in place."""
+    if engine.runner.fused is None:
+        pytest.skip("no native kernels here: transformers' own forward runs")
+    assert engine.runner.describe()["attention"] == "native"
+
+
 def _native_bf16(engine: Engine) -> None:
     """The engine runs our own forward on bfloat16 panels, not transformers' bfloat16 fallback."""
     if engine.runner.fused is None:
@@ -79,8 +86,8 @@ def _native_bf16(engine: Engine) -> None:
         # Each a mix of the two above, whose bytes those already hold to their floors.
         pytest.param(torch.float32, "bfloat16", 0.99, id="bf16-kv", marks=pytest.mark.slow),
         pytest.param(torch.bfloat16, "int8", 0.984, id="bf16-weights-int8-kv", marks=pytest.mark.slow),
-        # No native kernel reads float16 pages: transformers' layers run over them, through the gather.
-        pytest.param(torch.float32, "float16", 0.99, id="fp16-kv", marks=pytest.mark.slow),
+        # OpenVINO GenAI's default on CPUs without native bfloat16: float32 weights, float16 KV.
+        pytest.param(torch.float32, "float16", 0.997, id="fp16-kv"),
     ],
 )
 def test_teacher_forced_top1_agreement_with_float32(
@@ -92,7 +99,7 @@ def test_teacher_forced_top1_agreement_with_float32(
         if weights == torch.bfloat16:
             _native_bf16(engine)
         if kv == "float16":
-            assert engine.runner.fused is None and engine.runner.describe()["attention"] == "gather"
+            _native_attention(engine)
         same, total = agreement(expected, engine_top1(engine, prompts))
         assert_no_leak(engine)
     record_property("agreement", f"{same}/{total}")
@@ -101,16 +108,16 @@ def test_teacher_forced_top1_agreement_with_float32(
     assert same / total >= floor, (same, total)
 
 
-def test_a_float16_pool_runs_transformers_layers_over_it(tiny_models: Any) -> None:
-    """Our fused passes write only the pages the native attention reads (float32, bfloat16, int8): over
-    a float16 pool a float32 model runs transformers' layers and the gather, and greedy decoding keeps
-    transformers' tokens (float16 holds these activations' keys and values to 11 bits)."""
+def test_a_float16_pool_keeps_transformers_greedy_tokens(tiny_models: Any) -> None:
+    """Over a float16 pool a float32 model runs our own forward, which writes the pages, and the native
+    attention, which reads them in place; greedy decoding keeps float32 transformers' tokens (float16
+    holds these activations' keys and values to 11 bits)."""
     model_dir = tiny_models("llama")
     prompts = make_prompts(seed=5)
     want = reference(model_dir, "sdpa", prompts)
     with Engine.from_pretrained(model_dir, kv_cache_dtype="float16", num_blocks=64, page_size=16) as engine:
         assert engine.runner.kv_pool.dtype == torch.float16
-        assert engine.runner.fused is None and engine.runner.describe()["attention"] == "gather"
+        _native_attention(engine)
         got = engine.generate(prompts, len(want[0]), ignore_eos=True)
         assert_no_leak(engine)
     assert got == want
@@ -124,6 +131,7 @@ def smol_chat_prompts(smollm2_dir: Path) -> list[list[int]]:
 # The lower precisions whose tokens must not change with the events: each one's engine settings.
 PRECISIONS: dict[str, dict[str, Any]] = {
     "bf16": {"dtype": torch.bfloat16},
+    "fp16-kv": {"kv_cache_dtype": "float16"},
     "int8-kv": {"kv_cache_dtype": "int8"},
 }
 
@@ -132,7 +140,8 @@ def _runs_as_named(engine: Engine, precision: str) -> None:
     if precision == "bf16":
         _native_bf16(engine)
     else:
-        assert engine.runner.kv_pool.dtype == torch.int8
+        _native_attention(engine)
+        assert engine.runner.kv_pool.dtype == getattr(torch, PRECISIONS[precision]["kv_cache_dtype"])
 
 
 @cache
@@ -146,10 +155,10 @@ def _plain(model_dir: Path, prompts: tuple[tuple[int, ...], ...], precision: str
         return engine.generate([list(p) for p in prompts], NEW_TOKENS, ignore_eos=True)
 
 
-# int8 pages in every configuration are the slow run's: the default run keeps the two whose events move
-# the int8 bytes themselves (offload and restore copy the rows with their scales; a soft reset
-# recomputes them through the prefill kernel). bfloat16 runs through every event.
-INT8_KV_EVENTS_DEFAULT = ("swap", "soft_reset")
+# float16 and int8 pages in every configuration are the slow run's: the default run keeps the two whose
+# events move the pages' bytes themselves (offload and restore copy the rows, int8's with their scales;
+# a soft reset recomputes them through the prefill kernel). bfloat16 runs through every event.
+KV_EVENTS_DEFAULT = ("swap", "soft_reset")
 
 
 @pytest.mark.parametrize(
@@ -159,7 +168,7 @@ INT8_KV_EVENTS_DEFAULT = ("swap", "soft_reset")
             config,
             precision,
             id=f"{config}-{precision}",
-            marks=[pytest.mark.slow] * (precision == "int8-kv" and config not in INT8_KV_EVENTS_DEFAULT),
+            marks=[pytest.mark.slow] * (precision != "bf16" and config not in KV_EVENTS_DEFAULT),
         )
         for precision in PRECISIONS
         for config in SMOL_CONFIGS
@@ -220,10 +229,27 @@ def test_auto_dtype_is_bfloat16_only_where_the_cpu_computes_it(
     assert precision.resolve_dtype("auto", smollm2_dir, "cpu") == auto
     assert precision.resolve_dtype("float32", smollm2_dir, "cpu") == torch.float32
     assert precision.resolve_dtype("auto", smollm2_dir, "cuda:0") == torch.bfloat16
-    monkeypatch.setenv("CBSERVE_CPU_ISA", "avx2")  # kernels held below bfloat16: exact float32
+    monkeypatch.setenv("CBSERVE_CPU_ISA", "avx2")  # kernels held below bfloat16: float32
     assert precision.resolve_dtype("auto", smollm2_dir, "cpu") == torch.float32
     with pytest.raises(ValueError, match="'int4'"):
         precision.resolve_dtype("int4", smollm2_dir, "cpu")
+
+
+def test_auto_kv_pages_are_float16_beside_float32_that_auto_chose_on_a_cpu() -> None:
+    """As OpenVINO GenAI's and llama.cpp's defaults on CPUs without native bfloat16; `--dtype float32`
+    (exact) keeps float32 pages, and an explicit `--kv-cache-dtype` is what it says."""
+    from services.common.precision import cpu_flags, resolve_kv_cache_dtype
+
+    f32, bf16 = torch.float32, torch.bfloat16
+    half = torch.float16 if "f16c" in cpu_flags() else f32
+    assert resolve_kv_cache_dtype("auto", "auto", f32, "cpu") == half
+    assert resolve_kv_cache_dtype("auto", "float32", f32, "cpu") == f32
+    assert resolve_kv_cache_dtype("auto", "auto", bf16, "cpu") == bf16
+    assert resolve_kv_cache_dtype("auto", "auto", f32, "cuda:0") == f32
+    assert resolve_kv_cache_dtype("float32", "auto", f32, "cpu") == f32
+    assert resolve_kv_cache_dtype("int8", "float32", f32, "cpu") == torch.int8
+    with pytest.raises(ValueError, match="'fp8'"):
+        resolve_kv_cache_dtype("fp8", "auto", f32, "cpu")
 
 
 # int8 layers (`--quantization`), over float32 weights elsewhere, and with int8 KV pages as well over
@@ -411,6 +437,37 @@ def test_a_bf16_stack_streams_the_bf16_engines_tokens(
         assert sized["kv_dtype"] == "bfloat16" and sized["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * 2, sized
         serving = [line for line in stack.log_path.read_text().splitlines() if line.startswith("serving ")]
         assert len(serving) == 1 and " in bfloat16 on " in serving[0] and "bfloat16)" in serving[0], serving
+
+
+def test_the_default_stack_runs_the_precision_auto_resolves_here(
+    smollm2_dir: Path, smol_chat_prompts: list[list[int]], tmp_path: Path
+) -> None:
+    """`cbserve up --dtype auto`, as `make serve` starts it: bfloat16 weights and pages on a CPU that
+    computes bfloat16, else float32 weights over float16 pages; both processes resolve `auto` alike (the
+    worker's forward and the cachemgr's pool), the stack streams the in-process engine's tokens at that
+    precision, and the serving line names both dtypes."""
+    from services.common.precision import dtype_name, resolve_dtype, resolve_kv_cache_dtype
+
+    weights = resolve_dtype("auto", smollm2_dir, "cpu")
+    kv = resolve_kv_cache_dtype("auto", "auto", weights, "cpu")
+    prompts = smol_chat_prompts[:2]
+    with Engine.from_pretrained(
+        smollm2_dir, dtype=weights, kv_cache_dtype=dtype_name(kv), num_blocks=64, page_size=16
+    ) as engine:
+        expected = engine.generate(prompts, NEW_TOKENS, ignore_eos=True)
+    with _stack_streaming(smollm2_dir, tmp_path, ["--dtype", "auto"], prompts, expected) as stack:
+        (ready,) = stack.events("worker ready")
+        assert (ready["forward"], ready["weights"], ready["kv_dtype"]) == (
+            "native",
+            *map(dtype_name, (weights, kv)),
+        )
+        (sized,) = stack.events("kv cache sized")
+        assert sized["kv_dtype"] == dtype_name(kv) and sized["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * 2, (
+            sized
+        )
+        serving = [line for line in stack.log_path.read_text().splitlines() if line.startswith("serving ")]
+        assert len(serving) == 1 and f" in {dtype_name(weights)} on " in serving[0], serving
+        assert f"{dtype_name(kv)})" in serving[0], serving
 
 
 @pytest.mark.slow  # one flag each; the default run starts the stack with all three

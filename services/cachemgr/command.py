@@ -9,9 +9,8 @@ from services.common.cli_args import (
     add_cb_arguments,
     add_env_argument,
     add_model_arguments,
-    cb_config,
     model_dir,
-    model_dtype,
+    served_precision,
 )
 
 
@@ -24,6 +23,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from services.cachemgr.server import run_cachemgr
 
-    config = cb_config(args)
     model = model_dir(args.model)
-    return run_cachemgr(model, args.cachemgr_address, config, args.device, model_dtype(args, model))
+    config, dtype = served_precision(args, model)
+    return run_cachemgr(model, args.cachemgr_address, config, args.device, dtype)

@@ -28,8 +28,8 @@ CB_SETTINGS: tuple[tuple[str, Any, str], ...] = (
     (
         "kv_cache_dtype",
         str,
-        "KV page dtype: auto (the weights'), float32, bfloat16, float16 (on a CPU: transformers' layers, "
-        "no native kernel) or int8",
+        "KV page dtype: auto (the weights', but float16 beside float32 weights that --dtype auto chose on "
+        "a CPU), float32, bfloat16, float16 or int8",
     ),
     ("max_requests_per_batch", int, "rows of logits (sampling requests) per step"),
     ("allow_block_sharing", bool, "prefix caching"),
@@ -200,18 +200,24 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         choices=DTYPES,
         help="the weights' dtype (and the KV pages', unless --kv-cache-dtype says): auto is bfloat16 "
-        "where the device computes it natively, else float32; float32 is exact",
+        "where the device computes it natively, else float32 weights with float16 KV pages on a CPU; "
+        "float32 is exact",
     )
 
 
-def model_dtype(args: argparse.Namespace, model: str) -> Any:
-    """`--dtype` (a torch.dtype) for the model in directory `model` on `--device`; `auto` resolved as
-    precision.py says."""
+def served_precision(args: argparse.Namespace, model: str) -> tuple[CBConfig, Any]:
+    """The settings and the weights' dtype (a torch.dtype) that a worker or a cachemgr serves the model
+    in directory `model` with on `--device`: `--dtype` and `--kv-cache-dtype`, each `auto` resolved
+    as precision.py says, the same in both processes."""
+    import dataclasses
     from pathlib import Path
 
-    from services.common.precision import resolve_dtype
+    from services.common.precision import dtype_name, resolve_dtype, resolve_kv_cache_dtype
 
-    return resolve_dtype(args.dtype, Path(model), args.device)
+    config = cb_config(args)
+    dtype = resolve_dtype(args.dtype, Path(model), args.device)
+    kv = resolve_kv_cache_dtype(config.kv_cache_dtype, args.dtype, dtype, args.device)
+    return dataclasses.replace(config, kv_cache_dtype=dtype_name(kv)), dtype
 
 
 def add_max_tokens(parser: argparse.ArgumentParser, default: int | None, help: str) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 SchedulerType = Literal["fifo", "prefill_first"]
-# The weights' dtype (`auto`: services/common/precision.py) and the KV pool's (`auto`: the weights';
+# The weights' dtype (`auto`: services/common/precision.py) and the KV pool's (`auto`: precision.py;
 # int8: services/common/kv_int8.py).
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = (*DTYPES, "int8")
@@ -48,9 +48,9 @@ class CBConfig:
     # A host pool's pages are written once at start (cachemgr/pool_memory.py), as the peers do, so that
     # no step waits for the kernel to fault in fresh KV pages. Off: committed as first written.
     prefault_kv_pool: bool = True
-    # The KV pages' element type apart from the weights' (KV_CACHE_DTYPES): bfloat16 pages hold twice
-    # the tokens of float32 ones in the same bytes, int8 ones (a scale per token and kv head) nearly
-    # four times. `auto`: the weights' dtype.
+    # The KV pages' element type apart from the weights' (KV_CACHE_DTYPES): bfloat16 or float16 pages
+    # hold twice the tokens of float32 ones in the same bytes, int8 ones (a scale per token and kv
+    # head) nearly four times. `auto`: the weights' dtype (as a server resolves it: precision.py).
     kv_cache_dtype: str = "auto"
     max_requests_per_batch: int = 64
     allow_block_sharing: bool = True

@@ -13,9 +13,8 @@ from services.common.cli_args import (
     add_max_tokens,
     add_model_arguments,
     bounded,
-    cb_config,
     model_dir,
-    model_dtype,
+    served_precision,
     usage_error,
 )
 
@@ -80,16 +79,16 @@ def run(args: argparse.Namespace) -> int:
 
     from services.worker.server import run_worker
 
-    config = cb_config(args)
     check_gemm_crossover()
     model = model_dir(args.model)
+    config, dtype = served_precision(args, model)
     return run_worker(
         model,
         args.worker_address,
         args.cachemgr_address,
         config,
         args.device,
-        model_dtype(args, model),
+        dtype,
         threads=args.threads,
         cachemgr_timeout_s=args.cachemgr_timeout,
         gateway_timeout_s=args.gateway_timeout,
