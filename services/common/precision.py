@@ -1,11 +1,12 @@
-"""The weights' dtype: `--dtype`, with `auto` resolved the same way in every process of a stack.
+"""The weights' and the KV pages' dtypes: `--dtype` and `--kv-cache-dtype`, each `auto` resolved the
+same way in every process of a stack.
 
-`auto` follows what a user of vLLM gets from its own `auto`: a 16-bit checkpoint runs in its own
+`--dtype auto` follows what a user of vLLM gets from its own `auto`: a 16-bit checkpoint runs in its
 dtype and a float32 one in bfloat16, on a device that computes bfloat16 natively. On a CPU that means
 AVX512-BF16 or AMX (the panels' products then take bfloat16 operands in hardware); a CPU without
 either, or native kernels held below that path (`CBSERVE_CPU_ISA`), runs float32, where bfloat16
 would only be emulated; a float16 checkpoint runs as bfloat16 there (the native kernels have no
-float16 path).
+float16 weights).
 Exact float32 is always one flag away (`--dtype float32`).
 
 The KV pages' dtype (`--kv-cache-dtype`): `auto` follows the weights, but where `--dtype auto` chose
