@@ -115,6 +115,8 @@ def test_lower_vector_paths_compute_the_same_product(isa: str) -> None:
         pytest.skip("this CPU has no AVX-512")
     if isa == "avx2" and expected_isa() == "portable":
         pytest.skip("this CPU has no AVX2")
+    if isa == expected_isa():
+        pytest.skip(f"{isa} is this CPU's best path: the tests above ran it")
     run_lower_path(isa)
 
 
