@@ -32,7 +32,7 @@
 // as the reads advance (`Pump`).
 //
 // With AVX2 (and no AVX-512) and a head size of 32, 64, 96 or 128, a block's K rows of a head are
-// transposed once into an L1 buffer, keys across the lanes, whose dots then run 16 keys (two chains)
+// transposed once into an L1 buffer, keys across the lanes, whose dots then run 24 keys (three chains)
 // per query row; the values of up to three queries of a head are accumulated in 12 registers, a
 // 32-float slice of the head at a time. These loops prefetch for themselves, a line of the row 16 keys
 // on for each line they read, instead of the pump (kPumped). The portable loops that serve elsewhere
@@ -103,6 +103,10 @@ namespace {
 constexpr int64_t kAheadLines = 144;  // how far ahead of the reads the pump prefetches
 constexpr int64_t kAvx2Ahead = 16;    // how many keys ahead of its reads the AVX2 path prefetches
 constexpr int64_t kBlock = 16;   // keys per block of dots
+// ... on AVX2's vector path: three vectors of 8 keys, so that three query rows' dots run as nine
+// independent FMA chains (each dot is one chain over the dims, see below; with two vectors, the six
+// chains left the FMAs waiting on their latency).
+constexpr int64_t kAvx2Block = 24;
 constexpr int64_t kVBlock = 32;  // keys per block of the V pass: their rows, all heads, stay in L1
 constexpr int64_t kMaxRows = 4096;  // query heads of one request
 
@@ -670,8 +674,8 @@ inline const char* stream_row(const Task<T>& t, int64_t a, int64_t h, const T* o
   return reinterpret_cast<const char*>(row == nullptr ? other : row + h * t.hd);
 }
 
-// The K rows of keys [j0, j0 + count) of head h, count <= kBlock, transposed into kt [D][kBlock] as
-// float32 (int8: unscaled): dim d of key i at kt[d * kBlock + i]. 8 words of 8 rows at a time are
+// The K rows of keys [j0, j0 + count) of head h, count <= kAvx2Block, transposed into kt
+// [D][kAvx2Block] as float32 (int8: unscaled): dim d of key i at kt[d * kAvx2Block + i]. 8 words of 8 rows at a time are
 // loaded and transposed (24 shuffles), then widened (float16: widened as loaded). Keys past count
 // repeat the last one. As it reads a
 // line of a row it prefetches the same line of the row kAvx2Ahead keys on.
@@ -701,7 +705,7 @@ inline void transpose_keys(const Task<T>& t, int64_t h, int64_t j0, int64_t coun
       for (int l = 0; l < 8; ++l)
 #pragma GCC unroll 4
         for (int b = 0; b < kPerWord<T>; ++b)
-          _mm256_store_ps(kt + ((w0 + l) * kPerWord<T> + b) * kBlock + i0,
+          _mm256_store_ps(kt + ((w0 + l) * kPerWord<T> + b) * kAvx2Block + i0,
                           word_dim8<T>(_mm256_castps_si256(cols[l]), b));
     }
   }
@@ -717,17 +721,17 @@ inline void keys_dots8(const float* qs, int64_t r0, const float* kt, int64_t cou
   __m256 acc[GB][NV];
 #pragma GCC unroll 4
   for (int g = 0; g < GB; ++g)
-#pragma GCC unroll 2
+#pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) acc[g][v] = _mm256_setzero_ps();
 #pragma GCC unroll 4
   for (int64_t d = 0; d < D; ++d) {
     __m256 k[NV];
-#pragma GCC unroll 2
-    for (int v = 0; v < NV; ++v) k[v] = _mm256_load_ps(kt + d * kBlock + 8 * v);
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) k[v] = _mm256_load_ps(kt + d * kAvx2Block + 8 * v);
 #pragma GCC unroll 4
     for (int g = 0; g < GB; ++g) {
       const __m256 qd = _mm256_broadcast_ss(q + g * D + d);
-#pragma GCC unroll 2
+#pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) acc[g][v] = _mm256_fmadd_ps(qd, k[v], acc[g][v]);
     }
   }
@@ -735,40 +739,39 @@ inline void keys_dots8(const float* qs, int64_t r0, const float* kt, int64_t cou
   for (int g = 0; g < GB; ++g) {
     float* dst = scores + (r0 + g) * n;
     if (count == 8 * NV) {
-#pragma GCC unroll 2
+#pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) _mm256_storeu_ps(dst + 8 * v, acc[g][v]);
     } else {
       alignas(32) float row[8 * NV];
-#pragma GCC unroll 2
+#pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) _mm256_store_ps(row + 8 * v, acc[g][v]);
       for (int64_t i = 0; i < count; ++i) dst[i] = row[i];
     }
   }
 }
 
-// head_dots for AVX2: the block's K rows transposed once, then up to four query rows at a time.
+// keys_dots8 for NV vectors of keys (NV - 1) and GB query rows (GB - 1).
+using KeysDots = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t);
+template <int NC, int NV, size_t... G>
+constexpr std::array<KeysDots, sizeof...(G)> keys_dots_of_rows(std::index_sequence<G...>) {
+  return {keys_dots8<NC, static_cast<int>(G) + 1, NV>...};
+}
+template <int NC>
+constexpr std::array<std::array<KeysDots, 4>, 3> kKeysDots = {keys_dots_of_rows<NC, 1>(std::make_index_sequence<4>()),
+                                                              keys_dots_of_rows<NC, 2>(std::make_index_sequence<4>()),
+                                                              keys_dots_of_rows<NC, 3>(std::make_index_sequence<4>())};
+
+// head_dots for AVX2: the block's K rows transposed once, then the head's query rows a few at a time:
+// three over three vectors of keys (nine chains, and the keys in three of the 16 registers), else four.
 template <int NC, class T>  // D / 8
 inline void head_dots_avx2(const Task<T>& t, const float* qs, int64_t h, int64_t j0, int64_t count, float* scores) {
-  alignas(32) float kt[8 * NC * kBlock];
+  alignas(32) float kt[8 * NC * kAvx2Block];
   transpose_keys<NC>(t, h, j0, count, kt);
   float* dst = scores + j0;
-  for (int64_t r0 = h * t.G; r0 < (h + 1) * t.G; r0 += 4) {
-    const int64_t gb = std::min<int64_t>(4, (h + 1) * t.G - r0);
-    if (count > 8) {
-      switch (gb) {
-        case 1: keys_dots8<NC, 1, 2>(qs, r0, kt, count, dst, t.n); break;
-        case 2: keys_dots8<NC, 2, 2>(qs, r0, kt, count, dst, t.n); break;
-        case 3: keys_dots8<NC, 3, 2>(qs, r0, kt, count, dst, t.n); break;
-        default: keys_dots8<NC, 4, 2>(qs, r0, kt, count, dst, t.n); break;
-      }
-    } else {
-      switch (gb) {
-        case 1: keys_dots8<NC, 1, 1>(qs, r0, kt, count, dst, t.n); break;
-        case 2: keys_dots8<NC, 2, 1>(qs, r0, kt, count, dst, t.n); break;
-        case 3: keys_dots8<NC, 3, 1>(qs, r0, kt, count, dst, t.n); break;
-        default: keys_dots8<NC, 4, 1>(qs, r0, kt, count, dst, t.n); break;
-      }
-    }
+  const int64_t vectors = (count + 7) / 8, most = vectors == 3 ? 3 : 4;
+  for (int64_t r0 = h * t.G; r0 < (h + 1) * t.G; r0 += most) {
+    const int64_t rows = std::min(most, (h + 1) * t.G - r0);
+    kKeysDots<NC>[vectors - 1][rows - 1](qs, r0, kt, count, dst, t.n);
   }
 }
 
@@ -1051,7 +1054,16 @@ inline void block_dots(const Task<T>& t, float* qs, int64_t j0, int64_t count, f
     dots_generic(t, t.q + r * t.D, (r / t.G) * t.hd, j0, count, scores + r * t.n + j0);
 }
 
-// One task: the dots of every (head, query) row with each key, in key order, 16 keys a block; the
+// Keys per block of run_task's dots.
+template <int NC>
+constexpr int64_t kDotsBlock =
+#ifdef CBSERVE_AVX2
+    NC > 0 ? kAvx2Block : kBlock;
+#else
+    kBlock;
+#endif
+
+// One task: the dots of every (head, query) row with each key, in key order, a block at a time; the
 // softmax of each row; then the V sums in blocks of kVBlock keys. Both passes read each K or V row
 // (all the task's heads, one contiguous read) front to back, once from memory: reading a whole context
 // head by head instead strides through the rows several times, which from memory ran at a quarter
@@ -1067,8 +1079,8 @@ void run_task(const Task<T>& t, float* scores) {
   if constexpr (kIntDots<T> && NC > 0) QueryWords(qs + rows * t.D, rows, t.D).fill(qs, rows, t.D);
 #endif
   Pump<T> pump(t, kPumped<NC>);
-  for (int64_t j0 = 0; j0 < t.n; j0 += kBlock) {
-    const int64_t count = std::min(kBlock, t.n - j0);
+  for (int64_t j0 = 0; j0 < t.n; j0 += kDotsBlock<NC>) {
+    const int64_t count = std::min(kDotsBlock<NC>, t.n - j0);
     block_dots<NC>(t, qs, j0, count, scores, pump);
     if constexpr (kScaled<T>) scale_by_rows(t, t.k, j0, count, scores);
   }
