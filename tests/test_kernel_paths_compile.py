@@ -22,7 +22,7 @@ SOURCES = sorted((Path(kernels.__file__).parent / "csrc").glob("*.cpp"))
 # (the path a build is held to, a CPU of its kind): every `#if` branch of the sources is taken by one.
 TARGETS = [
     ("native", "sapphirerapids"),  # AVX-512 with BF16, VNNI and AMX
-    ("portable", "x86-64"),  # its tests run only in the slow set
+    pytest.param("portable", "x86-64", marks=pytest.mark.slow),  # as its other tests
     pytest.param("avx512", "sapphirerapids", marks=pytest.mark.slow),  # AVX-512 alone
     pytest.param("native", "alderlake", marks=pytest.mark.slow),  # AVX2 with AVX-VNNI
     pytest.param("native", "haswell", marks=pytest.mark.slow),  # AVX2 and FMA alone
