@@ -209,7 +209,6 @@ def served_precision(args: argparse.Namespace, model: str) -> tuple[CBConfig, An
     """The settings and the weights' dtype (a torch.dtype) that a worker or a cachemgr serves the model
     in directory `model` with on `--device`: `--dtype` and `--kv-cache-dtype`, each `auto` resolved
     as precision.py says, the same in both processes."""
-    import dataclasses
     from pathlib import Path
 
     from services.common.precision import dtype_name, resolve_dtype, resolve_kv_cache_dtype

@@ -675,10 +675,10 @@ inline const char* stream_row(const Task<T>& t, int64_t a, int64_t h, const T* o
 }
 
 // The K rows of keys [j0, j0 + count) of head h, count <= kAvx2Block, transposed into kt
-// [D][kAvx2Block] as float32 (int8: unscaled): dim d of key i at kt[d * kAvx2Block + i]. 8 words of 8 rows at a time are
-// loaded and transposed (24 shuffles), then widened (float16: widened as loaded). Keys past count
-// repeat the last one. As it reads a
-// line of a row it prefetches the same line of the row kAvx2Ahead keys on.
+// [D][kAvx2Block] as float32 (int8: unscaled): dim d of key i at kt[d * kAvx2Block + i]. 8 words of 8
+// rows at a time are loaded and transposed (24 shuffles), then widened (float16: widened as loaded).
+// Keys past count repeat the last one. As it reads a line of a row it prefetches the same line of the
+// row kAvx2Ahead keys on.
 template <int NC, class T>  // NC = D / 8
 inline void transpose_keys(const Task<T>& t, int64_t h, int64_t j0, int64_t count, float* kt) {
   constexpr int64_t kWords = 8 * NC / kPerWord<T>;
