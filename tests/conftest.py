@@ -39,7 +39,7 @@ from tests.tiny_models import tiny_model_dir, tiny_text_model_dir
 
 # `pytest` replays the same examples on every machine and every run, so a red run is never luck.
 settings.register_profile("fixed", derandomize=True, database=None)
-# `make fuzz` (part of `make test`) draws new ones from the seed it prints (--hypothesis-seed); a
+# `make test` (and `make fuzz`) draws new ones from the seed it prints (--hypothesis-seed); a
 # failing example is also kept in the git-ignored .hypothesis/, and the next fresh run tries it first.
 settings.register_profile(
     "fresh", derandomize=False, database=DirectoryBasedExampleDatabase(REPO / ".hypothesis" / "examples")

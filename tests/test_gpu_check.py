@@ -18,6 +18,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+# In the slow run (about 40 s on two cores: three stacks and every section); run it before a device call.
+@pytest.mark.slow
 def test_the_quick_cpu_check_runs_every_section_and_reports_json(tmp_path: Path) -> None:
     out = tmp_path / "out"
     # A generous budget: a busy machine must not turn figures into "out of time".

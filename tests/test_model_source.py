@@ -147,6 +147,7 @@ def test_default_model_is_prepared_once_and_loads_fast(smollm2_dir: Path) -> Non
     assert tokenizer is not None and tokenizer.chat_template
 
 
+@pytest.mark.slow  # transformers' own GGUF loader de-quantizes for about 20 s on two cores
 def test_converted_model_matches_gguf(smollm2_dir: Path) -> None:
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     converted, tokenizer = load_model(smollm2_dir)
