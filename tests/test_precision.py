@@ -15,6 +15,7 @@ token.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -233,6 +234,33 @@ def test_auto_dtype_is_bfloat16_only_where_the_cpu_computes_it(
     assert precision.resolve_dtype("auto", smollm2_dir, "cpu") == torch.float32
     with pytest.raises(ValueError, match="'int4'"):
         precision.resolve_dtype("int4", smollm2_dir, "cpu")
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "portable"])
+def test_auto_keeps_a_bfloat16_checkpoint_in_bfloat16_wherever_the_kernels_widen_it(
+    isa: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Widening bfloat16 weights is exact, so on the AVX2 path a bfloat16 checkpoint keeps them (half
+    the bytes a decode step reads); a float16 one runs float32 there, as bfloat16 would round it. The
+    portable path has only torch's emulated bfloat16 products: float32."""
+    from services.common import precision
+
+    monkeypatch.setenv("CBSERVE_CPU_ISA", isa)
+    flags = precision.cpu_flags()
+    native = isa == "native" and bool(precision.NATIVE_BF16_FLAGS & flags)
+    widens = isa != "portable" and {"avx2", "fma"} <= flags
+    for stored, want in (
+        ("bfloat16", torch.bfloat16 if native or widens else torch.float32),
+        ("float16", torch.bfloat16 if native else torch.float32),
+        ("float32", torch.bfloat16 if native else torch.float32),
+    ):
+        checkpoint = tmp_path / stored
+        checkpoint.mkdir()
+        (checkpoint / "config.json").write_text(json.dumps({"model_type": "llama", "dtype": stored}))
+        weights = precision.resolve_dtype("auto", checkpoint, "cpu")
+        assert weights == want, (stored, isa)
+        pages = precision.resolve_kv_cache_dtype("auto", "auto", weights, "cpu")
+        assert pages == (torch.float16 if weights == torch.float32 and "f16c" in flags else weights)
 
 
 def test_auto_kv_pages_are_float16_beside_float32_that_auto_chose_on_a_cpu() -> None:

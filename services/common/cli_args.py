@@ -200,8 +200,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         choices=DTYPES,
         help="the weights' dtype (and the KV pages', unless --kv-cache-dtype says): auto is bfloat16 "
-        "where the device computes it natively, else float32 weights with float16 KV pages on a CPU; "
-        "float32 is exact",
+        "where the device computes it natively, else on a CPU float32 weights with float16 KV pages "
+        "(a bfloat16 checkpoint keeps bfloat16 where AVX2 widens it); float32 is exact",
     )
 
 

@@ -3,10 +3,13 @@ same way in every process of a stack.
 
 `--dtype auto` follows what a user of vLLM gets from its own `auto`: a 16-bit checkpoint runs in its
 dtype and a float32 one in bfloat16, on a device that computes bfloat16 natively. On a CPU that means
-AVX512-BF16 or AMX (the panels' products then take bfloat16 operands in hardware); a CPU without
-either, or native kernels held below that path (`CBSERVE_CPU_ISA`), runs float32, where bfloat16
-would only be emulated; a float16 checkpoint runs as bfloat16 there (the native kernels have no
-float16 weights).
+AVX512-BF16 or AMX (the panels' products then take bfloat16 operands in hardware); a float16
+checkpoint runs as bfloat16 there (the native kernels have no float16 weights). A CPU without either,
+or native kernels held below that path (`CBSERVE_CPU_ISA`), runs a float32 or float16 checkpoint in
+float32, where bfloat16 would round the weights for no speed (its products are float32 FMAs either
+way); a bfloat16 checkpoint keeps bfloat16 on the AVX2 path, which widens each weight exactly as it
+loads it: half the bytes that a decode step streams, and half the memory (docs/performance.md has
+a 1B model's figures).
 Exact float32 is always one flag away (`--dtype float32`).
 
 The KV pages' dtype (`--kv-cache-dtype`): `auto` follows the weights, but where `--dtype auto` chose
@@ -53,6 +56,12 @@ def cpu_computes_bf16() -> bool:
     return bool(NATIVE_BF16_FLAGS & cpu_flags())
 
 
+def cpu_widens_bf16() -> bool:
+    """Whether the native kernels' AVX2 path (or a better one) runs bfloat16 weights here: widened to
+    float32 as loaded, multiplied by FMAs, rather than torch's emulated bfloat16 products."""
+    return os.environ.get(ISA_SWITCH, "native") != "portable" and {"avx2", "fma"} <= cpu_flags()
+
+
 def checkpoint_dtype(model_dir: Path) -> torch.dtype | None:
     """The dtype the checkpoint's config.json names (`dtype`, or the older `torch_dtype`), if any."""
     try:
@@ -73,7 +82,9 @@ def resolve_dtype(name: str, model_dir: Path, device: str) -> torch.dtype:
     stored = checkpoint_dtype(model_dir)
     if device.split(":")[0] == "cuda":
         return stored if stored in (torch.bfloat16, torch.float16) else torch.bfloat16
-    return torch.bfloat16 if cpu_computes_bf16() else torch.float32
+    if cpu_computes_bf16() or (stored == torch.bfloat16 and cpu_widens_bf16()):
+        return torch.bfloat16
+    return torch.float32
 
 
 def resolve_kv_cache_dtype(name: str, dtype: str, weights: torch.dtype, device: str) -> torch.dtype:
