@@ -169,6 +169,8 @@ struct Tile {
   int64_t every;      // k per prefetched line: the tile count, so the tiles together fetch all K lines
   const float* xscale;  // int8 panels: the tile's rows' scales (sx), [groups, rows]; else null
 };
+// The tiles read t.K into a local before their loops over k: GCC loaded it through the reference at
+// every k, one more load beside a k's broadcasts and FMAs.
 
 // The prefetches of one tile, issued once per k: its share of the next panel into L2 (see the top),
 // and its own panel kAhead lines ahead into L1.
@@ -429,7 +431,8 @@ void tile(const Tile& t) {
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
   const float* w = t.w;
   PanelPrefetch pull(t, R >= 8 && t.every == 1);  // sparse: a lone tile of 8-14 rows, see the top
-  for (int64_t k = 0; k < t.K; ++k, w += kPanel) {
+  const int64_t K = t.K;
+  for (int64_t k = 0; k < K; ++k, w += kPanel) {
     pull.at(k, w);
     const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
     const float* xk = t.x + k * R;
@@ -453,7 +456,8 @@ void tile_bf16(const Tile& t) {
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
   const float* w = t.w;
   PanelPrefetch pull(t, R >= 8 && t.every == 1);
-  for (int64_t k = 0; k < t.K; ++k, w += kPanel) {
+  const int64_t K = t.K;
+  for (int64_t k = 0; k < K; ++k, w += kPanel) {
     pull.at(k, w);
     const __m512bh w0 = (__m512bh)_mm512_loadu_ps(w), w1 = (__m512bh)_mm512_loadu_ps(w + 16);
     const float* xk = t.x + k * R;
@@ -479,7 +483,8 @@ void tile_bf16(const Tile& t) {
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
   const float* w = t.w;
   PanelPrefetch pull(t, R >= 8 && t.every == 1);
-  for (int64_t k = 0; k < t.K; ++k, w += kPanel) {
+  const int64_t K = t.K;
+  for (int64_t k = 0; k < K; ++k, w += kPanel) {
     pull.at(k, w);
     const float* xk = t.x + 2 * k * R;
     const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(w), 16));
@@ -613,8 +618,9 @@ void tile_int8(const Tile& t) {
   const float* w = t.w;
   const float* xs = t.xscale;
   PanelPrefetch pull(t, R >= 8 && t.every == 1);
-  for (int64_t q0 = 0; q0 < t.K; q0 += kGroupLines, xs += R) {
-    const int64_t q1 = std::min(q0 + kGroupLines, t.K);
+  const int64_t K = t.K;
+  for (int64_t q0 = 0; q0 < K; q0 += kGroupLines, xs += R) {
+    const int64_t q1 = std::min(q0 + kGroupLines, K);
     const float* sums = w + (q1 - q0 + 1) * kPanel;
     __m512i lo[R], hi[R];
     {
@@ -696,8 +702,9 @@ void tile_int8w(const Tile& t) {
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
   const float* w = t.w;
   PanelPrefetch pull(t, R >= 8 && t.every == 1);
-  for (int64_t q0 = 0; q0 < t.K; q0 += kGroupLines) {
-    const int64_t q1 = std::min(q0 + kGroupLines, t.K);
+  const int64_t K = t.K;
+  for (int64_t q0 = 0; q0 < K; q0 += kGroupLines) {
+    const int64_t q1 = std::min(q0 + kGroupLines, K);
     for (int64_t k = q0, back = (q1 - q0) * kPanel; k < q1; ++k, w += kPanel, back -= kPanel) {
       pull.at(k, w);
       const float* xk = t.x + 4 * k * R;
@@ -759,7 +766,8 @@ void tile(const Tile& t) {
   const float* w = t.w;
   PanelPrefetch pull(t, false);
   const bool prefetch = R > 1 || t.every > 1;
-  for (int64_t k = 0; k < t.K; ++k, w += kPanel) {
+  const int64_t K = t.K;
+  for (int64_t k = 0; k < K; ++k, w += kPanel) {
     if (prefetch) pull.at(k, w);
     const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
     const float* xk = t.x + k * R;
@@ -784,7 +792,8 @@ void tile_bf16(const Tile& t) {
   const float* w = t.w;
   PanelPrefetch pull(t, false);
   const __m256 high = _mm256_castsi256_ps(_mm256_set1_epi32(int(0xFFFF0000u)));
-  for (int64_t k = 0; k < t.K; ++k, w += kPanel) {
+  const int64_t K = t.K;
+  for (int64_t k = 0; k < K; ++k, w += kPanel) {
     pull.at(k, w);
     const float* xk = t.x + 2 * k * R;
 #pragma GCC unroll 2
@@ -828,7 +837,8 @@ void tile_group(const Tile* ts) {
   }
   const __m256 high = _mm256_castsi256_ps(_mm256_set1_epi32(int(0xFFFF0000u)));
   constexpr int kPerLine = kBf16 ? 2 : 1;  // k a line
-  for (int64_t k = 0; k < ts[0].K; ++k) {
+  const int64_t K = ts[0].K;
+  for (int64_t k = 0; k < K; ++k) {
 #pragma GCC unroll 2
     for (int j = 0; j < kPerLine; ++j) {
       const float* xk = ts[0].x + (kPerLine * k + j) * R;
@@ -941,8 +951,9 @@ void tile_int8(const Tile& t) {
   const float* w = t.w;
   const float* xs = t.xscale;
   PanelPrefetch pull(t, false);
-  for (int64_t q0 = 0; q0 < t.K; q0 += kGroupLines, xs += R) {
-    const int64_t q1 = std::min(q0 + kGroupLines, t.K);
+  const int64_t K = t.K;
+  for (int64_t q0 = 0; q0 < K; q0 += kGroupLines, xs += R) {
+    const int64_t q1 = std::min(q0 + kGroupLines, K);
     const __m256i* sums = reinterpret_cast<const __m256i*>(w + (q1 - q0 + 1) * kPanel);
     __m256i lo[R], hi[R];
     {
@@ -1019,8 +1030,9 @@ void tile_int8w(const Tile& t) {
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
   const float* w = t.w;
   PanelPrefetch pull(t, false);
-  for (int64_t q0 = 0; q0 < t.K; q0 += kGroupLines) {
-    const int64_t q1 = std::min(q0 + kGroupLines, t.K);
+  const int64_t K = t.K;
+  for (int64_t q0 = 0; q0 < K; q0 += kGroupLines) {
+    const int64_t q1 = std::min(q0 + kGroupLines, K);
     for (int64_t k = q0, back = (q1 - q0) * kPanel; k < q1; ++k, w += kPanel, back -= kPanel) {
       pull.at(k, w);
       const float* xk = t.x + 4 * k * R;
@@ -1049,7 +1061,8 @@ template <int R>
 void tile(const Tile& t) {
   float acc[R][kPanel] = {};
   const float* w = t.w;
-  for (int64_t k = 0; k < t.K; ++k, w += kPanel)
+  const int64_t K = t.K;
+  for (int64_t k = 0; k < K; ++k, w += kPanel)
     for (int r = 0; r < R; ++r) {
       const float xv = t.x[k * R + r];
 #pragma omp simd
@@ -1063,7 +1076,8 @@ template <int R>
 void tile_bf16(const Tile& t) {
   float acc[R][kPanel] = {};
   const float* w = t.w;
-  for (int64_t k = 0; k < t.K; ++k, w += kPanel) {
+  const int64_t K = t.K;
+  for (int64_t k = 0; k < K; ++k, w += kPanel) {
     uint32_t lanes[kPanel];
     std::memcpy(lanes, w, sizeof lanes);
     float even[kPanel], odd[kPanel];
@@ -1088,8 +1102,9 @@ void tile_int8(const Tile& t) {
   float out[R][kPanel] = {};
   const float* w = t.w;
   const float* xs = t.xscale;
-  for (int64_t q0 = 0; q0 < t.K; q0 += kGroupLines, xs += R) {
-    const int64_t q1 = std::min(q0 + kGroupLines, t.K);
+  const int64_t K = t.K;
+  for (int64_t q0 = 0; q0 < K; q0 += kGroupLines, xs += R) {
+    const int64_t q1 = std::min(q0 + kGroupLines, K);
     int32_t sums[kPanel], acc[R][kPanel];
     std::memcpy(sums, w + (q1 - q0 + 1) * kPanel, sizeof sums);
     for (int r = 0; r < R; ++r) std::memcpy(acc[r], sums, sizeof sums);
@@ -1116,8 +1131,9 @@ template <int R>
 void tile_int8w(const Tile& t) {
   float acc[R][kPanel] = {};
   const float* w = t.w;
-  for (int64_t q0 = 0; q0 < t.K; q0 += kGroupLines) {
-    const int64_t q1 = std::min(q0 + kGroupLines, t.K);
+  const int64_t K = t.K;
+  for (int64_t q0 = 0; q0 < K; q0 += kGroupLines) {
+    const int64_t q1 = std::min(q0 + kGroupLines, K);
     const float* sw = w + (q1 - q0) * kPanel;
     for (int64_t k = q0; k < q1; ++k, w += kPanel) {
       const int8_t* wb = reinterpret_cast<const int8_t*>(w);
