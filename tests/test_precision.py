@@ -236,19 +236,23 @@ def test_auto_dtype_is_bfloat16_only_where_the_cpu_computes_it(
         precision.resolve_dtype("int4", smollm2_dir, "cpu")
 
 
-@pytest.mark.parametrize("isa", ["native", "avx2", "portable"])
+@pytest.mark.parametrize("isa", ["native", "avx2", "portable", "off"])
 def test_auto_keeps_a_bfloat16_checkpoint_in_bfloat16_wherever_the_kernels_widen_it(
     isa: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """Widening bfloat16 weights is exact, so on the AVX2 path a bfloat16 checkpoint keeps them (half
     the bytes a decode step reads); a float16 one runs float32 there, as bfloat16 would round it. The
-    portable path has only torch's emulated bfloat16 products: float32."""
+    portable path, and no native kernels at all ("off"), have only torch's bfloat16 products: float32
+    unless the CPU computes bfloat16 itself."""
     from services.common import precision
 
-    monkeypatch.setenv("CBSERVE_CPU_ISA", isa)
+    if isa == "off":
+        monkeypatch.setenv(precision.NATIVE_SWITCH, "0")
+    else:
+        monkeypatch.setenv(precision.ISA_SWITCH, isa)
     flags = precision.cpu_flags()
-    native = isa == "native" and bool(precision.NATIVE_BF16_FLAGS & flags)
-    widens = isa != "portable" and {"avx2", "fma"} <= flags
+    native = isa in ("native", "off") and bool(precision.NATIVE_BF16_FLAGS & flags)
+    widens = isa in ("native", "avx2") and {"avx2", "fma"} <= flags
     for stored, want in (
         ("bfloat16", torch.bfloat16 if native or widens else torch.float32),
         ("float16", torch.bfloat16 if native else torch.float32),

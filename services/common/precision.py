@@ -33,6 +33,8 @@ NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 # Holds the native kernels' build to a path below this CPU's best (worker/kernels.py): every such path
 # is below AVX512-BF16.
 ISA_SWITCH = "CBSERVE_CPU_ISA"
+# `0` turns the native kernels off (worker/kernels.py): bfloat16 products are then torch's.
+NATIVE_SWITCH = "CBSERVE_NATIVE_KERNELS"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -59,7 +61,9 @@ def cpu_computes_bf16() -> bool:
 def cpu_widens_bf16() -> bool:
     """Whether the native kernels' AVX2 path (or a better one) runs bfloat16 weights here: widened to
     float32 as loaded, multiplied by FMAs, rather than torch's emulated bfloat16 products."""
-    return os.environ.get(ISA_SWITCH, "native") != "portable" and {"avx2", "fma"} <= cpu_flags()
+    if os.environ.get(NATIVE_SWITCH, "1") == "0" or os.environ.get(ISA_SWITCH, "native") == "portable":
+        return False
+    return {"avx2", "fma"} <= cpu_flags()
 
 
 def checkpoint_dtype(model_dir: Path) -> torch.dtype | None:

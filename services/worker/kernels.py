@@ -29,13 +29,12 @@ import structlog
 import torch
 
 from services.common.model_source import cbserve_home
-from services.common.precision import ISA_SWITCH
+from services.common.precision import ISA_SWITCH, NATIVE_SWITCH
 from services.worker import gemm_crossover, torch_gemm
 
 log = structlog.get_logger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-SWITCH = "CBSERVE_NATIVE_KERNELS"
 # The compiler flags of each path a build may be held to, after -march=native: GCC drops every feature
 # that needs one it is told to drop (-mno-avx512f takes all AVX-512 subsets with it).
 ISA_FLAGS: dict[str, tuple[str, ...]] = {
@@ -60,7 +59,7 @@ PagedPrefill = Callable[..., None]
 
 
 def native_kernels_enabled() -> bool:
-    return os.environ.get(SWITCH, "1") != "0"
+    return os.environ.get(NATIVE_SWITCH, "1") != "0"
 
 
 def isa() -> str:
