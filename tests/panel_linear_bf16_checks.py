@@ -92,17 +92,18 @@ def check_x_rounds_like_torch(ops: Any) -> None:
 
 
 def check_few_rows_alone_get_their_bits(ops: Any) -> None:
-    """Rows' outputs are the same bits alone (one to four rows, a decode step of a few requests) as
-    among other rows, on bf16 and float32 panels: a lone small tile runs several panels at a time on AVX2,
-    and the engine's tokens must not change with the batch around them."""
+    """Rows' outputs are the same bits alone (one to six rows, a decode step of a few requests) as
+    among other rows, on bf16 and float32 panels: on AVX2 up to three rows run several panels at a time,
+    and four to six as two tiles taking turns over chunks of the panels' lines (100 k: the last chunk
+    short), and the engine's tokens must not change with the batch around them."""
     gen = torch.Generator().manual_seed(7)
-    x = torch.randn(9, 96, generator=gen)
+    x = torch.randn(9, 100, generator=gen)
     packs = ((ops.pack_weight_bf16, ops.pack_weight_gated_bf16), (ops.pack_weight, ops.pack_weight_gated))
     for (pack, pack_gated), n in itertools.product(packs, (17, 48, 200)):  # odd, even and partial panels
-        w, b, w2 = (torch.randn(shape, generator=gen) for shape in ((n, 96), (n,), (2 * n, 96)))
+        w, b, w2 = (torch.randn(shape, generator=gen) for shape in ((n, 100), (n,), (2 * n, 100)))
         packed, gated = pack(w), pack_gated(w2)
         together = ops.panel_linear(x, packed, b, n), ops.panel_linear_gated(x, gated, n)
-        for rows in (1, 2, 3, 4):
+        for rows in range(1, 7):
             for r in range(x.shape[0] - rows + 1):
                 few, where = x[r : r + rows], (n, r, rows)
                 assert torch.equal(ops.panel_linear(few, packed, b, n), together[0][r : r + rows]), where

@@ -28,9 +28,10 @@
 // panels of 16 columns (one line per k) and tiles of up to 6 rows. There GCC kept the portable tile's
 // accumulators in memory, and the intrinsics' accumulators too unless every loop over the rows is
 // unrolled (it stored all 12 to the stack on every k), so those loops are unrolled. Blocking rows and
-// k so that a block of x stays in L2 (Goto's order) was slower at 128-512 rows. A lone tile of one to
-// four rows (a decode step of a few requests) runs two to four panels at a time (tile_group): one
-// panel at a time, such a tile read its weights at well under the read rate.
+// k so that a block of x stays in L2 (Goto's order) was slower at 128-512 rows. A product of one to
+// six rows (a decode step of a few requests) runs as one or two tiles of up to three rows on two to
+// four panels at a time (tile_group), the two tiles in turns over each chunk of the panels' lines:
+// one panel at a time, such a tile read its weights at well under the read rate.
 //
 // A gated product (the MLP's gate|up) interleaves the two weights by halves of a panel, gate columns
 // then the same up columns, so that a tile ends with both halves of its outputs in registers and
@@ -819,34 +820,43 @@ std::array<PanelPrefetch, sizeof...(P)> pulls(const Tile* ts, std::index_sequenc
   return {PanelPrefetch(ts[P], false)...};
 }
 
-// A lone tile's rows (a decode step of a few requests) on NP panels at once (panels j .. j + NP - 1,
-// ts[0 .. NP - 1]): each panel's sums as tile<R> (kBf16: tile_bf16<R>) makes them, in the same order,
-// the panels' FMA chains interleaved. One panel at a time, a step of one to four rows read its weights
-// at well under the read rate; reading NP panels' streams at once came near it (docs/kernels.md).
-// Only bf16 panels prefetch, as tile_bf16 does.
+// A tile's rows (a decode step of a few requests) on NP panels at once (panels j .. j + NP - 1,
+// ts[0 .. NP - 1]), over the panels' lines [k0, k1): each panel's sums as tile<R> (kBf16:
+// tile_bf16<R>) makes them, in the same order, the panels' FMA chains interleaved. One panel at a time,
+// a step of one to three rows read its weights at well under the read rate; reading NP panels'
+// streams at once came near it (docs/kernels.md). A call over part of the lines starts from the sums
+// `carry` holds (k0 > 0) and leaves its own there (k1 short of the end), so that the tiles of a few
+// more rows take turns over a group's lines a chunk at a time (run_panels); `ahead` > 0 prefetches
+// each panel's line that many lines on. Only bf16 panels prefetch otherwise, as tile_bf16 does, over
+// the whole of their lines.
 template <bool kBf16, int R, int NP>
-void tile_group(const Tile* ts) {
+void tile_group(const Tile* ts, int64_t k0, int64_t k1, float* carry, int64_t ahead) {
   __m256 lo[NP][R], hi[NP][R];
   const float* w[NP];
   auto pull = pulls(ts, std::make_index_sequence<NP>{});
 #pragma GCC unroll 8
   for (int p = 0; p < NP; ++p) {
-    w[p] = ts[p].w;
+    w[p] = ts[p].w + k0 * kPanel;
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) lo[p][r] = hi[p][r] = _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const float* sums = carry + (p * R + r) * kPanel;
+      lo[p][r] = k0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(sums);
+      hi[p][r] = k0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + 8);
+    }
   }
   const __m256 high = _mm256_castsi256_ps(_mm256_set1_epi32(int(0xFFFF0000u)));
   constexpr int kPerLine = kBf16 ? 2 : 1;  // k a line
-  const int64_t K = ts[0].K;
-  for (int64_t k = 0; k < K; ++k) {
+  const bool whole = k0 == 0 && k1 == ts[0].K;
+  for (int64_t k = k0; k < k1; ++k) {
 #pragma GCC unroll 2
     for (int j = 0; j < kPerLine; ++j) {
       const float* xk = ts[0].x + (kPerLine * k + j) * R;
 #pragma GCC unroll 8
       for (int p = 0; p < NP; ++p) {
         __m256 w0, w1;
+        if (j == 0 && ahead > 0) __builtin_prefetch(w[p] + ahead * kPanel, 0, 3);
         if constexpr (kBf16) {
-          if (j == 0) pull[p].at(k, w[p]);
+          if (j == 0 && whole) pull[p].at(k, w[p]);
           const __m256 v = _mm256_loadu_ps(w[p] + 8 * j);
           w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(v), 16)), w1 = _mm256_and_ps(v, high);
         } else {
@@ -863,6 +873,17 @@ void tile_group(const Tile* ts) {
     }
 #pragma GCC unroll 8
     for (int p = 0; p < NP; ++p) w[p] += kPanel;
+  }
+  if (k1 < ts[0].K) {
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p)
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        float* sums = carry + (p * R + r) * kPanel;
+        _mm256_storeu_ps(sums, lo[p][r]);
+        _mm256_storeu_ps(sums + 8, hi[p][r]);
+      }
+    return;
   }
 #pragma GCC unroll 8
   for (int p = 0; p < NP; ++p) finish<R>(ts[p], lo[p], hi[p]);
@@ -1208,14 +1229,20 @@ constexpr std::array<TileFn, kMaxRows + 1> tiles_up_to(std::index_sequence<R...>
 constexpr auto kTiles = tiles_up_to<Weights::kFloat>(std::make_index_sequence<kMaxRows>{});
 constexpr auto kTilesBf16 = tiles_up_to<Weights::kBf16>(std::make_index_sequence<kMaxRows>{});
 #ifdef CBSERVE_AVX2
-// A lone tile of up to kGroupRows rows (bf16: kGroupRowsBf16) runs its panels in groups (tile_group),
-// kGroupPanels[R] at a time for R rows: the most that measured faster, as far as their accumulators
-// leave registers (four float32 rows in a pair hold 16 accumulators, all the registers: GCC keeps four
-// on the stack, and still the pair ran faster; four bf16 rows did not). A thread's panels short of a
-// whole group run in pairs, then alone.
-using GroupFn = void (*)(const Tile*);
-constexpr int kGroupRows = 4, kGroupRowsBf16 = 3;
-constexpr std::array<int, kGroupRows + 1> kGroupPanels = {0, 4, 3, 2, 2};
+// A product of up to kGroupTiles * kGroupRows rows (bf16: kGroupTilesBf16 *) runs as tiles of up to
+// kGroupRows rows on groups of panels (tile_group), kGroupPanels[R] at a time for R rows: the most that
+// measured faster, as far as their accumulators leave registers (four rows in a pair hold 16
+// accumulators, all the registers: GCC kept four on the stack). Where there are two tiles, they take
+// turns over each kGroupChunk lines of the group, the second reading them from L1 and prefetching the
+// next chunk's, so that the group is still read once, from memory, in a stream that does not stop
+// while the second tile multiplies (tiles each over the whole group read it from L2 the second time,
+// and left memory idle meanwhile). Tiles of more rows (tile<R>) were faster from seven rows on. A
+// thread's panels short of a whole group run in pairs, then alone. bf16 tiles of four to six rows
+// widen their weights in tile_bf16 faster than in turns (docs/kernels.md).
+using GroupFn = void (*)(const Tile*, int64_t, int64_t, float*, int64_t);
+constexpr int kGroupRows = 3, kGroupTiles = 2, kGroupTilesBf16 = 1;
+constexpr int64_t kGroupChunk = 32;  // lines: 12 KiB of three panels, in L1 for the second tile
+constexpr std::array<int, kGroupRows + 1> kGroupPanels = {0, 4, 3, 2};
 constexpr int kMaxGroup = 4;
 static_assert(*std::max_element(kGroupPanels.begin(), kGroupPanels.end()) <= kMaxGroup);
 struct Groups {
@@ -1228,7 +1255,7 @@ constexpr std::array<Groups, kGroupRows + 1> groups_up_to(std::index_sequence<R.
                            tile_group<kBf16, int(R) + 1, 2>}...};
 }
 constexpr auto kGroups = groups_up_to<false>(std::make_index_sequence<kGroupRows>{});
-constexpr auto kGroupsBf16 = groups_up_to<true>(std::make_index_sequence<kGroupRowsBf16>{});
+constexpr auto kGroupsBf16 = groups_up_to<true>(std::make_index_sequence<kGroupRows>{});
 #endif
 constexpr auto kTilesInt8 = tiles_up_to<Weights::kInt8>(std::make_index_sequence<kMaxRowsInt8>{});
 constexpr auto kTilesInt8Weights = tiles_up_to<Weights::kInt8Weights>(std::make_index_sequence<kMaxRows>{});
@@ -1475,7 +1502,11 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const c10::
   float* yp = y.data_ptr<float>();
   const int64_t sx = x2.stride(0);
   // Tiles as even as possible: 30 rows run as 10 + 10 + 10, not 14 + 14 + 2.
-  const int64_t max_rows = int8 && int8_x ? kMaxRowsInt8 : kMaxRows;
+  int64_t max_rows = int8 && int8_x ? kMaxRowsInt8 : kMaxRows;
+#ifdef CBSERVE_AVX2
+  const bool grouped = !int8 && M <= (bf16 ? kGroupTilesBf16 : kGroupTiles) * kGroupRows;
+  if (grouped) max_rows = kGroupRows;
+#endif
   const int64_t tiles = (M + max_rows - 1) / max_rows, base = M / tiles, extra = M % tiles;
   auto tile_rows = [&](int64_t i) { return base + (i < extra ? 1 : 0); };
   auto tile_first_row = [&](int64_t i) { return i * base + std::min(i, extra); };
@@ -1510,17 +1541,29 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const c10::
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     int64_t j = begin;
 #ifdef CBSERVE_AVX2
-    if (!int8 && M <= (bf16 ? kGroupRowsBf16 : kGroupRows)) {  // a lone tile's panels in groups
-      const Groups& grouped = (bf16 ? kGroupsBf16 : kGroups)[M];
-      Tile ts[kMaxGroup];
-      const auto run = [&](int np, GroupFn fn) {
+    if (grouped) {  // the tiles on groups of panels, in turns a chunk of lines at a time
+      const auto& by_rows = bf16 ? kGroupsBf16 : kGroups;
+      int panels = kMaxGroup;  // a group's: the fewest any of the tiles takes
+      for (int64_t i = 0; i < tiles; ++i) panels = std::min(panels, by_rows[tile_rows(i)].panels);
+      const int64_t chunk = tiles > 1 ? kGroupChunk : lines;
+      Tile ts[kGroupTiles][kMaxGroup];
+      alignas(32) float carry[kGroupTiles][kMaxGroup * kGroupRows * kPanel];
+      const auto run = [&](int np) {
         for (; j + np <= end; j += np) {
-          for (int q = 0; q < np; ++q) ts[q] = tile_of(j + q, 0, j + np + q, end);
-          fn(ts);
+          for (int64_t i = 0; i < tiles; ++i)
+            for (int q = 0; q < np; ++q) ts[i][q] = tile_of(j + q, i, j + np + q, end);
+          for (int64_t k0 = 0; k0 < lines; k0 += chunk) {
+            const int64_t k1 = std::min(lines, k0 + chunk);
+            for (int64_t i = 0; i < tiles; ++i) {
+              const Groups& g = by_rows[tile_rows(i)];
+              const int64_t ahead = i == tiles - 1 && k1 < lines ? chunk : 0;
+              (g.panels == np ? g.group : g.pair)(ts[i], k0, k1, carry[i], ahead);
+            }
+          }
         }
       };
-      run(grouped.panels, grouped.group);
-      run(2, grouped.pair);
+      if (panels > 2) run(panels);
+      run(2);
     }
 #endif
     for (; j < end; ++j)
