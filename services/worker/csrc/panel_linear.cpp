@@ -1543,8 +1543,9 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const c10::
 #ifdef CBSERVE_AVX2
     if (grouped) {  // the tiles on groups of panels, in turns a chunk of lines at a time
       const auto& by_rows = bf16 ? kGroupsBf16 : kGroups;
-      int panels = kMaxGroup;  // a group's: the fewest any of the tiles takes
-      for (int64_t i = 0; i < tiles; ++i) panels = std::min(panels, by_rows[tile_rows(i)].panels);
+      // A group's panels: the tiles' own where they agree (tiles of one height), else pairs.
+      const int panels = by_rows[tile_rows(0)].panels;
+      const bool agree = by_rows[tile_rows(tiles - 1)].panels == panels;
       const int64_t chunk = tiles > 1 ? kGroupChunk : lines;
       Tile ts[kGroupTiles][kMaxGroup];
       alignas(32) float carry[kGroupTiles][kMaxGroup * kGroupRows * kPanel];
@@ -1562,7 +1563,7 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const c10::
           }
         }
       };
-      if (panels > 2) run(panels);
+      if (agree && panels > 2) run(panels);
       run(2);
     }
 #endif
