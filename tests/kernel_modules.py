@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from services.common.precision import NATIVE_SWITCH
 from services.worker import kernels
 
 T = TypeVar("T")
@@ -26,7 +27,7 @@ def built(kernel: T | None, what: str) -> T:
     if kernel is not None:
         return kernel
     if not kernels.native_kernels_enabled():
-        pytest.skip(f"{kernels.NATIVE_SWITCH}=0: {what}")
+        pytest.skip(f"{NATIVE_SWITCH}=0: {what}")
     if kernels.compiler_available():
         pytest.fail(f"a C++ compiler is here but the kernel did not build ({what}); see the logged error")
     pytest.skip(f"no C++ toolchain: {what}")
@@ -35,7 +36,7 @@ def built(kernel: T | None, what: str) -> T:
 @contextmanager
 def native_kernels_off(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Within: CBSERVE_NATIVE_KERNELS=0, and no kernel built before is remembered (nor after)."""
-    monkeypatch.setenv(kernels.NATIVE_SWITCH, "0")
+    monkeypatch.setenv(NATIVE_SWITCH, "0")
     caches = [f for f in vars(kernels).values() if hasattr(f, "cache_clear")]
     for kernel in caches:
         kernel.cache_clear()

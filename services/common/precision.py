@@ -58,10 +58,14 @@ def cpu_computes_bf16() -> bool:
     return bool(NATIVE_BF16_FLAGS & cpu_flags())
 
 
+def native_kernels_enabled() -> bool:
+    return os.environ.get(NATIVE_SWITCH, "1") != "0"
+
+
 def cpu_widens_bf16() -> bool:
     """Whether the native kernels' AVX2 path (or a better one) runs bfloat16 weights here: widened to
     float32 as loaded, multiplied by FMAs, rather than torch's emulated bfloat16 products."""
-    if os.environ.get(NATIVE_SWITCH, "1") == "0" or os.environ.get(ISA_SWITCH, "native") == "portable":
+    if not native_kernels_enabled() or os.environ.get(ISA_SWITCH, "native") == "portable":
         return False
     return {"avx2", "fma"} <= cpu_flags()
 

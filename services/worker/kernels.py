@@ -29,7 +29,7 @@ import structlog
 import torch
 
 from services.common.model_source import cbserve_home
-from services.common.precision import ISA_SWITCH, NATIVE_SWITCH
+from services.common.precision import ISA_SWITCH, native_kernels_enabled
 from services.worker import gemm_crossover, torch_gemm
 
 log = structlog.get_logger(__name__)
@@ -56,10 +56,6 @@ KERNEL_FLAGS: dict[str, tuple[str, ...]] = {
 
 PagedDecode = Callable[..., None]
 PagedPrefill = Callable[..., None]
-
-
-def native_kernels_enabled() -> bool:
-    return os.environ.get(NATIVE_SWITCH, "1") != "0"
 
 
 def isa() -> str:
