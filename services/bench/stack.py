@@ -6,7 +6,7 @@ system; every request is sent at once over one channel (grpc.aio) as token ids, 
 and the wall time runs from the first send to the last final message. `stack` asks for each output
 whole at the end (`OutputOptions.stream` false), as the in-process engine hands its outputs back;
 `stack-streamed` gets a message per generated token, which on a small host costs the forward the
-CPU that gRPC takes to send and read each (docs/performance.md has the figures). Start-up and a
+CPU that gRPC takes to send and read each (docs/performance-log.md has the figures). Start-up and a
 warm-up call are not timed. The child's logs go to a file so that they do not interleave with the
 table. The worker's step profile over the timed part comes from the stack's /metrics, scraped before
 and after.

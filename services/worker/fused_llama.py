@@ -51,7 +51,7 @@ QUANTIZED = {"int8": (torch.int8, True), "int8-weight-only": (torch.int8, False)
 # and int8 there alone lost SmolLM2-135M about half the top-1 agreement with float32 that int8 in every
 # layer loses; `--dtype bfloat16` halves the head's bytes instead. Weight-only int8 panels there (x
 # kept float32) lost as much, and are no faster: at a decode step's rows the head is bound by its
-# products, which they run as fp32 FMAs, half of bf16's products an instruction (docs/performance.md).
+# products, which they run as fp32 FMAs, half of bf16's products an instruction (docs/performance-log.md).
 HEAD_QUANTIZED = False
 
 

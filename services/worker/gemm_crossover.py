@@ -3,7 +3,7 @@
 
 The panel kernel wins where the weights' reads set the pace (the few rows of a decode step). Where
 FMAs set it (a prefill chunk's hundreds of rows) the winner depends on the CPU, its vector units, the
-BLAS torch brings and the cache it shares (docs/performance.md, "Measurements behind the code", has
+BLAS torch brings and the cache it shares (docs/performance-log.md, "Measurements behind the code", has
 machines where each won). So the crossover is measured, once per CPU, torch build, thread count and version of
 the kernels and of this measurement (a hash of their sources), and kept in `$CBSERVE_HOME/kernels`: the
 same machine always makes the same choice, and results (equal up to fp32 summation order either way)

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
 # transformers' continuous batching, configured as when it was first measured as the baseline
-# (docs/performance.md); fixed whatever engine settings are benchmarked.
+# (docs/performance-log.md); fixed whatever engine settings are benchmarked.
 HF_CB_SETTINGS: dict[str, Any] = {"page_size": 32, "num_blocks": 512, "max_batch_tokens": 512}
 
 

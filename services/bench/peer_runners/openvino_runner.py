@@ -2,7 +2,7 @@
 
 `--model` is an OpenVINO IR exported from the safetensors directory (the harness exports it once,
 fp32 weights, which is also what `optimum-cli export openvino` keeps for a model under a billion
-parameters). Settings are the best found for OpenVINO on a 2-core CPU host (docs/performance.md has
+parameters). Settings are the best found for OpenVINO on a 2-core CPU host (docs/performance-log.md has
 the measurements): 512 tokens a step with dynamic split-fuse.
 
 Precision: on a CPU with bf16 instructions the CPU plugin computes in bf16 unless told otherwise,

