@@ -1,5 +1,5 @@
 """The prefill attention kernel gives each query row, bit for bit, what the decode kernel gives that row
-over the same keys (csrc/paged_attention.cpp, "One row, one result"): a soft reset recomputes the tokens
+over the same keys (csrc/paged_common.h, "One row, one result"): a soft reset recomputes the tokens
 a request generated through the prefill kernel, and in bfloat16 a last-bit difference in one row's
 attention can flip an activation's rounding and, at a near tie, a token. On every KV page type and
 every vector path (the lower ones rebuilt below), with grouped queries, soft-capping, chunks after

@@ -45,7 +45,7 @@ ISA_FLAGS: dict[str, tuple[str, ...]] = {
 }
 
 # Flags of one kernel's own, after the shared ones. paged_attention's prefill and decode kernels must
-# give a row the same bits from code of different shapes (csrc/paged_attention.cpp), so its float
+# give a row the same bits from code of different shapes (csrc/paged_common.h), so its float
 # arithmetic must stay as written: none of fast-math's unsafe rewrites (reassociated sums, a division
 # by a loop's invariant made a product by its reciprocal in the loop but not in its tail), no product
 # fused into a later add, and a vector division correctly rounded rather than a refined reciprocal
@@ -79,9 +79,14 @@ def _build_dir(stem: str) -> Path:
 
 
 def _source_files(stem: str) -> list[Path]:
-    """`csrc/<stem>.cpp` and the local headers it includes (`#include "..."`): what its build reads."""
-    source = _CSRC / f"{stem}.cpp"
-    return [source, *(_CSRC / name for name in re.findall(r'#include "([^"]+)"', source.read_text()))]
+    """`csrc/<stem>.cpp` and the local headers it includes (`#include "..."`), theirs in turn: what its
+    build reads."""
+    files = [_CSRC / f"{stem}.cpp"]
+    for source in files:  # grows as it goes: each header once
+        for name in re.findall(r'#include "([^"]+)"', source.read_text()):
+            if _CSRC / name not in files:
+                files.append(_CSRC / name)
+    return files
 
 
 def compile_flags(stem: str, path: str, march: str = "native") -> list[str]:
