@@ -116,7 +116,7 @@ bench: model
 bench-peers: model
 	$(BIN)/cbserve bench setup-peers
 
-# The device check (issue 12, scripts/gpu_check.py): CUDA graphs, the CUDA memory paths and the
+# The device check (issue 12, scripts/gpu_check): CUDA graphs, the CUDA memory paths and the
 # engine's speed on one GPU, one JSON summary. Its host has python3 with torch, transformers, grpcio,
 # protobuf, prometheus-client, pytest and hypothesis, and no package index: `make gpu-wheels`, here,
 # downloads the rest as CPython 3.12 manylinux wheels into gpu-wheels/ (git-ignored, about 12 MB), which
@@ -141,7 +141,7 @@ gpu-wheels:
 # and the logs land there, and the check's own log too (its end is shown if the check itself fails).
 gpu-check:
 	$(PY) -m pip install --quiet --no-index --no-deps --target $(GPU_SITE) $(GPU_WHEELS)/*.whl
-	PYTHONPATH=$(GPU_SITE):. PYTHONUNBUFFERED=1 $(PY) scripts/gpu_check.py $(GPU_CHECK_ARGS) \
+	PYTHONPATH=$(GPU_SITE):. PYTHONUNBUFFERED=1 $(PY) -m scripts.gpu_check $(GPU_CHECK_ARGS) \
 		$(if $(OUT),--out-dir $(OUT) 2>$(OUT)/gpu_check.log || { tail -n 40 $(OUT)/gpu_check.log; exit 1; })
 
 # docs/configuration.md from the command-line parsers (services/config_reference.py): after adding or

@@ -1,5 +1,5 @@
 """A GPU's fallback forward, on a CPU engine: what the CUDA graph tests (tests/test_cuda_graphs.py) and
-the device check (scripts/gpu_check.py) run where no GPU is."""
+the device check (scripts/gpu_check) run where no GPU is."""
 
 from __future__ import annotations
 

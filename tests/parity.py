@@ -36,7 +36,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 # Pools (in chunks of 8 tokens) that hold the longest request of two rounds sharing a 40-token prefix
 # (make_prompts(11, 3, shared), then make_prompts(12, 4, shared): 40 shared + 60 + 20 tokens) but not
 # three at once: with pages of 8 and a swap pool, requests are offloaded and restored
-# (tests/test_cuda_graphs.py, scripts/gpu_check.py). Not Mistral's: its sliding layers recycle their
+# (tests/test_cuda_graphs.py, scripts/gpu_check). Not Mistral's: its sliding layers recycle their
 # pages, so that no running request ever blocks and none is offloaded.
 SWAP_BLOCKS = {"llama": 20, "qwen3": 20, "gemma2": 40}
 

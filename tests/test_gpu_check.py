@@ -1,19 +1,20 @@
-"""scripts/gpu_check.py on a CPU (`--device cpu --quick`): every section but the CUDA-only tests runs
+"""scripts/gpu_check on a CPU (`--device cpu --quick`): every section but the CUDA-only tests runs
 the code paths it runs on a GPU, small, and the summary is one JSON document that holds the figures
 the issue asks for. The capture itself (and so the figures of a device) needs a GPU: `make gpu-check`."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+
+from scripts.gpu_check import roofline
+from scripts.gpu_check.check import Check
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -25,7 +26,8 @@ def test_the_quick_cpu_check_runs_every_section_and_reports_json(tmp_path: Path)
     # A generous budget: a busy machine must not turn figures into "out of time".
     argv = [
         sys.executable,
-        "scripts/gpu_check.py",
+        "-m",
+        "scripts.gpu_check",
         "--device",
         "cpu",
         "--quick",
@@ -92,26 +94,13 @@ def test_the_quick_cpu_check_runs_every_section_and_reports_json(tmp_path: Path)
 # ------------------------------------------------------------------------------------------- roofline
 
 
-@pytest.fixture(scope="module")
-def gpu_check() -> ModuleType:
-    """scripts/gpu_check.py as a module (scripts/ is no package)."""
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # dataclasses resolve their annotations through it
-    spec.loader.exec_module(module)
-    return module
+def quick_check(tmp_path: Path) -> Check:
+    return Check("cpu", True, time.monotonic() + 3600, tmp_path)
 
 
-def quick_check(gpu_check: ModuleType, tmp_path: Path) -> Any:
-    return gpu_check.Check("cpu", True, time.monotonic() + 3600, tmp_path)
-
-
-def test_roofline_costs_of_the_tiny_llama_are_its_hand_counted_bytes_and_flops(
-    gpu_check: ModuleType, tmp_path: Path
-) -> None:
-    model = gpu_check.roofline_model(quick_check(gpu_check, tmp_path))
-    costs = gpu_check.StepCosts.of(model)
+def test_roofline_costs_of_the_tiny_llama_are_its_hand_counted_bytes_and_flops(tmp_path: Path) -> None:
+    model = roofline.roofline_model(quick_check(tmp_path))
+    costs = roofline.StepCosts.of(model)
     # LLAMA_TINY in float32: hidden 64, FFN 128, 2 layers, 4 heads / 2 KV heads of 16, vocab 512, untied.
     matrices = 64 * 64 + 2 * (64 * 32) + 64 * 64 + 3 * (64 * 128)  # q, k and v, o, gate up and down
     norms = 2 * 2 * 64 + 64
@@ -123,21 +112,21 @@ def test_roofline_costs_of_the_tiny_llama_are_its_hand_counted_bytes_and_flops(
     assert costs.head_flops_per_row == 2 * head
     assert costs.attention_flops_per_pair == 4 * 4 * 16 * 2
 
-    decode = gpu_check.StepRecord([(40, 1, False), (10, 1, False)], logit_rows=2)
+    decode = roofline.StepRecord([(40, 1, False), (10, 1, False)], logit_rows=2)
     assert (
         costs.read_bytes(decode)
         == costs.weight_bytes + 2 * costs.row_bytes + (41 + 11) * costs.kv_token_bytes
     )
     # A chunk of 8 prompt tokens from position 4: positions 4..11 attend 5..12 keys.
-    chunk = gpu_check.StepRecord([(4, 8, True)], logit_rows=1)
+    chunk = roofline.StepRecord([(4, 8, True)], logit_rows=1)
     pairs = sum(range(5, 13))
     assert chunk.attended_pairs == pairs
     assert costs.flops(chunk) == 8 * 2 * 2 * matrices + 2 * head + pairs * 4 * 4 * 16 * 2
 
 
-def test_roofline_steady_state_is_every_running_request_decoding(gpu_check: ModuleType) -> None:
-    record = gpu_check.StepRecord
-    costs = gpu_check.StepCosts(1000, 10, 100, 1, 1, 1)
+def test_roofline_steady_state_is_every_running_request_decoding() -> None:
+    record = roofline.StepRecord
+    costs = roofline.StepCosts(1000, 10, 100, 1, 1, 1)
     rates = {"copy_bytes_per_s": 1e6, "matmul_flops_per_s": 1e3}
     steps = [
         record([(0, 16, True)], 1, seconds=0.5),  # a full prefill step: qualifies
@@ -148,7 +137,7 @@ def test_roofline_steady_state_is_every_running_request_decoding(gpu_check: Modu
         record([(20, 1, False), (18, 1, False), (21, 1, False)], 3, seconds=0.004),  # steady
         record([(21, 1, False), (19, 1, False)], 2, seconds=0.001),  # the tail
     ]
-    figures = gpu_check.step_figures(steps, costs, rates, running=3, prefill_tokens=16)
+    figures = roofline.step_figures(steps, costs, rates, running=3, prefill_tokens=16)
     steady_bytes = [1000 + 3 * 10 + (20 + 18 + 21) * 100, 1000 + 3 * 10 + (21 + 19 + 22) * 100]
     assert figures["decode"]["steady_steps"] == 2
     fractions = [steady_bytes[0] / 1e6 / 0.002, steady_bytes[1] / 1e6 / 0.004]
@@ -160,8 +149,8 @@ def test_roofline_steady_state_is_every_running_request_decoding(gpu_check: Modu
     assert figures["mixed_or_partial_steps"] == 3
 
 
-def test_roofline_scale_shrinks_the_requests_and_the_running_with_them(gpu_check: ModuleType) -> None:
-    a, b = gpu_check.ROOFLINE_LOADS
+def test_roofline_scale_shrinks_the_requests_and_the_running_with_them() -> None:
+    a, b = roofline.ROOFLINE_LOADS
     assert (a.requests, a.running, b.requests, b.running) == (128, 128, 32, 32)  # one wave each
     assert (a.scaled(0.5).requests, a.scaled(0.5).running) == (64, 64)
     assert (a.scaled(2).requests, a.scaled(2).running) == (256, 128)
@@ -172,7 +161,8 @@ def test_the_quick_cpu_roofline_section_reports_each_system(tmp_path: Path) -> N
     out = tmp_path / "out"
     argv = [
         sys.executable,
-        "scripts/gpu_check.py",
+        "-m",
+        "scripts.gpu_check",
         "--device",
         "cpu",
         "--quick",

@@ -71,7 +71,7 @@ def assert_step_total_is_wall_time(stack: Stack, async_batching: bool) -> None:
 
 
 # "swap" (sync) in the slow run: "swap_async" offloads to the same swap pool through the same cachemgr,
-# scripts/gpu_check.py's stack section (tests/test_gpu_check.py) round-trips a sync stack's streams
+# scripts/gpu_check's stack section (tests/test_gpu_check.py) round-trips a sync stack's streams
 # through it, and tests/test_engine_parity.py swaps in sync engines of every family.
 @pytest.fixture(
     scope="module", params=[pytest.param("swap", marks=pytest.mark.slow), "soft_reset", "swap_async"]

@@ -146,7 +146,7 @@ def test_health_follows_readiness_and_drain(
 
 
 # Sync in the slow run: the async worker dies with a forward in flight, the harder case of the same
-# re-submission (the gateway's, whichever mode the worker batches in); scripts/gpu_check.py's stack
+# re-submission (the gateway's, whichever mode the worker batches in); scripts/gpu_check's stack
 # section (tests/test_gpu_check.py) kills a sync worker mid-stream too.
 @pytest.mark.parametrize(
     "async_batching", [pytest.param(False, marks=pytest.mark.slow), True], ids=["sync", "async"]

@@ -85,7 +85,7 @@ class GroupIndex:
 # group only while the padded work stays within a factor of the real work, by device type. On a CPU
 # the attention's work is the cost. On a GPU a group costs about fifteen kernel launches a layer and
 # the padded work next to nothing: launches, not FLOPs, bound a GPU's eager prefill step
-# (`scripts/gpu_check.py --sections profile` shows it).
+# (`scripts/gpu_check --sections profile` shows it).
 PADDING_WASTE = {"cpu": 1.25, "cuda": 8.0}
 
 

@@ -8,7 +8,7 @@ attention eager between them), and run eagerly with transformers' layers, which 
 between a layer's attention and the rest short of splitting them with torch.compile. Decode steps
 are where launches dominate, one token per request, and a whole graph leaves none of them; a prompt
 chunk's attention changes shape with every step, so no graph holds it. The device check
-(scripts/gpu_check.py) reports the steps and time of each kind: whole graphs, pieces, eager.
+(scripts/gpu_check) reports the steps and time of each kind: whole graphs, pieces, eager.
 
 Shapes. `Buckets` (buckets.py) on `q_padding_interval_size` and `kv_padding_interval_size`
 (`DEFAULT_Q_INTERVAL` and `DEFAULT_KV_INTERVAL` where they are 0), `MAX_GRAPHS` at most; the builder

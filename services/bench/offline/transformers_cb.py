@@ -1,5 +1,5 @@
 """The `hf-cb` system of `cbserve bench offline`, and the one driver of transformers' continuous batching
-that the benchmarks share (scripts/gpu_check.py drives it on a GPU, with its CUDA graphs).
+that the benchmarks share (scripts/gpu_check drives it on a GPU, with its CUDA graphs).
 
 transformers' `generate_batch` takes one `max_new_tokens` for all requests, so the driver goes through
 the manager API instead (`init_continuous_batching` + `add_request`), request by request, so that each
