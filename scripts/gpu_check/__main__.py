@@ -96,7 +96,9 @@ def targets(sections: Entry) -> Entry:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(gpu_check.__doc__ or "").split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m scripts.gpu_check", description=(gpu_check.__doc__ or "").split("\n\n")[0]
+    )
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--quick", action="store_true", help="small models and workloads (the CPU test)")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"a subset of {','.join(SECTIONS)}")
