@@ -56,3 +56,21 @@ def test_every_source_compiles_for(path: str, march: str) -> None:
     }
     assert not failed, failed
     assert set(runs) >= {"fused_ops", "paged_attention", "panel_linear"}
+
+
+@pytest.mark.skipif(not kernels.compiler_available(), reason="no C++ compiler")
+def test_a_kernels_build_tracks_every_local_header_the_compiler_reads() -> None:
+    """A kernel is rebuilt when a file its build reads changes (kernels._source_files), so those files
+    must be all the csrc headers the compiler reads for it, included through other headers too."""
+    csrc = SOURCES[0].parent
+    includes = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]]
+    for source in SOURCES:
+        deps = subprocess.run(
+            ["c++", "-MM", "-std=c++20", *kernels.compile_flags(source.stem, "native"), *includes, source],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        read = {Path(word) for word in deps.replace("\\\n", " ").split()[1:]}
+        local = {path.resolve() for path in read if path.resolve().parent == csrc.resolve()}
+        assert {path.resolve() for path in kernels._source_files(source.stem)} == local, source.stem
