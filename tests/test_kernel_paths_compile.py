@@ -18,6 +18,7 @@ from torch.utils.cpp_extension import include_paths
 from services.worker import kernels
 
 SOURCES = sorted((Path(kernels.__file__).parent / "csrc").glob("*.cpp"))
+INCLUDES = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]]
 
 # (the path a build is held to, a CPU of its kind): every `#if` branch of the sources is taken by one.
 TARGETS = [
@@ -32,7 +33,6 @@ TARGETS = [
 @pytest.mark.skipif(not kernels.compiler_available(), reason="no C++ compiler")
 @pytest.mark.parametrize(("path", "march"), TARGETS)
 def test_every_source_compiles_for(path: str, march: str) -> None:
-    includes = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]]
     runs = {
         source.stem: subprocess.Popen(
             [
@@ -41,7 +41,7 @@ def test_every_source_compiles_for(path: str, march: str) -> None:
                 "-std=c++20",
                 "-DTORCH_EXTENSION_NAME=compile_check",
                 *kernels.compile_flags(source.stem, path, march),
-                *includes,
+                *INCLUDES,
                 str(source),
             ],
             stdout=subprocess.PIPE,
@@ -63,10 +63,9 @@ def test_a_kernels_build_tracks_every_local_header_the_compiler_reads() -> None:
     """A kernel is rebuilt when a file its build reads changes (kernels._source_files), so those files
     must be all the csrc headers the compiler reads for it, included through other headers too."""
     csrc = SOURCES[0].parent
-    includes = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]]
     for source in SOURCES:
         deps = subprocess.run(
-            ["c++", "-MM", "-std=c++20", *kernels.compile_flags(source.stem, "native"), *includes, source],
+            ["c++", "-MM", "-std=c++20", *kernels.compile_flags(source.stem, "native"), *INCLUDES, source],
             capture_output=True,
             text=True,
             check=True,
