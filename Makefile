@@ -79,19 +79,15 @@ FRESH := --hypothesis-profile=fresh --hypothesis-seed=$(SEED)
 .PHONY: fuzz
 
 # The suite's kernel builds start first, in the background (tests/prebuild_kernels.py), on the core the
-# linters leave free; a test that needs one before it is done waits for it. The type check (a single-core
-# minute on a fresh clone) runs beside the suite, which leaves about a third of two cores idle while its
-# stacks start and wait; its verdict and output come after the suite's, and either failing fails the run.
+# linters leave free; a test that needs one before it is done waits for it.
 test: $(TEST_STAMP) model
 	nice -n 10 $(BIN)/python -m tests.prebuild_kernels > $(VENV)/prebuild-kernels.log 2>&1 &
 	$(BIN)/ruff check services tests scripts
 	$(BIN)/ruff format --check services tests scripts
 	$(BIN)/lint-imports --no-cache
+	$(BIN)/mypy services
 	@echo "hypothesis: fresh examples from seed $(SEED) (replay: make test SEED=$(SEED))"
-	$(BIN)/mypy services > $(VENV)/mypy.log 2>&1 & typing=$$!; \
-	$(BIN)/pytest -q $(FRESH); tests=$$?; \
-	wait $$typing; typed=$$?; echo "mypy services:"; cat $(VENV)/mypy.log; \
-	test $$tests -eq 0 && test $$typed -eq 0
+	$(BIN)/pytest -q $(FRESH)
 
 # The quick hypothesis tests alone, on fresh examples (about a minute).
 fuzz: $(TEST_STAMP) model
