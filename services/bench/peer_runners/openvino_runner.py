@@ -17,10 +17,13 @@ cache takes its element types from its compiled model's cache inputs.
 Scoring (the protocol's `score`): the pipeline returns a log-probability only for tokens it samples
 (GenerationConfig's `logprobs` is one value, of the chosen token; `echo` gives the prompt tokens'
 own, not the top-ranked ones), so teacher-forced top-1 cannot come from it. Instead the same IR is
-compiled with the same properties (so the same inference precision) and run directly: one forward
-over each whole prompt, from a reset state, and the argmax of its logits after every position. That
-forward is OpenVINO's stateful attention over the prompt, not the pipeline's paged attention; the
-matmuls, which decide the precision's error, are the same plugin's at the same precision.
+compiled with the same properties (so the same inference and KV cache precisions) and run directly,
+one token a call: each position then attends over the stateful model's KV cache, held in the KV
+precision, as every token the pipeline generates attends over its paged one, and as every position of
+cbserve's score reads its pages. One forward over a whole prompt would attend over the prompt's
+fresh float keys and values instead and never see the cache's rounding (on a CPU where the default is
+f32 compute over an f16 cache, that forward agreed with float32 at every position where one token a
+call did not: docs/performance.md, teacher-forced agreement).
 """
 
 from __future__ import annotations
@@ -111,17 +114,19 @@ class OpenVinoPeer:
         top1 = []
         for prompt in prompts:
             request.reset_state()  # the IR is stateful: its KV cache would carry the last prompt over
-            n = len(prompt)
-            request.infer(
-                {
-                    "input_ids": np.asarray([prompt], dtype=np.int64),
-                    "attention_mask": np.ones((1, n), dtype=np.int64),
-                    "position_ids": np.arange(n, dtype=np.int64)[None],
-                    "beam_idx": np.zeros(1, dtype=np.int32),
-                }
-            )
-            logits = request.get_tensor("logits").data[0, :-1]
-            top1.append(logits.argmax(-1).tolist())  # the lowest id among equals, as the reference's
+            guesses = []
+            for position, token in enumerate(prompt[:-1]):
+                request.infer(
+                    {
+                        "input_ids": np.asarray([[token]], dtype=np.int64),
+                        "attention_mask": np.ones((1, position + 1), dtype=np.int64),
+                        "position_ids": np.asarray([[position]], dtype=np.int64),
+                        "beam_idx": np.zeros(1, dtype=np.int32),
+                    }
+                )
+                # The lowest id among equals, as the reference's argmax.
+                guesses.append(int(request.get_tensor("logits").data[0, -1].argmax()))
+            top1.append(guesses)
         del request, compiled
         return top1
 
