@@ -76,6 +76,12 @@ ifndef SEED
 SEED := $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
 endif
 FRESH := --hypothesis-profile=fresh --hypothesis-seed=$(SEED)
+# The suite's files are shared out between TEST_WORKERS processes (pytest-xdist), each file whole on one
+# of them, so its module fixtures start once. Two keep both of a 2-core machine's cores busy, where one
+# left a core idle through stack starts, waits and single-threaded tests; each worker starts the
+# session's stacks it needs for itself.
+TEST_WORKERS ?= 2
+PARALLEL := -n $(TEST_WORKERS) --dist loadfile
 .PHONY: fuzz
 
 # The suite's kernel builds start first, in the background (tests/prebuild_kernels.py), on the core the
@@ -87,7 +93,7 @@ test: $(TEST_STAMP) model
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/mypy services
 	@echo "hypothesis: fresh examples from seed $(SEED) (replay: make test SEED=$(SEED))"
-	$(BIN)/pytest -q $(FRESH)
+	$(BIN)/pytest -q $(PARALLEL) $(FRESH)
 
 # The quick hypothesis tests alone, on fresh examples (about a minute).
 fuzz: $(TEST_STAMP) model
@@ -96,7 +102,7 @@ fuzz: $(TEST_STAMP) model
 
 test-slow: $(TEST_STAMP) model
 	@echo "hypothesis: fresh examples from seed $(SEED) (replay: make test-slow SEED=$(SEED))"
-	$(BIN)/pytest -q -m slow $(FRESH)
+	$(BIN)/pytest -q -m slow $(PARALLEL) $(FRESH)
 
 # The long soak: thousands of mixed requests (normal, cancelled, expired, stop strings, bad).
 soak: $(TEST_STAMP) model
