@@ -16,9 +16,9 @@ os.environ.setdefault("CBSERVE_GEMM_CROSSOVER", "never")
 # with transformers' float32 `generate` token for token (`--dtype auto` is bfloat16 on some CPUs).
 os.environ.setdefault("CBSERVE_DTYPE", "float32")
 # OpenMP threads that wait for work sleep instead of spinning: a test and the stacks it drives (and, under
-# `make test`, the other worker's) share two cores, and a spinning thread burns the core another
-# process needs. Spinning saves a few microseconds a parallel region, which counts when one process has
-# the cores to itself, as a served worker does; here it doubled the suite's CPU time on two workers.
+# `make test`, the other worker's) share the cores, and a spinning thread burns the core another
+# process needs. Spinning saves a few microseconds a parallel region, which counts only where one
+# process has the cores to itself, as a served worker does.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
