@@ -21,9 +21,8 @@ compiled with the same properties (so the same inference and KV cache precisions
 one token a call: each position then attends over the stateful model's KV cache, held in the KV
 precision, as every token the pipeline generates attends over its paged one, and as every position of
 cbserve's score reads its pages. One forward over a whole prompt would attend over the prompt's
-fresh float keys and values instead and never see the cache's rounding (on a CPU where the default is
-f32 compute over an f16 cache, that forward agreed with float32 at every position where one token a
-call did not: docs/performance.md, teacher-forced agreement).
+fresh float keys and values instead and never see the cache's rounding (docs/performance.md's
+teacher-forced agreement has what that hid).
 """
 
 from __future__ import annotations
