@@ -578,8 +578,8 @@ def test_through_smg(routed: tuple[Stack, int], tmp_path: Path) -> None:
     def bench(*args: str) -> tuple[int, dict[str, Any]]:
         return _bench(tmp_path, target, stack.model_dir, *args)
 
-    # The gateway's metrics give the load as of the worker's last status (sent every STATUS_INTERVAL_S,
-    # services/worker/server.py): the run outlasts a few, or its blocks may never show there.
+    # 128 tokens a request: a run of seconds, in which the samples of the metrics cannot miss every
+    # step that holds blocks.
     code, report = bench(
         "--num-requests",
         "12",

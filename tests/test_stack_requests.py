@@ -562,6 +562,20 @@ def test_concurrent_load_queries_are_all_answered(tiny_stack: Stack) -> None:
     assert all(load.kv_blocks_total == 256 for load in loads)
 
 
+def test_metrics_show_the_request_that_is_running(tiny_stack: Stack) -> None:
+    # A scrape asks the worker for its load: the worker's periodic status, which it used to show, can
+    # be older than the whole of a short run.
+    call = tiny_stack.stub.Generate(long_request(tiny_stack, 62), timeout=CALL_TIMEOUT_S)
+    try:
+        assert next(call).HasField("chunk")
+        text = scrape(tiny_stack)
+    finally:
+        call.cancel()
+    running = re.search(r"^cbserve:num_requests_running(?:\{[^}]*\})? (\S+)$", text, re.M)
+    assert running is not None and float(running.group(1)) == 1.0, running
+    tiny_stack.wait_idle(timeout_s=5)
+
+
 def test_metrics_after_requests(tiny_stack: Stack) -> None:
     before = successes(scrape(tiny_stack))
     prompt = tiny_prompt(60, 20)

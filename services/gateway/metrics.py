@@ -2,8 +2,8 @@
 
 Per-request figures (TTFT, inter-token latency, end-to-end latency, queue time, tokens) are observed
 by the gateway as streams progress; the step profile arrives with the worker's step messages; load
-figures (requests, KV usage, prefix cache, offloads) are read from the worker's latest status at
-scrape time, so they never go stale between scrapes.
+figures (requests, KV usage, prefix cache, offloads) are asked of the worker at scrape time, so
+they show the step that was running when the scrape came, as vLLM's do.
 
 The HTTP port serves `/metrics` and, for load balancers that cannot speak gRPC health, `/health`
 (200 SERVING or 503 NOT_SERVING, as grpc.health.v1 says); every other path is 404. Counters carry
@@ -157,9 +157,9 @@ class _LoadCollector(Collector):
 
 
 class GatewayMetrics:
-    """`load`: the worker's latest load; `recovery`: (requests re-submitted, tokens they recomputed);
-    `streams`: the gateway's open streams; `queue`: (streams waiting for a first token, their limit);
-    `model`: the labels of `cbserve:model_info`; `serving`: what `/health` answers."""
+    """`load`: the worker's load as of the call; `recovery`: (requests re-submitted, tokens they
+    recomputed); `streams`: the gateway's open streams; `queue`: (streams waiting for a first token,
+    their limit); `model`: the labels of `cbserve:model_info`; `serving`: what `/health` answers."""
 
     def __init__(
         self,

@@ -192,7 +192,7 @@ async def serve(
         on_step=lambda times: metrics.observe_step(times),
     )
     metrics = GatewayMetrics(
-        lambda: client.load,
+        client.load_now,
         lambda: (client.resubmitted, client.recomputed_tokens),
         lambda: client.in_flight,
         queue=lambda: (service.waiting if service is not None else 0, settings.max_queue_size),

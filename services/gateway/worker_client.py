@@ -120,8 +120,10 @@ class WorkerClient:
         # messages that a worker started later would receive stale.
         self._socket.setsockopt(zmq.IMMEDIATE, 1)
         self._tasks: list[asyncio.Task[None]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         self._socket.connect(self.address)
         self._send()
         self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._heartbeat())]
@@ -162,6 +164,21 @@ class WorkerClient:
 
     async def query_load(self, timeout_s: float = 5.0) -> Load:
         return await self._ask(self._load_waiters, "load_query", timeout_s)
+
+    def load_now(self, timeout_s: float = 1.0) -> Load:
+        """The worker's load as of its current step, for a caller on another thread (the metrics
+        server). The periodic status can be a whole status interval old, long enough for a short run
+        to come and go unseen; the last status stands in when the worker is not ready or does not
+        answer within `timeout_s`."""
+        loop = self._loop
+        if not self.ready or loop is None or loop.is_closed():
+            return self.load
+        answer = asyncio.run_coroutine_threadsafe(self.query_load(timeout_s), loop)
+        try:
+            return answer.result(timeout_s + 1.0)  # the margin: the loop may be busy scheduling it
+        except TimeoutError:
+            answer.cancel()
+            return self.load
 
     async def flush_cache(self, timeout_s: float = 5.0) -> int:
         """Have the cachemgr drop the cached prefixes no request holds; returns how many blocks, or

@@ -58,8 +58,8 @@ class OpenAIBackend:
         self.url = f"{api_base(args.target)}/completions"
         self.description = f"openai {self.url}"
         self.load_source: str | None = None
-        # Metrics are figures as of the server's last update: cbserve's gateway gets the worker's
-        # every 0.5 s, vLLM's API server the engine's every step.
+        # A server's metrics may be figures of its engine's last update (vLLM's API server gets them
+        # with the engine's outputs), so they count as settled only once they hold still a while.
         self.load_settle_s = 1.0
 
     @classmethod
