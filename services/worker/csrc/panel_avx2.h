@@ -53,7 +53,7 @@ void tile(const Tile& t) {
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
   const float* w = t.w;
-  PanelPrefetch pull(t, false);
+  PanelPrefetch pull(t, NextPanel::kEvery);
   const bool prefetch = R > 1 || t.every > 1;
   const int64_t K = t.K;
   for (int64_t k = 0; k < K; ++k, w += kPanel) {
@@ -79,7 +79,7 @@ void tile_bf16(const Tile& t) {
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
   const float* w = t.w;
-  PanelPrefetch pull(t, false);
+  PanelPrefetch pull(t, NextPanel::kEvery);
   const __m256 high = _mm256_castsi256_ps(_mm256_set1_epi32(int(0xFFFF0000u)));
   const int64_t K = t.K;
   for (int64_t k = 0; k < K; ++k, w += kPanel) {
@@ -105,7 +105,7 @@ void tile_bf16(const Tile& t) {
 // The prefetches of panels ts[0 .. sizeof...(P) - 1].
 template <size_t... P>
 std::array<PanelPrefetch, sizeof...(P)> pulls(const Tile* ts, std::index_sequence<P...>) {
-  return {PanelPrefetch(ts[P], false)...};
+  return {PanelPrefetch(ts[P], NextPanel::kEvery)...};
 }
 
 // A tile's rows (a decode step of a few requests) on NP panels at once (panels j .. j + NP - 1,
@@ -259,7 +259,7 @@ void tile_int8(const Tile& t) {
   for (int r = 0; r < R; ++r) flo[r] = fhi[r] = _mm256_setzero_ps();
   const float* w = t.w;
   const float* xs = t.xscale;
-  PanelPrefetch pull(t, false);
+  PanelPrefetch pull(t, NextPanel::kEvery);
   const int64_t K = t.K;
   for (int64_t q0 = 0; q0 < K; q0 += kGroupLines, xs += R) {
     const int64_t q1 = std::min(q0 + kGroupLines, K);
@@ -338,7 +338,7 @@ void tile_int8w(const Tile& t) {
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
   const float* w = t.w;
-  PanelPrefetch pull(t, false);
+  PanelPrefetch pull(t, NextPanel::kEvery);
   const int64_t K = t.K;
   for (int64_t q0 = 0; q0 < K; q0 += kGroupLines) {
     const int64_t q1 = std::min(q0 + kGroupLines, K);

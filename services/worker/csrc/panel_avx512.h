@@ -35,13 +35,21 @@ __attribute__((always_inline)) inline void finish(const Tile& t, const __m512 (&
   }
 }
 
+// What a tile of R rows pulls of the next panel (panel_linear.cpp): a lone tile (the product's only
+// one) of 8-14 rows a sparse line, one of fewer rows none, a tile beside others every line.
+template <int R>
+inline NextPanel next_panel(const Tile& t) {
+  if (t.every > 1) return NextPanel::kEvery;
+  return R >= 8 ? NextPanel::kSparse : NextPanel::kNone;
+}
+
 template <int R>
 void tile(const Tile& t) {
   __m512 lo[R], hi[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
   const float* w = t.w;
-  PanelPrefetch pull(t, R >= 8 && t.every == 1);  // sparse: a lone tile of 8-14 rows, panel_linear.cpp
+  PanelPrefetch pull(t, next_panel<R>(t));
   const int64_t K = t.K;
   for (int64_t k = 0; k < K; ++k, w += kPanel) {
     pull.at(k, w);
@@ -66,7 +74,7 @@ void tile_bf16(const Tile& t) {
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
   const float* w = t.w;
-  PanelPrefetch pull(t, R >= 8 && t.every == 1);
+  PanelPrefetch pull(t, next_panel<R>(t));
   const int64_t K = t.K;
   for (int64_t k = 0; k < K; ++k, w += kPanel) {
     pull.at(k, w);
@@ -93,7 +101,7 @@ void tile_bf16(const Tile& t) {
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
   const float* w = t.w;
-  PanelPrefetch pull(t, R >= 8 && t.every == 1);
+  PanelPrefetch pull(t, next_panel<R>(t));
   const int64_t K = t.K;
   for (int64_t k = 0; k < K; ++k, w += kPanel) {
     pull.at(k, w);
@@ -228,7 +236,7 @@ void tile_int8(const Tile& t) {
   for (int r = 0; r < R; ++r) flo[r] = fhi[r] = _mm512_setzero_ps();
   const float* w = t.w;
   const float* xs = t.xscale;
-  PanelPrefetch pull(t, R >= 8 && t.every == 1);
+  PanelPrefetch pull(t, next_panel<R>(t));
   const int64_t K = t.K;
   for (int64_t q0 = 0; q0 < K; q0 += kGroupLines, xs += R) {
     const int64_t q1 = std::min(q0 + kGroupLines, K);
@@ -312,7 +320,7 @@ void tile_int8w(const Tile& t) {
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
   const float* w = t.w;
-  PanelPrefetch pull(t, R >= 8 && t.every == 1);
+  PanelPrefetch pull(t, next_panel<R>(t));
   const int64_t K = t.K;
   for (int64_t q0 = 0; q0 < K; q0 += kGroupLines) {
     const int64_t q1 = std::min(q0 + kGroupLines, K);

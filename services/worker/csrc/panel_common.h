@@ -84,12 +84,19 @@ struct Tile {
 // The tiles read t.K into a local before their loops over k: GCC loaded it through the reference at
 // every k, one more load beside a k's broadcasts and FMAs.
 
+// How much of its share of the next panel a tile pulls into L2 (panel_linear.cpp): every line, the
+// first line of every other k, or none (its own panel's reads are then the only stream).
+enum class NextPanel { kEvery, kSparse, kNone };
+
 // The prefetches of one tile, issued once per k: its share of the next panel into L2 (panel_linear.cpp),
 // and its own panel kAhead lines ahead into L1.
 class PanelPrefetch {
  public:
-  PanelPrefetch(const Tile& t, bool sparse)
-      : next_(t.next), end_(t.next + t.next_lines * kPanel), every_(t.every), sparse_(sparse) {}
+  PanelPrefetch(const Tile& t, NextPanel next)
+      : next_(t.next),
+        end_(next == NextPanel::kNone ? t.next : t.next + t.next_lines * kPanel),
+        every_(t.every),
+        sparse_(next == NextPanel::kSparse) {}
 
   inline void at(int64_t k, const float* w) {
     if (wait_-- == 0 && next_ < end_) {

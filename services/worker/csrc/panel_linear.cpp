@@ -14,7 +14,10 @@
 // only the first line of every other k, one line in four, and leaves the rest to the hardware
 // prefetchers; our guess at why that is faster, not measured: each software prefetch holds one of the
 // core's few fill buffers until memory answers, and the tile's own L2-to-L1 reads queue behind them.
-// With fewer rows, or more than one tile, pulling every line is faster (docs/performance-log.md).
+// With more than one tile, pulling every line is faster. A lone tile of fewer rows reads its panel
+// straight from memory anyway, a few products per line, and on AVX-512 pulls none of the next panel:
+// its own reads are then the only stream, which the hardware prefetcher follows, and its weights
+// arrive faster (docs/performance-log.md). On AVX2 such products run in groups of panels instead.
 //
 // x is first copied tile by tile k-major ([K, rows]), so that a tile reads its 14 values of each k at
 // constant offsets from one pointer: read in place, each row's address took an add of its own, 13
