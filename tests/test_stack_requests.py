@@ -535,6 +535,13 @@ def scrape(stack: Stack) -> str:
         return response.read().decode()
 
 
+def metric(text: str, name: str) -> float:
+    """The value of the sample `name` (labelled or not) in a scrape; fails if it is missing."""
+    found = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    assert found is not None, f"{name} not in the scrape"
+    return float(found.group(1))
+
+
 def successes(text: str) -> float:
     return sum(float(v) for v in re.findall(r"^cbserve:request_success_total\{[^}]*\} (\S+)$", text, re.M))
 
@@ -550,8 +557,7 @@ def test_load_and_metrics_report_the_pool_in_bytes(tiny_stack: Stack) -> None:
     assert 0 < load.host_available_bytes <= meminfo_bytes("MemTotal")
     text = scrape(tiny_stack)
     for name in ("cbserve:kv_pool_bytes", "cbserve:kv_pool_committed_bytes", "cbserve:host_available_bytes"):
-        value = float(re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M).group(1))
-        assert value > 0, name
+        assert metric(text, name) > 0, name
 
 
 def test_concurrent_load_queries_are_all_answered(tiny_stack: Stack) -> None:
@@ -571,8 +577,7 @@ def test_metrics_show_the_request_that_is_running(tiny_stack: Stack) -> None:
         text = scrape(tiny_stack)
     finally:
         call.cancel()
-    running = re.search(r"^cbserve:num_requests_running(?:\{[^}]*\})? (\S+)$", text, re.M)
-    assert running is not None and float(running.group(1)) == 1.0, running
+    assert metric(text, "cbserve:num_requests_running") == 1.0
     tiny_stack.wait_idle(timeout_s=5)
 
 
