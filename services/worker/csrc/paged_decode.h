@@ -6,6 +6,7 @@
 
 namespace {
 constexpr int64_t kAheadLines = 144;  // how far ahead of the reads the pump prefetches
+constexpr int64_t kPumpBytes = 256;   // the least the pump prefetches of a key at a step
 constexpr int64_t kAvx2Ahead = 16;    // how many keys ahead of its reads the AVX2 path prefetches
 constexpr int64_t kBlock = 16;   // keys per block of dots
 // ... on AVX2's vector path: three vectors of 8 keys, so that three query rows' dots run as nine
@@ -65,45 +66,88 @@ struct Task {
   float scale, cap;
 };
 
-// A task reads one stream of rows, its K rows then its V rows (each all the task's heads, one
-// contiguous read); the pump keeps kAheadLines lines of bytes prefetched ahead of the reads, a row at
-// a time as the reads advance. Pages are scattered, so the hardware prefetcher loses the stream at
-// every page boundary, and prefetching a whole block's rows at once outran what a core can have in
-// flight (the reads then waited for memory instead of overlapping the arithmetic): the pump paces
-// them. Each line is prefetched once: an int8 row (D values and a scale a head) is no whole number of
-// lines, and the next slot's row starts on the line where this one ends. The lines go into L2, not L1:
-// a prefetch into L1 holds one of the core's few L1 miss buffers until memory answers, and with them
-// all taken the reads (and the next prefetches) stalled (docs/performance-log.md has the measurements).
+// A task's passes read its K rows, then its V rows, a block of keys at a time (kBlock keys in the K
+// pass, kVBlock in the V pass), and within a block a head at a time: head 0 of every key of the block,
+// then head 1, and so on. The pump keeps kAheadLines lines of bytes prefetched ahead of the reads in
+// that same order, a run of heads (at least kPumpBytes) of one key at a time as the reads advance.
+// Pages are scattered, so the hardware prefetcher loses the stream at every page boundary, and
+// prefetching a whole block's rows at once outran what a core can have in flight (the reads then
+// waited for memory instead of overlapping the arithmetic): the pump paces them. It follows the
+// reads' order, not the rows' order in memory: a pump ahead by whole rows fell behind the first head
+// of a block whenever the block's rows spanned more than its distance (1 KB rows of 8 heads), and
+// runs of fewer bytes cost more in the pump's own steps than their prefetches won. Each line is
+// prefetched once: an int8 head (D values and a scale) is no whole number of lines, and the next
+// run of a key starts on the line where the one before it ended. The lines go into L2, not L1: a
+// prefetch into L1 holds one of the core's few L1 miss buffers until memory answers, and with them
+// all taken the reads (and the next prefetches) stalled (docs/performance-log.md has the
+// measurements).
 template <class T>
 class Pump {
  public:
-  // `start`: prefetch the stream's first kAheadLines lines now (else the first advance does).
-  Pump(const Task<T>& t, bool start) : t_(t), row_bytes_(t.hs * t.hd * int64_t{sizeof(T)}), rows_(2 * t.n) {
+  // `start`: prefetch the stream's first kAheadLines lines now (else the first advance does);
+  // `k_block`: keys per block of the K pass.
+  Pump(const Task<T>& t, bool start, int64_t k_block)
+      : t_(t), head_bytes_(t.hd * int64_t{sizeof(T)}), stride_(t.stride * int64_t{sizeof(T)}),
+        run_(std::min(t.hs, std::max<int64_t>(1, (kPumpBytes + head_bytes_ - 1) / head_bytes_))),
+        block_{k_block, kVBlock} {
+    if (t.n == 0) pos_ = kDone;
+    else begin_run();
     if (start) advance(0);
   }
 
-  // The reads moved past `head_rows` more head rows of the stream (D values each, and in an int8
+  // The reads moved past `head_rows` more head rows, in their order (D values each, and in an int8
   // stream their scale).
   inline void advance(int64_t head_rows) {
-    target_ += head_rows * t_.hd * int64_t{sizeof(T)};
-    for (; pos_ < target_ && row_ < rows_; pos_ += row_bytes_, ++row_) {
-      const T* row = row_ < t_.n ? t_.k + t_.slot[row_] * t_.stride : t_.v + t_.slot[row_ - t_.n] * t_.stride;
-      const uintptr_t first = reinterpret_cast<uintptr_t>(row) / 64;
-      const uintptr_t last = (reinterpret_cast<uintptr_t>(row) + row_bytes_ - 1) / 64;
-      // A row that starts on the line where the one before it ended (the next slot of a page)
-      // takes its lines from the one after.
-      for (uintptr_t line = first == last_ ? first + 1 : first; line <= last; ++line)
+    target_ += head_rows * head_bytes_;
+    while (pos_ < target_) {
+      const uintptr_t start = reinterpret_cast<uintptr_t>(base_ + slot_[i_] * stride_);
+      const uintptr_t last = (start + bytes_ - 1) / 64;
+      for (uintptr_t line = shared_ && start % 64 != 0 ? start / 64 + 1 : start / 64; line <= last; ++line)
         __builtin_prefetch(reinterpret_cast<const char*>(line * 64), 0, 1);  // into L2 (prefetcht2)
-      last_ = last;
+      pos_ += bytes_;
+      if (__builtin_expect(++i_ == count_, 0)) next_run();
     }
   }
 
  private:
+  static constexpr int64_t kDone = std::numeric_limits<int64_t>::max();
+
+  // The run of heads h_ .. over the keys of the block from j0_ in pass pass_.
+  void begin_run() {
+    count_ = std::min(block_[pass_], t_.n - j0_);
+    heads_ = std::min(run_, t_.hs - h_);
+    bytes_ = heads_ * head_bytes_;
+    base_ = reinterpret_cast<const char*>((pass_ == 0 ? t_.k : t_.v) + h_ * t_.hd);
+    slot_ = t_.slot + j0_;
+    shared_ = h_ > 0;  // the key's run before this one ended on this run's first line
+    i_ = 0;
+  }
+
+  void next_run() {
+    if ((h_ += heads_) == t_.hs) {
+      h_ = 0;
+      if ((j0_ += count_) == t_.n) {
+        j0_ = 0;
+        if (++pass_ == 2) {
+          pos_ = kDone;
+          return;
+        }
+      }
+    }
+    begin_run();
+  }
+
   const Task<T>& t_;
-  const int64_t row_bytes_, rows_;
+  const int64_t head_bytes_, stride_, run_;  // bytes of a head's row, from a key's row to the next's; heads a run
+  const int64_t block_[2];                   // keys per block of the K and the V pass
+  int pass_ = 0;                             // 0: K, 1: V
+  int64_t j0_ = 0, h_ = 0;                   // the run's block's first key, its first head
+  int64_t count_ = 0, heads_ = 0, bytes_ = 0;  // its keys, heads, bytes a key
+  const char* base_ = nullptr;               // its first head in key 0 of the pool
+  const int64_t* slot_ = nullptr;            // its block's slots
+  bool shared_ = false;
+  int64_t i_ = 0;                            // the run's next key
   int64_t target_ = kAheadLines * 64, pos_ = 0;  // bytes of the stream: to prefetch up to, prefetched
-  int64_t row_ = 0;                               // the next row of the stream to prefetch
-  uintptr_t last_ = 0;                            // the last line prefetched
 };
 
 // Whether the pump paces a task's reads (NC: run_task's). Not on AVX2's vector path, whose loops
@@ -133,7 +177,9 @@ inline __m512 word_dim(__m512i w, int b) {
 // r0 + GB) with keys [j0, j0 + count) of the slot range, in paged_prefill's order: one FMA chain over
 // the dims in order, from zero. Keys lie across the lanes: 16 words at a time of the block's 16 K rows
 // are loaded and transposed (64 shuffles: the price of that order here) and meet every query at once.
-// The first pass over a block (`pump` set) moves the pump along two rows at a time as it loads them.
+// The first pass over a block (`pump` set) moves the pump past this head's rows of the block, a share
+// after each 16 words' loads: a step of the pump inlined among the loads, every second row, ran them
+// slower.
 template <int NC, int GB, class T>
 inline void keys_dots(const Task<T>& t, float* qs, int64_t r0, int64_t h, int64_t j0, int64_t count,
                       float* scores, Pump<T>* pump) {
@@ -153,26 +199,18 @@ inline void keys_dots(const Task<T>& t, float* qs, int64_t r0, int64_t h, int64_
     __m512 rows[16], cols[16];
     if constexpr (std::is_same_v<T, float>) {
 #pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i) {
-        if (pump != nullptr && w0 == 0 && i % 2 == 0) pump->advance(2);
-        rows[i] = _mm512_loadu_ps(kr[i] + w0);
-      }
+      for (int i = 0; i < 16; ++i) rows[i] = _mm512_loadu_ps(kr[i] + w0);
     } else if constexpr (std::is_same_v<T, f16>) {
 #pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i) {
-        if (pump != nullptr && w0 == 0 && i % 2 == 0) pump->advance(2);
-        rows[i] = load16(kr[i] + w0);  // D is 16 NC: whole vectors
-      }
+      for (int i = 0; i < 16; ++i) rows[i] = load16(kr[i] + w0);  // D is 16 NC: whole vectors
     } else {
       // Through a mask: a row of bfloat16 or int8 may end within the 16 words. (Taken for whole words
       // too: with plain loads the bfloat16 kernel ran slower on short contexts.)
       const __mmask16 words = __mmask16(kWords - w0 >= 16 ? 0xFFFF : (1u << (kWords - w0)) - 1);
 #pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i) {
-        if (pump != nullptr && w0 == 0 && i % 2 == 0) pump->advance(2);
-        rows[i] = _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(words, kr[i] + w0 * kPerWord<T>));
-      }
+      for (int i = 0; i < 16; ++i) rows[i] = _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(words, kr[i] + w0 * kPerWord<T>));
     }
+    if (pump != nullptr) pump->advance(std::min(kWords, w0 + 16) * kBlock / kWords - w0 * kBlock / kWords);
     transpose16(rows, cols);
     // Unrolled, so that the columns stay in registers (rolled, the compiler stored them to read back).
 #pragma GCC unroll 16
@@ -715,7 +753,7 @@ void run_task(const Task<T>& t, float* scores) {
 #ifdef CBSERVE_INT_DOTS
   if constexpr (kIntDots<T> && NC > 0) QueryWords(qs + rows * t.D, rows, t.D).fill(qs, rows, t.D);
 #endif
-  Pump<T> pump(t, kPumped<NC>);
+  Pump<T> pump(t, kPumped<NC>, kDotsBlock<NC>);
   for (int64_t j0 = 0; j0 < t.n; j0 += kDotsBlock<NC>) {
     const int64_t count = std::min(kDotsBlock<NC>, t.n - j0);
     block_dots<NC>(t, qs, j0, count, scores, pump);
