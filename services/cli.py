@@ -235,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     from services.bench.roofline import add_roofline_arguments
 
     roofline = benchmarks.add_parser(
-        "roofline", help="decode steps against the machine's memory read rate (the bytes a step must read)"
+        "roofline", help="decode steps against the machine's memory read and multiply rates"
     )
     add_roofline_arguments(roofline)
     roofline.set_defaults(handler=_bench_roofline)

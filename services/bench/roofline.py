@@ -1,12 +1,16 @@
-"""`cbserve bench roofline`: how close the engine's decode steps come to the machine's memory read rate.
+"""`cbserve bench roofline`: how close the engine's decode steps come to what the machine allows.
 
-A decode step of few requests must read every weight its products multiply by and every context's
-K and V once; at the few rows of decode the arithmetic is small beside those reads, so the step can
-take no less than (those bytes) / (the rate this machine reads memory). This benchmark measures that
-rate with a read probe that streams a buffer much larger than the caches on every thread
-(csrc/memory_probe.cpp), then runs decode steps of `N` requests at a fixed context length and reports
-each point's step time, the bytes the step must read, and their ratio to the measured read rate: the
-roofline fraction. The two are measured in the same run, so the fraction holds whatever the machine.
+A decode step must read every weight its products multiply by and every context's K and V once, so it
+can take no less than (those bytes) / (the rate this machine reads memory); and it must do each row's
+multiply-adds, so no less than (those FLOPs) / (the rate this machine multiplies at) either. At a few
+rows the reads bound the step; with more rows on few cores the multiplies can (a 1B model's step of 16
+rows on two cores). The benchmark measures the read rate with a probe that streams a buffer much
+larger than the caches on every thread (csrc/memory_probe.cpp) and the multiply rate with a product
+whose weight stays in cache, in the engine's own weight format and in torch's matmul (the faster
+counts), then runs decode steps of `N` requests at a fixed context length and reports each point's
+step time against both: the read fraction, the multiply fraction, and the roofline fraction (the
+larger bound over the step time). Rates and steps are measured in the same run, so the fractions
+hold whatever the machine.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ if TYPE_CHECKING:
     from services.worker.engine import Engine
 
 PROBE_BYTES = 1 << 30  # far beyond any cache, so that the probe reads memory, not cache
+# The multiply probe's product: a weight of a few MB, which stays in cache while its rows reuse it.
+MULTIPLY_ROWS, MULTIPLY_IN, MULTIPLY_OUT = 256, 2048, 2048
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,8 @@ class RooflinePoint:
     weight_bytes: int
     kv_bytes: int  # K and V the timed steps read, per step on average
     read_rate: float  # bytes/s of the probe
+    flops: int  # the step's multiplies and adds: the weights' products and the attention's dots
+    multiply_rate: float  # FLOP/s of the multiply probe
 
     @property
     def bytes_per_step(self) -> int:
@@ -48,6 +56,17 @@ class RooflinePoint:
     def fraction(self) -> float:
         """The share of the read rate the step reaches: 1.0 means it only reads, at the machine's rate."""
         return self.bytes_per_step / self.step_s / self.read_rate
+
+    @property
+    def multiply_fraction(self) -> float:
+        """The share of the multiply rate the step reaches."""
+        return self.flops / self.step_s / self.multiply_rate
+
+    @property
+    def roofline_fraction(self) -> float:
+        """The larger of the two bounds over the step time: 1.0 means the step takes only what the
+        machine's reads or its multiplies, whichever is slower, allow."""
+        return max(self.fraction, self.multiply_fraction)
 
     @property
     def output_tok_s(self) -> float:
@@ -73,8 +92,46 @@ def measure_read_rate(repeats: int = 7) -> float:
     return PROBE_BYTES / best
 
 
+def measure_multiply_rate(engine: Engine, repeats: int = 7) -> float:
+    """FLOP/s this process multiplies at when the reads do not bound it: a product of MULTIPLY_ROWS rows by
+    a MULTIPLY_OUT x MULTIPLY_IN weight, in the format of the engine's layers (its packed products, where
+    it has them) and in torch's matmul in the weights' dtype, the faster of the two (best of `repeats`)."""
+    import torch
+    from torch import nn
+
+    from services.worker.packed_linear import PackedWeight
+
+    dtype = next(engine.model.parameters()).dtype
+    x = torch.randn(MULTIPLY_ROWS, MULTIPLY_IN)
+    weight = torch.randn(MULTIPLY_OUT, MULTIPLY_IN, dtype=dtype)
+    x_in_dtype = x.to(dtype)
+    products = [lambda: x_in_dtype @ weight.T]
+    packed = engine.runner.packed_weights()
+    if packed:  # the last is a layer's (our forward packs the LM head first, maybe in another format)
+        linear = nn.Linear(MULTIPLY_IN, MULTIPLY_OUT, bias=False, dtype=dtype)
+        linear.weight.data.copy_(weight)
+        layer_product = PackedWeight.of(packed[-1].ops, linear)
+        products.append(lambda: layer_product(x))
+    flops = 2 * MULTIPLY_ROWS * MULTIPLY_IN * MULTIPLY_OUT
+    best = float("inf")
+    with torch.inference_mode():
+        for product in products:
+            product()  # warm: any one-time preparation out of the timing
+            for _ in range(repeats):
+                started = time.perf_counter()
+                product()
+                best = min(best, time.perf_counter() - started)
+    return flops / best
+
+
 def decode_point(
-    engine: Engine, in_flight: int, context: int, steps: int, read_rate: float, seed: int = 0
+    engine: Engine,
+    in_flight: int,
+    context: int,
+    steps: int,
+    read_rate: float,
+    multiply_rate: float,
+    seed: int = 0,
 ) -> RooflinePoint:
     """Time `steps` decode steps of `in_flight` requests of `context` random prompt tokens each."""
     rng = random.Random(seed)
@@ -98,7 +155,11 @@ def decode_point(
     engine.run_until_done()
     # Each request's keys during the timed steps: its prompt, the tokens before, and one more a step.
     mean_keys = context + warmup + generated / in_flight / 2
-    kv_bytes = round(in_flight * mean_keys * engine.geometry.bytes_per_token)
+    geometry = engine.geometry
+    kv_bytes = round(in_flight * mean_keys * geometry.bytes_per_token)
+    # Each query head's dots with every key, and its sum of the V rows by their weights.
+    query_heads = geometry.num_kv_heads * engine.runner.builder.query_group
+    attention = 4 * mean_keys * query_heads * geometry.head_dim * geometry.num_layers
     return RooflinePoint(
         in_flight=in_flight,
         context=context,
@@ -106,6 +167,8 @@ def decode_point(
         weight_bytes=engine.runner.decode_weight_bytes(),
         kv_bytes=kv_bytes,
         read_rate=read_rate,
+        flops=round(in_flight * (2 * engine.runner.decode_multiply_adds() + attention)),
+        multiply_rate=multiply_rate,
     )
 
 
@@ -114,7 +177,8 @@ def _line(p: RooflinePoint) -> str:
         f"{p.in_flight} in flight, {p.context}-token contexts: decode step {p.step_s * 1e3:.2f} ms "
         f"({p.output_tok_s:.1f} tok/s), reads {p.weight_bytes / 1e6:.1f} MB of weights + "
         f"{p.kv_bytes / 1e6:.1f} MB of KV: {p.bytes_per_step / p.step_s / 1e9:.1f} GB/s, "
-        f"{p.fraction:.2f} of the read rate"
+        f"{p.fraction:.2f} of the read rate; {p.flops / 1e9:.2f} GFLOP: {p.multiply_fraction:.2f} of the "
+        f"multiply rate; {p.roofline_fraction:.2f} of the roofline"
     )
 
 
@@ -161,12 +225,27 @@ def run(args: argparse.Namespace) -> int:
     with Engine.from_pretrained(model_path, dtype=getattr(torch, args.dtype), **settings) as engine:
         described = engine.runner.describe()
         print(f"engine: {model_path.name}, {', '.join(f'{k} {v}' for k, v in described.items())}", flush=True)
+        multiply_rate = measure_multiply_rate(engine)
+        print(
+            f"multiply rate: {multiply_rate / 1e9:.0f} GFLOP/s ({MULTIPLY_ROWS} x {MULTIPLY_IN} rows by "
+            f"{MULTIPLY_IN} x {MULTIPLY_OUT}, the faster of the layers' format and torch's, best of 7)",
+            flush=True,
+        )
         for in_flight in args.in_flight:
-            point = decode_point(engine, in_flight, args.context, args.steps, read_rate)
+            point = decode_point(engine, in_flight, args.context, args.steps, read_rate, multiply_rate)
             points.append(point)
             print(_line(point), flush=True)
     if args.json is not None:
-        rows = [asdict(p) | {"fraction": p.fraction, "output_tok_s": p.output_tok_s} for p in points]
+        rows = [
+            asdict(p)
+            | {
+                "fraction": p.fraction,
+                "multiply_fraction": p.multiply_fraction,
+                "roofline_fraction": p.roofline_fraction,
+                "output_tok_s": p.output_tok_s,
+            }
+            for p in points
+        ]
         report = {"model": str(model_path), "dtype": args.dtype, "engine": described, "points": rows}
         args.json.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import structlog
 import torch
@@ -19,7 +20,7 @@ from services.worker.buckets import Shape, round_up
 from services.worker.cuda_graphs import DEFAULT_KV_INTERVAL, Capture, CudaGraphs
 from services.worker.kernels import int8_path
 from services.worker.kernels import paths as kernel_paths
-from services.worker.packed_linear import PackedLinear, pack_linears
+from services.worker.packed_linear import PackedLinear, PackedWeight, pack_linears
 from services.worker.piecewise_graphs import PiecewiseGraphs
 from services.worker.swap_copies import SwapCopies
 
@@ -129,28 +130,39 @@ class ModelRunner:
             **({"int8_path": int8_path()} if self.config.quantization == "int8" else {}),  # weight-only: FMAs
         }
 
+    def packed_weights(self) -> list[PackedWeight]:
+        """The packed products the forward multiplies by (the LM head's first on our forward)."""
+        packed = [m.packed for m in self.model.modules() if isinstance(m, PackedLinear)]
+        return packed + (self.fused.packed_weights() if self.fused is not None else [])
+
+    def _decode_matrices(self) -> list[torch.Tensor]:
+        """Where nothing is packed, the matrices a decode row multiplies by: every one but the input
+        embedding (read one row a token), unless the LM head shares it."""
+        embedding = cast(torch.Tensor, self.model.get_input_embeddings().weight)
+        head = cast(torch.Tensor, self.model.get_output_embeddings().weight)
+        tied = embedding.data_ptr() == head.data_ptr()
+        return [p for p in self.model.parameters() if p.dim() == 2 and (p is not embedding or tied)]
+
     def decode_weight_bytes(self) -> int:
         """Bytes of weights a step of few rows must read: each packed linear's panels (the copy such
-        steps multiply by), else the parameters themselves, and the vectors (norms, biases). The input
-        embedding is read one row a token and counts only where the LM head shares it."""
-        packed = [m.packed for m in self.model.modules() if isinstance(m, PackedLinear)]
-        packed += self.fused.packed_weights() if self.fused is not None else []
-        if packed:
-            vectors = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.dim() == 1)
+        steps multiply by), else the matrices themselves (`_decode_matrices`), and the vectors (norms,
+        biases)."""
+        vectors = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.dim() == 1)
+        if packed := self.packed_weights():
             return sum(w.packed.numel() * w.packed.element_size() for w in packed) + vectors
-        embedding = self.model.get_input_embeddings().weight
-        head = self.model.get_output_embeddings().weight
-        return sum(
-            p.numel() * p.element_size()
-            for p in self.model.parameters()
-            if p is not embedding or embedding.data_ptr() == head.data_ptr()
-        )
+        return sum(p.numel() * p.element_size() for p in self._decode_matrices()) + vectors
+
+    def decode_multiply_adds(self) -> int:
+        """Multiply-adds of one decode row's weight products: every packed product's weights, else every
+        matrix of `_decode_matrices`."""
+        if packed := self.packed_weights():
+            return sum(w.weight.numel() for w in packed)
+        return sum(p.numel() for p in self._decode_matrices())
 
     def weight_bytes(self) -> int:
         """Bytes the weights hold: the model's parameters and every packed or prepared copy, each
         storage once (tied and concatenated weights share theirs)."""
-        packed = [m.packed for m in self.model.modules() if isinstance(m, PackedLinear)]
-        packed += self.fused.packed_weights() if self.fused is not None else []
+        packed = self.packed_weights()
         # meta: weights let go (int8 layers hold only their panels)
         tensors: list[torch.Tensor] = [p for p in self.model.parameters() if p.device.type != "meta"]
         tensors += [t for w in packed for t in (w.packed, w.many_rows) if t is not None]
