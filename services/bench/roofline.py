@@ -102,14 +102,12 @@ def measure_multiply_rate(engine: Engine, repeats: int = 7) -> float:
     from services.worker.packed_linear import PackedWeight
 
     dtype = next(engine.model.parameters()).dtype
+    linear = nn.Linear(MULTIPLY_IN, MULTIPLY_OUT, bias=False, dtype=dtype)
     x = torch.randn(MULTIPLY_ROWS, MULTIPLY_IN)
-    weight = torch.randn(MULTIPLY_OUT, MULTIPLY_IN, dtype=dtype)
-    x_in_dtype = x.to(dtype)
+    x_in_dtype, weight = x.to(dtype), linear.weight.detach()
     products = [lambda: x_in_dtype @ weight.T]
     packed = engine.runner.packed_weights()
     if packed:  # the last is a layer's (our forward packs the LM head first, maybe in another format)
-        linear = nn.Linear(MULTIPLY_IN, MULTIPLY_OUT, bias=False, dtype=dtype)
-        linear.weight.data.copy_(weight)
         layer_product = PackedWeight.of(packed[-1].ops, linear)
         products.append(lambda: layer_product(x))
     flops = 2 * MULTIPLY_ROWS * MULTIPLY_IN * MULTIPLY_OUT

@@ -138,15 +138,17 @@ class Pump {
   }
 
   const Task<T>& t_;
-  const int64_t head_bytes_, stride_, run_;  // bytes of a head's row, from a key's row to the next's; heads a run
-  const int64_t block_[2];                   // keys per block of the K and the V pass
-  int pass_ = 0;                             // 0: K, 1: V
-  int64_t j0_ = 0, h_ = 0;                   // the run's block's first key, its first head
+  const int64_t head_bytes_;                   // bytes of one head's row
+  const int64_t stride_;                       // bytes from one key's rows to the next key's
+  const int64_t run_;                          // heads a run
+  const int64_t block_[2];                     // keys per block of the K and the V pass
+  int pass_ = 0;                               // 0: K, 1: V
+  int64_t j0_ = 0, h_ = 0;                     // the run's block's first key, its first head
   int64_t count_ = 0, heads_ = 0, bytes_ = 0;  // its keys, heads, bytes a key
-  const char* base_ = nullptr;               // its first head in key 0 of the pool
-  const int64_t* slot_ = nullptr;            // its block's slots
+  const char* base_ = nullptr;                 // its first head in key 0 of the pool
+  const int64_t* slot_ = nullptr;              // its block's slots
   bool shared_ = false;
-  int64_t i_ = 0;                            // the run's next key
+  int64_t i_ = 0;                              // the run's next key
   int64_t target_ = kAheadLines * 64, pos_ = 0;  // bytes of the stream: to prefetch up to, prefetched
 };
 
